@@ -1,0 +1,32 @@
+"""fusekit's exceptions. Every error a user can cause is a FusekitError raised before cuDNN runs."""
+
+from __future__ import annotations
+
+
+class FusekitError(Exception):
+    """Base class of every error fusekit raises on purpose."""
+
+
+class PatternError(FusekitError):
+    """A pattern file is malformed (unknown op, undefined operand, missing output, ...)."""
+
+    def __init__(self, source: str, message: str) -> None:
+        super().__init__(f"pattern {source}: {message}")
+        self.source = source
+
+
+class OperandError(FusekitError, ValueError):
+    """An operand (array or attribute) does not fit the pattern; names the operand and what was expected."""
+
+    def __init__(self, pattern: str, operand: str, message: str) -> None:
+        super().__init__(f"{pattern}: operand '{operand}': {message}")
+        self.pattern = pattern
+        self.operand = operand
+
+
+class UnsupportedError(FusekitError):
+    """cuDNN has no engine for a graph (after every fallback fusekit knows)."""
+
+
+class NoGPUError(FusekitError):
+    """The operation needs a CUDA GPU, an array library (CuPy or PyTorch) or cuDNN, and none is usable."""

@@ -1,0 +1,118 @@
+"""The one lowering of patterns: Pattern + operand specs + attributes -> ``cudnn.pygraph``.
+
+Building a graph (validate, heuristics, plan) needs the GPU; lowering does not, so graph structure
+is testable on any machine through ``graph.inspect()``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from .errors import NoGPUError, UnsupportedError
+from .patterns import OPS, Pattern
+from .tensors import TensorSpec
+
+
+def _cudnn():
+    try:
+        import cudnn
+    except Exception as e:  # ImportError, or a broken install failing at import
+        raise NoGPUError(f"the cuDNN frontend (nvidia-cudnn-frontend) cannot be imported: {e}") from None
+    return cudnn
+
+
+def cudnn_dtype(name: str) -> Any:
+    dt = _cudnn().data_type
+    return {"float16": dt.HALF, "bfloat16": dt.BFLOAT16, "float32": dt.FLOAT}[name]
+
+
+COMPUTE_DTYPE = "float32"
+
+# op name -> (graph, {port: tensor}, {attr: value}, node name) -> tensor
+LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]] = {
+    "conv_fprop": lambda g, i, a, n: g.conv_fprop(
+        i["image"], i["weight"], padding=list(a["padding"]), stride=list(a["stride"]), dilation=list(a["dilation"]), name=n
+    ),
+    "bias": lambda g, i, a, n: g.bias(i["input"], i["bias"], name=n),
+    "relu": lambda g, i, a, n: g.relu(i["input"], name=n),
+    "add": lambda g, i, a, n: g.add(i["a"], i["b"], name=n),
+    "mul": lambda g, i, a, n: g.mul(i["a"], i["b"], name=n),
+}
+assert set(LOWER) == set(OPS), "every op needs a lowering"
+
+
+@dataclass
+class Lowered:
+    """A lowered pattern: the graph and the uid of each operand and output, in call order."""
+
+    graph: Any
+    names: tuple[str, ...]  # operands then outputs
+    uids: tuple[int, ...]
+
+
+def lower(
+    pattern: Pattern,
+    specs: Mapping[str, TensorSpec],
+    attrs: Mapping[str, Any],
+    handle: Any = None,
+) -> Lowered:
+    """Lower ``pattern`` for operand and output ``specs`` (output specs included) into a pygraph."""
+    cudnn = _cudnn()
+    io = specs[pattern.operands[0].name].dtype
+    kw = {"handle": handle} if handle is not None else {}
+    g = cudnn.pygraph(
+        io_data_type=cudnn_dtype(io),
+        intermediate_data_type=cudnn_dtype(COMPUTE_DTYPE),
+        compute_data_type=cudnn_dtype(COMPUTE_DTYPE),
+        name=pattern.name,
+        **kw,
+    )
+    env: dict[str, Any] = {}
+    for o in pattern.operands:
+        s = specs[o.name]
+        env[o.name] = g.tensor(name=o.name, dim=list(s.shape), stride=list(s.strides), data_type=cudnn_dtype(s.dtype))
+    for op in pattern.ops:
+        env[op.out] = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, pattern.op_attrs(op, attrs), op.out)
+    for name in pattern.outputs:
+        s = specs[name]
+        t = env[name]
+        t.set_output(True).set_name(name).set_data_type(cudnn_dtype(s.dtype)).set_dim(list(s.shape)).set_stride(list(s.strides))
+    names = pattern.operand_names + tuple(pattern.outputs)
+    return Lowered(g, names, tuple(env[n].uid for n in names))
+
+
+@dataclass
+class Built:
+    graph: Any
+    uids: tuple[int, ...]
+    workspace_size: int
+    engine: str  # the selected plan's name
+    candidates: int  # plans the heuristics offered
+    build_ms: float
+
+
+def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "") -> Built:
+    """Validate, query the heuristics in order, and build the first plan cuDNN supports."""
+    cudnn = _cudnn()
+    g = lowered.graph
+    t0 = time.perf_counter()
+    modes = [getattr(cudnn.heur_mode, h) for h in heuristics]
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans(modes)
+        g.check_support()
+        g.build_plans()
+    except Exception as e:
+        if isinstance(e, (NoGPUError, UnsupportedError)):
+            raise
+        raise UnsupportedError(f"cuDNN cannot run {where or 'this graph'}: {type(e).__name__}: {e}") from e
+    count = g.get_execution_plan_count()
+    index = int(getattr(g, "_plan_index", 0))  # the walk's selection; the frontend has no public getter
+    try:
+        engine = g.get_plan_name_at_index(index)
+    except Exception:  # noqa: BLE001 - the name is informative only
+        engine = f"plan {index}"
+    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3)

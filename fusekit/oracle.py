@@ -1,0 +1,58 @@
+"""The NumPy float64 interpreter of pattern files: the correctness oracle and the CPU backend.
+
+It executes the same Pattern object the cuDNN lowering reads, op by op, in float64, with the same
+shape checks (``Pattern.infer_shapes``) and the same attribute normalization.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .patterns import OPS, Pattern, get_pattern
+
+
+def conv2d_nchw(x: np.ndarray, w: np.ndarray, padding=(0, 0), stride=(1, 1), dilation=(1, 1)) -> np.ndarray:
+    """Cross-correlation of x (N, C, H, W) with w (K, C, R, S), as cuDNN's CROSS_CORRELATION mode."""
+    n, c, h, wd = x.shape
+    k, _, r, s = w.shape
+    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
+    ho = (h + 2 * ph - (r - 1) * dh - 1) // sh + 1
+    wo = (wd + 2 * pw - (s - 1) * dw - 1) // sw + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    out = np.zeros((n, k, ho, wo), dtype=np.result_type(x, w))
+    for i in range(r):
+        for j in range(s):
+            win = xp[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh, j * dw : j * dw + (wo - 1) * sw + 1 : sw]
+            out += np.einsum("nchw,kc->nkhw", win, w[:, :, i, j], optimize=True)
+    return out
+
+
+EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
+    "conv_fprop": lambda i, a: conv2d_nchw(i["image"], i["weight"], a["padding"], a["stride"], a["dilation"]),
+    "bias": lambda i, a: i["input"] + i["bias"],
+    "relu": lambda i, a: np.maximum(i["input"], 0.0),
+    "add": lambda i, a: i["a"] + i["b"],
+    "mul": lambda i, a: i["a"] * i["b"],
+}
+assert set(EVAL) == set(OPS), "every op needs an oracle"
+
+
+def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
+    """Run ``pattern`` in float64 on host arrays (logical NCHW dims); returns its outputs in order.
+
+    Operands may be anything ``np.asarray`` takes (CuPy/torch callers pass ``.get()`` / ``.cpu()``).
+    """
+    pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
+    if len(operands) != len(pat.operands):
+        raise TypeError(f"{pat.name} takes {len(pat.operands)} operands {pat.operand_names}, got {len(operands)}")
+    norm = dict(pat.normalize_attrs(attrs))
+    env: dict[str, np.ndarray] = {}
+    for o, a in zip(pat.operands, operands):
+        arr = np.asarray(a, dtype=np.float64)
+        env[o.name] = arr.reshape(1, -1, 1, 1) if o.kind == "channel" else arr
+    pat.infer_shapes({k: v.shape for k, v in env.items()}, norm)  # the same checks as the GPU path
+    for op in pat.ops:
+        env[op.out] = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, pat.op_attrs(op, norm))
+    return tuple(env[name] for name in pat.outputs)

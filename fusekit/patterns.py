@@ -1,0 +1,357 @@
+"""Pattern files: one TOML file per fused layer, read into a :class:`Pattern`.
+
+A pattern names its operands (kind and role), its attributes with defaults, an op list in cuDNN
+frontend terms, its outputs and what backward needs. Two interpreters read the same object:
+``fusekit.lower`` (a cuDNN graph) and ``fusekit.oracle`` (NumPy float64). Shape inference and the
+shape checks that name a bad operand live here, once, for both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .errors import OperandError, PatternError
+
+Shape = tuple[int, ...]
+
+#: Operand kinds: the logical rank every array of that kind is seen with (cuDNN's NCHW dim order).
+KINDS = {
+    "image": "4-D activation, logical dims (N, C, H, W); NCHW or NHWC (channels-last) memory",
+    "filter": "4-D convolution filter, logical dims (K, C, R, S); KCRS or KRSC memory",
+    "channel": "per-channel vector of length C, given as (C,) or (1, C, 1, 1)",
+}
+ROLES = ("input", "weight", "bias", "param")
+
+
+# ----------------------------------------------------------------------------------------------
+# Op signatures: ports, attributes and shape inference. lower.py and oracle.py implement each op.
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpSig:
+    ports: tuple[str, ...]
+    attrs: tuple[str, ...] = ()
+    infer: Callable[["_Ctx"], Shape] | None = None
+
+
+class _Ctx:
+    """What an op's shape rule sees: its ports' shapes and operand names, and its attributes."""
+
+    def __init__(self, pattern: str, shapes: Mapping[str, Shape], names: Mapping[str, str], attrs: Mapping[str, Any]):
+        self.pattern, self.shapes, self.names, self.attrs = pattern, shapes, names, attrs
+
+    def fail(self, port: str, message: str) -> OperandError:
+        return OperandError(self.pattern, self.names[port], message)
+
+
+def _conv_fprop_shape(c: _Ctx) -> Shape:
+    x, w = c.shapes["image"], c.shapes["weight"]
+    pad, stride, dil = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"]
+    if w[1] != x[1]:
+        raise c.fail("weight", f"expected {x[1]} input channels to match '{c.names['image']}' (shape {x}), got filter shape {w}")
+    out = [x[0], w[0]]
+    for i in range(2):
+        eff = (w[2 + i] - 1) * dil[i] + 1
+        size = (x[2 + i] + 2 * pad[i] - eff) // stride[i] + 1
+        if size < 1:
+            raise c.fail(
+                "image",
+                f"spatial size {x[2:]} with padding {tuple(pad)} is smaller than the dilated filter {tuple(w[2:])}",
+            )
+        out.append(size)
+    return tuple(out)
+
+
+def _same_shape(port: str) -> Callable[[_Ctx], Shape]:
+    return lambda c: c.shapes[port]
+
+
+def _bias_shape(c: _Ctx) -> Shape:
+    x, b = c.shapes["input"], c.shapes["bias"]
+    if b != (1, x[1], 1, 1):
+        raise c.fail("bias", f"expected length {x[1]} (one per output channel), got shape {b[1] if b[0] == 1 else b}")
+    return x
+
+
+def _broadcast_shape(c: _Ctx) -> Shape:
+    a, b = c.shapes["a"], c.shapes["b"]
+    if any(bd not in (1, ad) for ad, bd in zip(a, b)) or len(a) != len(b):
+        raise c.fail("b", f"shape {b} does not broadcast to {a}")
+    return a
+
+
+OPS: dict[str, OpSig] = {
+    "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation"), _conv_fprop_shape),
+    "bias": OpSig(("input", "bias"), (), _bias_shape),
+    "relu": OpSig(("input",), (), _same_shape("input")),
+    "add": OpSig(("a", "b"), (), _broadcast_shape),
+    "mul": OpSig(("a", "b"), (), _broadcast_shape),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The pattern object
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Operand:
+    name: str
+    kind: str
+    role: str
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    name: str
+    default: Any
+    min: float | None = None
+
+    def normalize(self, pattern: str, value: Any) -> Any:
+        """Coerce a user value to the default's form (an int broadcasts to a tuple); check bounds."""
+        d = self.default
+        try:
+            if isinstance(d, tuple):
+                if isinstance(value, (int,)) and not isinstance(value, bool):
+                    out = (int(value),) * len(d)
+                else:
+                    out = tuple(int(v) for v in value)
+                    if any(isinstance(v, bool) or int(v) != v for v in value):
+                        raise TypeError
+                if len(out) != len(d):
+                    raise ValueError
+            elif isinstance(d, bool):
+                out = bool(value)
+            elif isinstance(d, int):
+                if isinstance(value, bool) or int(value) != value:
+                    raise TypeError
+                out = int(value)
+            elif isinstance(d, float):
+                out = float(value)
+            else:
+                out = value
+        except (TypeError, ValueError):
+            form = f"an int or a sequence of {len(d)} ints" if isinstance(d, tuple) else type(d).__name__
+            raise OperandError(pattern, self.name, f"expected {form}, got {value!r}") from None
+        if self.min is not None:
+            vals = out if isinstance(out, tuple) else (out,)
+            if any(v < self.min for v in vals):
+                raise OperandError(pattern, self.name, f"expected values >= {self.min}, got {value!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str
+    inputs: Mapping[str, str]
+    attrs: Mapping[str, Any]  # op attribute -> pattern attribute name (str) or literal value
+    out: str
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    summary: str
+    operands: tuple[Operand, ...]
+    attrs: tuple[AttrSpec, ...]
+    ops: tuple[Op, ...]
+    outputs: Mapping[str, str]  # output name -> operand whose dtype, layout and array type it takes
+    saved: tuple[str, ...] = ()
+    backward: tuple[str, ...] = ()
+    source: str = "<memory>"
+    digest: str = ""
+    text: str = field(default="", repr=False, compare=False)
+
+    @property
+    def operand_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.operands)
+
+    def operand(self, name: str) -> Operand:
+        for o in self.operands:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def normalize_attrs(self, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """Pattern attributes with defaults filled in, in file order, as a hashable tuple."""
+        known = {a.name for a in self.attrs}
+        for k in given:
+            if k not in known:
+                raise OperandError(self.name, k, f"unknown attribute; this pattern takes {sorted(known) or 'none'}")
+        return tuple((a.name, a.normalize(self.name, given.get(a.name, a.default))) for a in self.attrs)
+
+    def infer_shapes(self, shapes: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+        """Shapes of every value (operands, intermediates, outputs); raises OperandError naming the culprit."""
+        env: dict[str, Shape] = dict(shapes)
+        for op in self.ops:
+            sig = OPS[op.op]
+            op_attrs = self.op_attrs(op, attrs)
+            ctx = _Ctx(self.name, {p: env[n] for p, n in op.inputs.items()}, dict(op.inputs), op_attrs)
+            env[op.out] = sig.infer(ctx) if sig.infer else ctx.shapes[sig.ports[0]]
+        return env
+
+    @staticmethod
+    def op_attrs(op: Op, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (attrs[v] if isinstance(v, str) else v) for k, v in op.attrs.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward"}
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
+
+
+def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
+    """Parse and check one pattern file's text."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PatternError(source, f"not valid TOML: {e}") from None
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise PatternError(source, msg)
+
+    unknown = set(doc) - _TOP_KEYS
+    need(not unknown, f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    name = doc.get("name")
+    need(isinstance(name, str) and name.isidentifier(), "'name' must be an identifier string")
+    source = source if source != "<memory>" else name
+
+    operands = []
+    raw_ops = doc.get("operands")
+    need(isinstance(raw_ops, dict) and raw_ops, "'operands' must be a non-empty table")
+    for oname, spec in raw_ops.items():
+        need(isinstance(spec, dict), f"operand '{oname}' must be a table with 'kind' and 'role'")
+        kind, role = spec.get("kind"), spec.get("role", "input")
+        need(kind in KINDS, f"operand '{oname}' has unknown kind {kind!r}; known: {sorted(KINDS)}")
+        need(role in ROLES, f"operand '{oname}' has unknown role {role!r}; known: {list(ROLES)}")
+        operands.append(Operand(oname, kind, role))
+
+    attrs = []
+    for aname, spec in (doc.get("attrs") or {}).items():
+        spec = spec if isinstance(spec, dict) else {"default": spec}
+        need("default" in spec, f"attribute '{aname}' needs a default")
+        attrs.append(AttrSpec(aname, _freeze(spec["default"]), spec.get("min")))
+    attr_names = {a.name for a in attrs}
+
+    defined = {o.name for o in operands}
+    ops = []
+    raw_list = doc.get("ops")
+    need(isinstance(raw_list, list) and raw_list, "'ops' must be a non-empty array of tables ([[ops]])")
+    for i, spec in enumerate(raw_list):
+        opname = spec.get("op")
+        need(opname in OPS, f"ops[{i}]: unknown op {opname!r}; known: {sorted(OPS)}")
+        sig = OPS[opname]
+        inputs = spec.get("in") or {}
+        need(isinstance(inputs, dict), f"ops[{i}] ({opname}): 'in' must be a table port = value")
+        need(set(inputs) == set(sig.ports), f"ops[{i}] ({opname}): ports must be {list(sig.ports)}, got {sorted(inputs)}")
+        for port, value in inputs.items():
+            need(value in defined, f"ops[{i}] ({opname}): port '{port}' reads undefined operand {value!r}")
+        op_attrs = spec.get("attrs") or {}
+        if isinstance(op_attrs, list):
+            op_attrs = {a: a for a in op_attrs}
+        for k, v in op_attrs.items():
+            need(k in sig.attrs, f"ops[{i}] ({opname}): unknown op attribute {k!r}; known: {list(sig.attrs)}")
+            need(not isinstance(v, str) or v in attr_names, f"ops[{i}] ({opname}): attribute {k!r} refers to undeclared pattern attribute {v!r}")
+        missing = set(sig.attrs) - set(op_attrs)
+        need(not missing, f"ops[{i}] ({opname}): attribute(s) {sorted(missing)} not given")
+        out = spec.get("out")
+        need(isinstance(out, str) and out.isidentifier(), f"ops[{i}] ({opname}): 'out' must name the value it produces")
+        need(out not in defined, f"ops[{i}] ({opname}): 'out' {out!r} is already defined")
+        defined.add(out)
+        ops.append(Op(opname, dict(inputs), {k: _freeze(v) for k, v in op_attrs.items()}, out))
+
+    outputs = doc.get("outputs")
+    need(isinstance(outputs, dict) and outputs, "'outputs' must be a non-empty table: name = { like = OPERAND }")
+    produced = {op.out for op in ops}
+    out_map = {}
+    for oname, spec in outputs.items():
+        need(oname in produced, f"output '{oname}' is not produced by any op")
+        like = spec.get("like") if isinstance(spec, dict) else None
+        need(like in raw_ops, f"output '{oname}' needs like = one of the operands {list(raw_ops)}")
+        out_map[oname] = like
+    saved = tuple(doc.get("saved", ()))
+    for s in saved:
+        need(s in defined, f"saved value {s!r} is not an operand or op output")
+    canon = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return Pattern(
+        name=name,
+        summary=str(doc.get("summary", "")),
+        operands=tuple(operands),
+        attrs=tuple(attrs),
+        ops=tuple(ops),
+        outputs=out_map,
+        saved=saved,
+        backward=tuple(doc.get("backward", ())),
+        source=source,
+        digest=hashlib.sha256(canon.encode()).hexdigest()[:16],
+        text=text,
+    )
+
+
+def load_pattern(path: str | os.PathLike[str]) -> Pattern:
+    p = Path(path)
+    pat = parse_pattern(p.read_text(encoding="utf-8"), str(p))
+    if pat.name != p.stem:
+        raise PatternError(str(p), f"name {pat.name!r} must match the file name {p.stem!r}")
+    return pat
+
+
+def pattern_dirs() -> list[Path]:
+    """Where patterns are looked up: $FUSEKIT_PATTERNS (os.pathsep-separated), then the shipped set."""
+    dirs = [Path(d) for d in os.environ.get("FUSEKIT_PATTERNS", "").split(os.pathsep) if d]
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "patterns", Path(sys.prefix) / "share" / "fusekit" / "patterns"):
+        if cand.is_dir():
+            dirs.append(cand)
+            break
+    return dirs
+
+
+_REGISTRY: dict[str, Pattern] = {}
+
+
+def get_pattern(name: str) -> Pattern:
+    """The pattern called ``name`` (loaded once per process)."""
+    pat = _REGISTRY.get(name)
+    if pat is None:
+        for d in pattern_dirs():
+            f = d / f"{name}.toml"
+            if f.is_file():
+                pat = _REGISTRY[name] = load_pattern(f)
+                break
+        else:
+            raise PatternError(name, f"no file {name}.toml in {[str(d) for d in pattern_dirs()]}; known: {list_patterns()}")
+    return pat
+
+
+def list_patterns() -> list[str]:
+    names: set[str] = set()
+    for d in pattern_dirs():
+        names.update(f.stem for f in d.glob("*.toml"))
+    return sorted(names)
+
+
+def register(pattern: Pattern) -> Pattern:
+    """Make an in-memory pattern (from :func:`parse_pattern`) callable by name."""
+    _REGISTRY[pattern.name] = pattern
+    return pattern
+
+
+__all__: Sequence[str] = [
+    "KINDS", "OPS", "OpSig", "Operand", "AttrSpec", "Op", "Pattern",
+    "parse_pattern", "load_pattern", "get_pattern", "list_patterns", "pattern_dirs", "register",
+]

@@ -1,0 +1,102 @@
+"""GPU-side state that is not a plan: cuDNN handles per (device, stream, thread), one growing
+workspace per (device, stream), and the facts about the GPU and libraries a plan key needs."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .tensors import Adapter
+
+
+def cudnn_module() -> Any:
+    from .lower import _cudnn
+
+    return _cudnn()
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    name: str
+    cc: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Versions:
+    cudnn_backend: int
+    frontend: str
+
+
+_versions: Versions | None = None
+
+
+def versions() -> Versions:
+    """cuDNN backend version (as ``cudnnGetVersion``) and the frontend's version; needs libcudnn."""
+    global _versions
+    if _versions is None:
+        cudnn = cudnn_module()
+        _versions = Versions(int(cudnn.backend_version()), str(cudnn.__version__))
+    return _versions
+
+
+class Workspace:
+    """A device buffer that only grows; ``ptr`` is read at every execute."""
+
+    __slots__ = ("adapter", "device", "size", "ptr", "_owner")
+
+    def __init__(self, adapter: Adapter, device: int) -> None:
+        self.adapter, self.device = adapter, device
+        self.size, self.ptr, self._owner = 0, 0, None
+
+    def ensure(self, nbytes: int) -> None:
+        if nbytes > self.size:
+            # The old buffer goes back to its stream-ordered pool; work queued on this stream
+            # that still reads it runs before any reuse on the same stream.
+            self._owner, self.ptr = self.adapter.bytes(nbytes, self.device)
+            self.size = nbytes
+
+
+class Runtime:
+    """Handles and workspaces. Handles are per thread (cuDNN handles are not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._workspaces: dict[tuple, Workspace] = {}
+        self._facts: dict[tuple[str, int], DeviceFacts] = {}
+        self._lock = threading.Lock()
+
+    def handle(self, adapter: Adapter, device: int, stream: int) -> Any:
+        handles = getattr(self._local, "handles", None)
+        if handles is None:
+            handles = self._local.handles = {}
+        h = handles.get((device, stream))
+        if h is None:
+            cudnn = cudnn_module()
+            with adapter.use_device(device):
+                h = cudnn.create_handle()
+                cudnn.set_stream(h, stream)
+            handles[(device, stream)] = h
+        return h
+
+    def workspace(self, adapter: Adapter, device: int, stream: int) -> Workspace:
+        key = (adapter.name, device, stream)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            with self._lock:
+                ws = self._workspaces.setdefault(key, Workspace(adapter, device))
+        return ws
+
+    def device_facts(self, adapter: Adapter, device: int) -> DeviceFacts:
+        key = (adapter.name, device)
+        f = self._facts.get(key)
+        if f is None:
+            name, cc = adapter.device_properties(device)
+            f = self._facts[key] = DeviceFacts(name, cc)
+        return f
+
+    def workspace_bytes(self) -> int:
+        return sum(ws.size for ws in self._workspaces.values())
+
+
+RUNTIME = Runtime()

@@ -1,0 +1,282 @@
+"""Operands: TensorSpec (what makes a plan valid for an array) and the adapters for CuPy, PyTorch
+and any ``__dlpack__`` producer.
+
+Arrays are always seen in cuDNN's logical dim order (N, C, H, W); memory layout comes from the
+strides. A CuPy NHWC buffer of shape (N, H, W, C) is passed as ``fusekit.nhwc(a)``, a zero-copy
+(N, C, H, W) view, exactly as a channels-last torch tensor already is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import NoGPUError, OperandError
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def alignment(ptr: int) -> int:
+    """Largest power of two up to 32 that divides ``ptr`` (as PyTorch's cuDNN plan keys do)."""
+    low = ptr & 31
+    return 32 if low == 0 else low & -low
+
+
+def nchw_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    n, c, h, w = shape
+    return (c * h * w, h * w, w, 1)
+
+
+def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def _matches(strides: tuple[int, ...], canon: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    return all(s == c for s, c, d in zip(strides, canon, shape) if d != 1)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Everything about an operand that a cuDNN plan depends on (the pointer's alignment is kept
+    beside it in the key)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements, canonical for the layout
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    device: int  # CUDA ordinal
+    layout: str  # "NCHW" | "NHWC" (for filters: KCRS | KRSC)
+
+    @staticmethod
+    def build(shape: tuple[int, ...], dtype: str, device: int, layout: str) -> "TensorSpec":
+        strides = nhwc_strides(shape) if layout == "NHWC" else nchw_strides(shape)
+        return TensorSpec(tuple(shape), strides, dtype, device, layout)
+
+
+def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, device: int | None) -> TensorSpec:
+    """Check one operand against its kind and return its canonical spec, or raise OperandError."""
+    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
+    if device is None:
+        raise OperandError(pattern, name, "expected a CUDA device array, got an array in host (CPU) memory")
+    if dtype not in SUPPORTED_DTYPES:
+        raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(SUPPORTED_DTYPES)}")
+    if kind == "channel":
+        if len(shape) == 1:
+            if shape[0] > 1 and strides[0] != 1:
+                raise OperandError(pattern, name, f"expected a contiguous vector, got stride {strides[0]}")
+            shape = (1, shape[0], 1, 1)
+        elif len(shape) == 4 and shape[0] == shape[2] == shape[3] == 1:
+            if shape[1] > 1 and strides[1] != 1:
+                raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")
+        else:
+            raise OperandError(pattern, name, f"expected shape (C,) or (1, C, 1, 1), got {shape}")
+        return TensorSpec.build(shape, dtype, device, "NCHW")
+    if len(shape) != 4:
+        dims = "(K, C, R, S)" if kind == "filter" else "(N, C, H, W)"
+        raise OperandError(pattern, name, f"expected a 4-D {kind} with logical dims {dims}, got rank {len(shape)} shape {shape}")
+    if min(shape) < 1:
+        raise OperandError(pattern, name, f"expected every dim >= 1, got shape {shape}")
+    nchw, nhwc = nchw_strides(shape), nhwc_strides(shape)
+    if _matches(strides, nchw, shape):
+        layout = "NCHW"
+    elif _matches(strides, nhwc, shape):
+        layout = "NHWC"
+    else:
+        raise OperandError(
+            pattern,
+            name,
+            f"strides {strides} are neither dense NCHW {nchw} nor dense NHWC (channels-last) {nhwc}; "
+            "pass a contiguous or channels-last copy",
+        )
+    return TensorSpec.build(shape, dtype, device, layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Array adapters
+# ----------------------------------------------------------------------------------------------
+class Adapter:
+    """How fusekit reads and makes arrays of one library. ``probe`` is on the hot path."""
+
+    name = "?"
+
+    def probe(self, a: Any) -> tuple[tuple, int]:
+        """(hashable signature of everything in the spec, data pointer)."""
+        raise NotImplementedError
+
+    def describe(self, a: Any) -> tuple[tuple, tuple, str, int | None]:
+        """(shape, strides in elements, dtype name, CUDA ordinal or None for host memory)."""
+        raise NotImplementedError
+
+    def empty(self, spec: TensorSpec) -> Any:
+        """Uninitialised array of ``spec`` (logical NCHW dims, layout's memory order)."""
+        raise NotImplementedError
+
+    def stream(self, device: int) -> int:
+        """The library's current stream on ``device`` (a cudaStream_t as int)."""
+        raise NotImplementedError
+
+    def bytes(self, nbytes: int, device: int) -> tuple[Any, int]:
+        """(owner, pointer) of a device buffer of ``nbytes``, on the current stream's pool."""
+        raise NotImplementedError
+
+    def use_device(self, device: int) -> Any:
+        """Context manager making ``device`` current."""
+        raise NotImplementedError
+
+    def device_properties(self, device: int) -> tuple[str, tuple[int, int]]:
+        raise NotImplementedError
+
+
+class CupyAdapter(Adapter):
+    name = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cp = cupy
+        self._names = {cupy.dtype("float16"): "float16", cupy.dtype("float32"): "float32", cupy.dtype("float64"): "float64"}
+        try:
+            self._names[cupy.dtype("bfloat16")] = "bfloat16"
+        except TypeError:  # a CuPy without bfloat16
+            pass
+        self._dtypes = {v: k for k, v in self._names.items()}
+
+    def probe(self, a):
+        ptr = a.data.ptr
+        return (a.shape, a.strides, a.dtype, a.data.device_id, alignment(ptr)), ptr
+
+    def describe(self, a):
+        item = a.dtype.itemsize
+        return a.shape, tuple(s // item for s in a.strides), self._names.get(a.dtype, str(a.dtype)), a.data.device_id
+
+    def empty(self, spec):
+        cp = self.cp
+        dt = self._dtypes.get(spec.dtype)
+        if dt is None:
+            raise OperandError("fusekit", "out", f"this CuPy build has no {spec.dtype}; use torch tensors for it")
+        with cp.cuda.Device(spec.device):
+            if spec.layout == "NHWC":
+                n, c, h, w = spec.shape
+                return cp.empty((n, h, w, c), dtype=dt).transpose(0, 3, 1, 2)
+            return cp.empty(spec.shape, dtype=dt)
+
+    def stream(self, device):
+        return self.cp.cuda.get_current_stream(device).ptr
+
+    def bytes(self, nbytes, device):
+        with self.cp.cuda.Device(device):
+            mem = self.cp.cuda.alloc(max(nbytes, 1))
+        return mem, mem.ptr
+
+    def use_device(self, device):
+        return self.cp.cuda.Device(device)
+
+    def device_properties(self, device):
+        p = self.cp.cuda.runtime.getDeviceProperties(device)
+        name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+        return name, (int(p["major"]), int(p["minor"]))
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self._names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+        self._dtypes = {v: k for k, v in self._names.items()}
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def probe(self, a):
+        ptr = a.data_ptr()
+        return (a.shape, a.stride(), a.dtype, a.device, alignment(ptr)), ptr
+
+    def describe(self, a):
+        dev = a.device
+        return tuple(a.shape), tuple(a.stride()), self._names.get(a.dtype, str(a.dtype).replace("torch.", "")), (
+            dev.index if dev.type == "cuda" else None
+        )
+
+    def empty(self, spec):
+        t = self.torch
+        fmt = t.channels_last if spec.layout == "NHWC" else t.contiguous_format
+        return t.empty(spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}", memory_format=fmt)
+
+    def stream(self, device):
+        if self._raw_stream is not None:
+            return self._raw_stream(device)
+        return self.torch.cuda.current_stream(device).cuda_stream
+
+    def bytes(self, nbytes, device):
+        buf = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device=f"cuda:{device}")
+        return buf, buf.data_ptr()
+
+    def use_device(self, device):
+        return self.torch.cuda.device(device)
+
+    def device_properties(self, device):
+        p = self.torch.cuda.get_device_properties(device)
+        return p.name, (p.major, p.minor)
+
+
+_BY_TYPE: dict[type, Adapter] = {}
+_BY_NAME: dict[str, Adapter] = {}
+
+
+def library(name: str) -> Adapter:
+    """The adapter for 'cupy' or 'torch' (NoGPUError when that library is not installed)."""
+    ad = _BY_NAME.get(name)
+    if ad is None:
+        try:
+            ad = CupyAdapter() if name == "cupy" else TorchAdapter()
+        except ImportError as e:
+            raise NoGPUError(f"{name} is not installed ({e}); install fusekit[cu12], fusekit[cu13] or fusekit[torch]") from None
+        _BY_NAME[name] = ad
+    return ad
+
+
+def adapter_for(a: Any, pattern: str = "fusekit", name: str = "array") -> Adapter:
+    """The adapter that reads ``a``; raises OperandError for anything fusekit cannot take."""
+    ad = _BY_TYPE.get(type(a))
+    if ad is not None:
+        return ad
+    mod = type(a).__module__.split(".")[0]
+    if mod in ("cupy", "torch"):
+        ad = library(mod)
+        _BY_TYPE[type(a)] = ad
+        return ad
+    if mod == "numpy":
+        raise OperandError(pattern, name, "expected a CUDA device array, got a NumPy array in host (CPU) memory")
+    raise OperandError(
+        pattern, name, f"expected a CuPy array, a torch tensor or a __dlpack__ producer, got {type(a).__module__}.{type(a).__name__}"
+    )
+
+
+def as_device_array(a: Any, pattern: str = "fusekit", name: str = "array") -> Any:
+    """``a`` itself if CuPy or torch; a zero-copy CuPy (else torch) view of another ``__dlpack__`` producer."""
+    mod = type(a).__module__.split(".")[0]
+    if mod in ("cupy", "torch", "numpy") or type(a) in _BY_TYPE or not hasattr(a, "__dlpack__"):
+        return a
+    dev = getattr(a, "__dlpack_device__", None)
+    if dev is not None and dev()[0] not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+        raise OperandError(pattern, name, f"expected a CUDA device array, got a __dlpack__ producer on device type {dev()[0]}")
+    errors = []
+    for lib in ("cupy", "torch"):
+        try:
+            mod_ = __import__(lib)
+            return mod_.from_dlpack(a)
+        except ImportError as e:
+            errors.append(str(e))
+        except Exception as e:  # noqa: BLE001 - report what the library said
+            raise OperandError(pattern, name, f"could not import through __dlpack__ ({lib}: {e})") from None
+    raise NoGPUError(f"need CuPy or PyTorch to take a __dlpack__ producer: {errors}")
+
+
+def nhwc(a: Any) -> Any:
+    """View a channels-last buffer of shape (N, H, W, C) as fusekit's logical (N, C, H, W)."""
+    if hasattr(a, "permute"):
+        return a.permute(0, 3, 1, 2)
+    return a.transpose(0, 3, 1, 2)
+
