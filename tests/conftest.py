@@ -1,0 +1,51 @@
+import os
+
+import numpy as np
+import pytest
+
+
+def _gpu_status() -> str | None:
+    """None when a CUDA GPU, PyTorch or CuPy, and libcudnn are usable; else why not."""
+    try:
+        import cudnn
+    except Exception as e:  # noqa: BLE001
+        return f"cuDNN frontend not importable: {e}"
+    count = 0
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        try:
+            import cupy
+
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # noqa: BLE001
+            return f"neither PyTorch nor CuPy sees a CUDA GPU ({type(e).__name__})"
+    if count < 1:
+        return "no CUDA GPU on this machine"
+    try:
+        cudnn.backend_version()
+    except Exception as e:  # noqa: BLE001
+        return f"libcudnn not loadable: {e}"
+    return None
+
+
+GPU_SKIP_REASON = _gpu_status()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_SKIP_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test skipped: {GPU_SKIP_REASON}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("FUSEKIT_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
