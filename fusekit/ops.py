@@ -135,12 +135,15 @@ def _resolve(
     return _Call(plan, handle, ws, tuple(out_specs), adapter0), ptrs
 
 
+#: Bind arrays (True) or raw pointers (False) to ``graph.execute``; benchmarks/bench_conv.py times both.
+BIND_OBJECTS = True
+
+
 def _fast_key(name: str, operands: Sequence[Any], outs: Sequence[Any] | None, attrs: tuple) -> tuple[tuple, list[int]]:
     """(dispatch key, pointers); KeyError when an operand's type has no adapter yet."""
     sigs, ptrs = [], []
     for a in operands:
-        ad = _BY_TYPE[type(a)]
-        sig, ptr = ad.probe(a)
+        sig, ptr = _BY_TYPE[type(a)].probe(a)
         sigs.append(sig)
         ptrs.append(ptr)
     if outs is not None:
@@ -148,16 +151,8 @@ def _fast_key(name: str, operands: Sequence[Any], outs: Sequence[Any] | None, at
             sig, ptr = _BY_TYPE[type(a)].probe(a)
             sigs.append(sig)
             ptrs.append(ptr)
-    ad0 = _BY_TYPE[type(operands[0])]
-    return (name, attrs, tuple(sigs), outs is None, ad0.stream(_device_of(operands[0]))), ptrs
-
-
-def _device_of(a: Any) -> int:
-    d = getattr(a, "device", None)
-    idx = getattr(d, "index", None)  # torch.device
-    if idx is not None:
-        return idx
-    return a.data.device_id if hasattr(a, "data") and hasattr(a.data, "device_id") else 0
+    stream = _BY_TYPE[type(operands[0])].stream(sigs[0][3])
+    return (name, attrs, tuple(sigs), outs is None, stream), ptrs
 
 
 def call(
@@ -175,17 +170,16 @@ def call(
     """
     name = pattern if isinstance(pattern, str) else pattern.name
     outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    akey = tuple(attrs.items())
     try:
-        akey = tuple(attrs.items())
         hash(akey)
     except TypeError:  # lists as attribute values
         akey = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items())
-    cache_ = cache or default_cache()
     try:
         fkey, ptrs = _fast_key(name, operands, outs, akey)
-        c = _FAST.get(fkey) if cache is None else None
-    except (KeyError, AttributeError, IndexError):
-        fkey, c = None, None
+    except Exception:  # an operand no adapter knows yet (or not an array): the checked path below
+        fkey = None
+    c = _FAST.get(fkey) if fkey is not None and cache is None else None
     if c is None:
         pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
         operands = tuple(as_device_array(a, name, o.name) for a, o in zip(operands, pat.operands)) + tuple(operands[len(pat.operands):])
@@ -193,18 +187,28 @@ def call(
             outs = tuple(as_device_array(a, name, f"out[{i}]") for i, a in enumerate(outs))
             if len(outs) != len(pat.outputs):
                 raise OperandError(name, "out", f"expected {len(pat.outputs)} output array(s) {tuple(pat.outputs)}, got {len(outs)}")
+        if fkey is None and cache is None:  # __dlpack__ producers: dispatch on their zero-copy views
+            try:
+                fkey, ptrs = _fast_key(name, operands, outs, akey)
+                c = _FAST.get(fkey)
+            except Exception:
+                c = None
+    if c is None:
+        cache_ = cache or default_cache()
         _watch(cache_)
         c, ptrs = _resolve(pat, operands, outs, attrs, cache_)
         if cache is None:
-            fkey2, _ = _fast_key(name, operands, outs, akey)
+            fkey, _ = _fast_key(name, operands, outs, akey)
             with _FAST_LOCK:
-                _FAST[fkey2] = c
+                _FAST[fkey] = c
     if outs is None:
-        new = tuple(c.out_adapter.empty(s) for s in c.outs)
-        for a in new:
-            ptrs.append(_BY_TYPE[type(a)].probe(a)[1])
-        outs = new
-    c.graph.execute(ptrs, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+        outs = tuple(c.out_adapter.empty(s) for s in c.outs)
+        if not BIND_OBJECTS:
+            ptrs.extend(_BY_TYPE[type(a)].probe(a)[1] for a in outs)
+    if BIND_OBJECTS:
+        c.graph.execute([*operands, *outs], c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    else:
+        c.graph.execute(ptrs, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
     return outs[0] if len(outs) == 1 else outs
 
 

@@ -191,7 +191,7 @@ class TorchAdapter(Adapter):
 
     def probe(self, a):
         ptr = a.data_ptr()
-        return (a.shape, a.stride(), a.dtype, a.device, alignment(ptr)), ptr
+        return (a.shape, a.stride(), a.dtype, a.get_device(), alignment(ptr)), ptr
 
     def describe(self, a):
         dev = a.device
