@@ -101,6 +101,9 @@ class PlanCache:
 
     def put(self, plan: Plan) -> None:
         with self._lock:
+            old = self._plans.get(plan.key)
+            if old is not None and old is not plan:
+                self._evicted(old)
             self._plans[plan.key] = plan
             self._plans.move_to_end(plan.key)
             while len(self._plans) > self.maxsize:

@@ -2,7 +2,7 @@
 
 The first call of a signature checks every operand, builds (or finds) the plan and records a
 ``_Call``; later calls with the same shapes, strides, dtypes, devices, alignments, attributes and
-stream do one dict look-up, bind pointers and execute. This is the one place pointers are bound.
+stream do one dict look-up, bind the arrays and execute (``_dispatch``, the one place that binds).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .cache import Plan, PlanCache, PlanKey, default_cache
 from .errors import OperandError
 from .patterns import Pattern, get_pattern
 from .runtime import RUNTIME, versions
-from .tensors import _BY_TYPE, Adapter, TensorSpec, adapter_for, as_device_array, make_spec
+from .tensors import _SIG, _STREAM, Adapter, TensorSpec, adapter_for, as_device_array, make_spec
 
 
 class _Call:
@@ -53,13 +53,13 @@ def clear_dispatch() -> None:
 
 def _resolve(
     pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: dict[str, Any], cache: PlanCache
-) -> tuple[_Call, list[int]]:
-    """Check every operand, find or build the plan, and return the call plus this call's pointers."""
+) -> _Call:
+    """Check every operand, then find or build the plan (everything a cache miss does)."""
     name = pattern.name
     if len(operands) != len(pattern.operands):
         raise TypeError(f"{name} takes {len(pattern.operands)} array operands {pattern.operand_names}, got {len(operands)}")
     specs: dict[str, TensorSpec] = {}
-    ptrs, aligns = [], []
+    aligns = []
     first: tuple[str, TensorSpec] | None = None
     adapter0: Adapter | None = None
     for o, a in zip(pattern.operands, operands):
@@ -76,9 +76,7 @@ def _resolve(
         else:
             first = (o.name, spec)
         specs[o.name] = spec
-        sig, ptr = ad.probe(a)
-        ptrs.append(ptr)
-        aligns.append(sig[-1])
+        aligns.append(ad.probe(a)[0][-1])
     norm = pattern.normalize_attrs(attrs)
     shapes = pattern.infer_shapes({k: s.shape for k, s in specs.items()}, dict(norm))
     out_specs = []
@@ -96,9 +94,7 @@ def _resolve(
                     f"got shape {got.shape}, dtype {got.dtype} on cuda:{got.device}"
                 )
             want = got
-            sig, ptr = ad.probe(a)
-            ptrs.append(ptr)
-            aligns.append(sig[-1])
+            aligns.append(ad.probe(a)[0][-1])
         else:
             aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
         specs[oname] = want
@@ -132,84 +128,75 @@ def _resolve(
     plan = cache.get_or_build(key, build)
     ws = RUNTIME.workspace(adapter0, device, stream)
     ws.ensure(plan.workspace_size)
-    return _Call(plan, handle, ws, tuple(out_specs), adapter0), ptrs
+    return _Call(plan, handle, ws, tuple(out_specs), adapter0)
 
 
-#: Bind arrays (True) or raw pointers (False) to ``graph.execute``; benchmarks/bench_conv.py times both.
-BIND_OBJECTS = True
+def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any], arrays: Sequence[Any], alloc: bool) -> tuple:
+    """Dispatch key of a call: attributes, each array's (shape, strides, dtype, device, ptr % 32)
+    and the current stream. Raises (KeyError, TypeError, ...) when an array type is not known yet."""
+    k = [pattern, names, values, alloc]
+    for a in arrays:
+        k += _SIG[type(a)](a)
+    k.append(_STREAM[type(operands[0])](k[7]))  # k[7]: the first operand's device
+    return tuple(k)
 
 
-def _fast_key(name: str, operands: Sequence[Any], outs: Sequence[Any] | None, attrs: tuple) -> tuple[tuple, list[int]]:
-    """(dispatch key, pointers); KeyError when an operand's type has no adapter yet."""
-    sigs, ptrs = [], []
-    for a in operands:
-        sig, ptr = _BY_TYPE[type(a)].probe(a)
-        sigs.append(sig)
-        ptrs.append(ptr)
-    if outs is not None:
-        for a in outs:
-            sig, ptr = _BY_TYPE[type(a)].probe(a)
-            sigs.append(sig)
-            ptrs.append(ptr)
-    stream = _BY_TYPE[type(operands[0])].stream(sigs[0][3])
-    return (name, attrs, tuple(sigs), outs is None, stream), ptrs
+def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, out: Any, cache: PlanCache | None) -> Any:
+    """The one place pointers are bound: look the call up, else resolve it; then execute."""
+    name = pattern if isinstance(pattern, str) else pattern.name
+    alloc = out is None
+    outs = () if alloc else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    arrays = operands + outs
+    c = None
+    if cache is None:
+        try:  # _fast_key, inlined: this is the hot path
+            k = [name, names, values, alloc]
+            for a in arrays:
+                k += _SIG[type(a)](a)
+            k.append(_STREAM[type(operands[0])](k[7]))
+            c = _FAST.get(tuple(k))
+        except Exception:  # an array type not seen yet, or not an array: the checked path below
+            c = None
+    if c is None:
+        pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
+        if len(operands) != len(pat.operands):
+            raise TypeError(f"{name} takes {len(pat.operands)} array operands {pat.operand_names}, got {len(operands)}")
+        operands = tuple(as_device_array(a, name, o.name) for a, o in zip(operands, pat.operands))
+        outs = tuple(as_device_array(a, name, f"out[{i}]") for i, a in enumerate(outs))
+        if not alloc and len(outs) != len(pat.outputs):
+            raise OperandError(name, "out", f"expected {len(pat.outputs)} output array(s) {tuple(pat.outputs)}, got {len(outs)}")
+        arrays = operands + outs
+        fkey = None
+        if cache is None:  # __dlpack__ producers dispatch on their zero-copy views
+            try:
+                fkey = _fast_key(name, names, values, operands, arrays, alloc)
+                c = _FAST.get(fkey)
+            except Exception:
+                fkey = None
+        if c is None:
+            cache_ = cache or default_cache()
+            _watch(cache_)
+            c = _resolve(pat, operands, outs if not alloc else None, dict(zip(names, values)), cache_)
+            if fkey is not None:
+                with _FAST_LOCK:
+                    _FAST[fkey] = c
+    if alloc:
+        outs = tuple([c.out_adapter.empty(s) for s in c.outs])
+        arrays = operands + outs
+    c.graph.execute(arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    return outs[0] if len(outs) == 1 else outs
 
 
-def call(
-    pattern: str | Pattern,
-    *operands: Any,
-    out: Any = None,
-    cache: PlanCache | None = None,
-    **attrs: Any,
-) -> Any:
+def call(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCache | None = None, **attrs: Any) -> Any:
     """Run ``pattern`` on ``operands`` with ``attrs``; returns its output (a tuple if several).
 
     ``out`` (an array, or a tuple for several outputs) receives the result instead of a new array.
     New outputs take the array type, dtype, device and layout (NCHW / channels-last) of the operand
-    the pattern names for them. Work is queued on the current CuPy / torch stream.
+    the pattern names for them. Work is queued on the current CuPy / torch stream. ``cache``: a
+    private PlanCache (calls with one skip the dispatch table).
     """
-    name = pattern if isinstance(pattern, str) else pattern.name
-    outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
-    akey = tuple(attrs.items())
-    try:
-        hash(akey)
-    except TypeError:  # lists as attribute values
-        akey = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items())
-    try:
-        fkey, ptrs = _fast_key(name, operands, outs, akey)
-    except Exception:  # an operand no adapter knows yet (or not an array): the checked path below
-        fkey = None
-    c = _FAST.get(fkey) if fkey is not None and cache is None else None
-    if c is None:
-        pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
-        operands = tuple(as_device_array(a, name, o.name) for a, o in zip(operands, pat.operands)) + tuple(operands[len(pat.operands):])
-        if outs is not None:
-            outs = tuple(as_device_array(a, name, f"out[{i}]") for i, a in enumerate(outs))
-            if len(outs) != len(pat.outputs):
-                raise OperandError(name, "out", f"expected {len(pat.outputs)} output array(s) {tuple(pat.outputs)}, got {len(outs)}")
-        if fkey is None and cache is None:  # __dlpack__ producers: dispatch on their zero-copy views
-            try:
-                fkey, ptrs = _fast_key(name, operands, outs, akey)
-                c = _FAST.get(fkey)
-            except Exception:
-                c = None
-    if c is None:
-        cache_ = cache or default_cache()
-        _watch(cache_)
-        c, ptrs = _resolve(pat, operands, outs, attrs, cache_)
-        if cache is None:
-            fkey, _ = _fast_key(name, operands, outs, akey)
-            with _FAST_LOCK:
-                _FAST[fkey] = c
-    if outs is None:
-        outs = tuple(c.out_adapter.empty(s) for s in c.outs)
-        if not BIND_OBJECTS:
-            ptrs.extend(_BY_TYPE[type(a)].probe(a)[1] for a in outs)
-    if BIND_OBJECTS:
-        c.graph.execute([*operands, *outs], c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
-    else:
-        c.graph.execute(ptrs, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
-    return outs[0] if len(outs) == 1 else outs
+    values = tuple(tuple(v) if type(v) is list else v for v in attrs.values())
+    return _dispatch(pattern, tuple(attrs), values, operands, out, cache)
 
 
 def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCache | None = None, **attrs: Any) -> Plan:
@@ -219,19 +206,22 @@ def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: Pla
     operands = tuple(as_device_array(a, pat.name, o.name) for a, o in zip(operands, pat.operands))
     cache_ = cache or default_cache()
     _watch(cache_)
-    return _resolve(pat, operands, outs, attrs, cache_)[0].plan
+    return _resolve(pat, operands, outs, attrs, cache_).plan
+
+
+_CONV_ATTRS = ("padding", "stride", "dilation")
 
 
 def conv_bias_relu(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
     """``relu(conv2d(x, w) + b)`` as one cuDNN graph. x: (N, C, H, W), w: (K, C, R, S), b: (K,)."""
-    return call("conv_bias_relu", x, w, b, out=out, padding=padding, stride=stride, dilation=dilation)
+    return _dispatch("conv_bias_relu", _CONV_ATTRS, (padding, stride, dilation), (x, w, b), out, None)
 
 
 def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
     """``conv2d(x, w) + b`` as one cuDNN graph."""
-    return call("conv_bias", x, w, b, out=out, padding=padding, stride=stride, dilation=dilation)
+    return _dispatch("conv_bias", _CONV_ATTRS, (padding, stride, dilation), (x, w, b), out, None)
 
 
 def conv2d(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
     """``conv2d(x, w)`` (cross-correlation, as in PyTorch) as a cuDNN graph."""
-    return call("conv", x, w, out=out, padding=padding, stride=stride, dilation=dilation)
+    return _dispatch("conv", _CONV_ATTRS, (padding, stride, dilation), (x, w), out, None)

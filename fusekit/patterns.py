@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import sys
 from dataclasses import dataclass, field
@@ -109,6 +110,13 @@ class Operand:
     role: str
 
 
+def _index(v: Any) -> int:
+    """An integer attribute value (ints and NumPy integers; not bools, not floats)."""
+    if isinstance(v, bool):
+        raise TypeError
+    return operator.index(v)
+
+
 @dataclass(frozen=True)
 class AttrSpec:
     name: str
@@ -120,20 +128,15 @@ class AttrSpec:
         d = self.default
         try:
             if isinstance(d, tuple):
-                if isinstance(value, (int,)) and not isinstance(value, bool):
-                    out = (int(value),) * len(d)
-                else:
-                    out = tuple(int(v) for v in value)
-                    if any(isinstance(v, bool) or int(v) != v for v in value):
-                        raise TypeError
+                if isinstance(value, (str, bytes)):
+                    raise TypeError
+                out = (_index(value),) * len(d) if not hasattr(value, "__iter__") else tuple(_index(v) for v in value)
                 if len(out) != len(d):
                     raise ValueError
             elif isinstance(d, bool):
                 out = bool(value)
             elif isinstance(d, int):
-                if isinstance(value, bool) or int(value) != value:
-                    raise TypeError
-                out = int(value)
+                out = _index(value)
             elif isinstance(d, float):
                 out = float(value)
             else:
@@ -236,11 +239,13 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     for oname, spec in raw_ops.items():
         need(isinstance(spec, dict), f"operand '{oname}' must be a table with 'kind' and 'role'")
         kind, role = spec.get("kind"), spec.get("role", "input")
+        need(isinstance(kind, str) and isinstance(role, str), f"operand '{oname}': 'kind' and 'role' must be strings")
         need(kind in KINDS, f"operand '{oname}' has unknown kind {kind!r}; known: {sorted(KINDS)}")
         need(role in ROLES, f"operand '{oname}' has unknown role {role!r}; known: {list(ROLES)}")
         operands.append(Operand(oname, kind, role))
 
     attrs = []
+    need(isinstance(doc.get("attrs", {}), dict), "'attrs' must be a table name = default or name = { default = ..., min = ... }")
     for aname, spec in (doc.get("attrs") or {}).items():
         spec = spec if isinstance(spec, dict) else {"default": spec}
         need("default" in spec, f"attribute '{aname}' needs a default")
@@ -252,17 +257,19 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     raw_list = doc.get("ops")
     need(isinstance(raw_list, list) and raw_list, "'ops' must be a non-empty array of tables ([[ops]])")
     for i, spec in enumerate(raw_list):
+        need(isinstance(spec, dict), f"ops[{i}] must be a table with 'op', 'in' and 'out'")
         opname = spec.get("op")
-        need(opname in OPS, f"ops[{i}]: unknown op {opname!r}; known: {sorted(OPS)}")
+        need(isinstance(opname, str) and opname in OPS, f"ops[{i}]: unknown op {opname!r}; known: {sorted(OPS)}")
         sig = OPS[opname]
         inputs = spec.get("in") or {}
         need(isinstance(inputs, dict), f"ops[{i}] ({opname}): 'in' must be a table port = value")
         need(set(inputs) == set(sig.ports), f"ops[{i}] ({opname}): ports must be {list(sig.ports)}, got {sorted(inputs)}")
         for port, value in inputs.items():
-            need(value in defined, f"ops[{i}] ({opname}): port '{port}' reads undefined operand {value!r}")
+            need(isinstance(value, str) and value in defined, f"ops[{i}] ({opname}): port '{port}' reads undefined operand {value!r}")
         op_attrs = spec.get("attrs") or {}
-        if isinstance(op_attrs, list):
+        if isinstance(op_attrs, list) and all(isinstance(a, str) for a in op_attrs):
             op_attrs = {a: a for a in op_attrs}
+        need(isinstance(op_attrs, dict), f"ops[{i}] ({opname}): 'attrs' must be a list of names or a table op_attr = pattern_attr")
         for k, v in op_attrs.items():
             need(k in sig.attrs, f"ops[{i}] ({opname}): unknown op attribute {k!r}; known: {list(sig.attrs)}")
             need(not isinstance(v, str) or v in attr_names, f"ops[{i}] ({opname}): attribute {k!r} refers to undeclared pattern attribute {v!r}")
@@ -275,18 +282,23 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         ops.append(Op(opname, dict(inputs), {k: _freeze(v) for k, v in op_attrs.items()}, out))
 
     outputs = doc.get("outputs")
-    need(isinstance(outputs, dict) and outputs, "'outputs' must be a non-empty table: name = { like = OPERAND }")
+    need(isinstance(outputs, dict) and bool(outputs), "'outputs' must be a non-empty table: name = { like = OPERAND }")
     produced = {op.out for op in ops}
     out_map = {}
     for oname, spec in outputs.items():
         need(oname in produced, f"output '{oname}' is not produced by any op")
         like = spec.get("like") if isinstance(spec, dict) else None
-        need(like in raw_ops, f"output '{oname}' needs like = one of the operands {list(raw_ops)}")
+        need(isinstance(like, str) and like in raw_ops, f"output '{oname}' needs like = one of the operands {list(raw_ops)}")
         out_map[oname] = like
-    saved = tuple(doc.get("saved", ()))
+    saved = doc.get("saved", [])
+    need(isinstance(saved, list) and all(isinstance(x, str) for x in saved), "'saved' must be a list of value names")
+    saved = tuple(saved)
     for s in saved:
         need(s in defined, f"saved value {s!r} is not an operand or op output")
-    canon = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    backward = doc.get("backward", [])
+    need(isinstance(backward, list) and all(isinstance(x, str) for x in backward), "'backward' must be a list of pattern names")
+    # Order matters (operands and attributes are positional), so the digest keeps file order.
+    canon = json.dumps(doc, separators=(",", ":"))
     return Pattern(
         name=name,
         summary=str(doc.get("summary", "")),
@@ -295,7 +307,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         ops=tuple(ops),
         outputs=out_map,
         saved=saved,
-        backward=tuple(doc.get("backward", ())),
+        backward=tuple(backward),
         source=source,
         digest=hashlib.sha256(canon.encode()).hexdigest()[:16],
         text=text,

@@ -54,29 +54,36 @@ class TensorSpec:
         return TensorSpec(tuple(shape), strides, dtype, device, layout)
 
 
-def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, device: int | None) -> TensorSpec:
-    """Check one operand against its kind and return its canonical spec, or raise OperandError."""
-    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
-    if device is None:
-        raise OperandError(pattern, name, "expected a CUDA device array, got an array in host (CPU) memory")
-    if dtype not in SUPPORTED_DTYPES:
-        raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(SUPPORTED_DTYPES)}")
+def logical_shape(pattern: str, name: str, kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The operand's shape as cuDNN sees it (channel vectors become (1, C, 1, 1)); rank checked."""
+    shape = tuple(int(s) for s in shape)
     if kind == "channel":
         if len(shape) == 1:
-            if shape[0] > 1 and strides[0] != 1:
-                raise OperandError(pattern, name, f"expected a contiguous vector, got stride {strides[0]}")
-            shape = (1, shape[0], 1, 1)
-        elif len(shape) == 4 and shape[0] == shape[2] == shape[3] == 1:
-            if shape[1] > 1 and strides[1] != 1:
-                raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")
-        else:
-            raise OperandError(pattern, name, f"expected shape (C,) or (1, C, 1, 1), got {shape}")
-        return TensorSpec.build(shape, dtype, device, "NCHW")
+            return (1, shape[0], 1, 1)
+        if len(shape) == 4 and shape[0] == shape[2] == shape[3] == 1:
+            return shape
+        raise OperandError(pattern, name, f"expected shape (C,) or (1, C, 1, 1), got {shape}")
     if len(shape) != 4:
         dims = "(K, C, R, S)" if kind == "filter" else "(N, C, H, W)"
         raise OperandError(pattern, name, f"expected a 4-D {kind} with logical dims {dims}, got rank {len(shape)} shape {shape}")
     if min(shape) < 1:
         raise OperandError(pattern, name, f"expected every dim >= 1, got shape {shape}")
+    return shape
+
+
+def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, device: int | None) -> TensorSpec:
+    """Check one operand against its kind and return its canonical spec, or raise OperandError."""
+    strides = tuple(int(s) for s in strides)
+    if device is None:
+        raise OperandError(pattern, name, "expected a CUDA device array, got an array in host (CPU) memory")
+    if dtype not in SUPPORTED_DTYPES:
+        raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(SUPPORTED_DTYPES)}")
+    given = tuple(int(s) for s in shape)
+    shape = logical_shape(pattern, name, kind, given)
+    if kind == "channel":
+        if shape[1] > 1 and strides[0 if len(given) == 1 else 1] != 1:
+            raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")
+        return TensorSpec.build(shape, dtype, device, "NCHW")
     nchw, nhwc = nchw_strides(shape), nhwc_strides(shape)
     if _matches(strides, nchw, shape):
         layout = "NCHW"
@@ -107,6 +114,11 @@ class Adapter:
     def describe(self, a: Any) -> tuple[tuple, tuple, str, int | None]:
         """(shape, strides in elements, dtype name, CUDA ordinal or None for host memory)."""
         raise NotImplementedError
+
+    def sig(self, a: Any) -> tuple:
+        """Dispatch signature, the hot path: (shape, strides, dtype, device, pointer % 32)."""
+        s, ptr = self.probe(a)
+        return (*s[:4], ptr & 31)
 
     def empty(self, spec: TensorSpec) -> Any:
         """Uninitialised array of ``spec`` (logical NCHW dims, layout's memory order)."""
@@ -145,6 +157,10 @@ class CupyAdapter(Adapter):
     def probe(self, a):
         ptr = a.data.ptr
         return (a.shape, a.strides, a.dtype, a.data.device_id, alignment(ptr)), ptr
+
+    @staticmethod
+    def sig(a):
+        return (a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr & 31)
 
     def describe(self, a):
         item = a.dtype.itemsize
@@ -187,11 +203,17 @@ class TorchAdapter(Adapter):
         self.torch = torch
         self._names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
         self._dtypes = {v: k for k, v in self._names.items()}
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:  # the same answer without building a torch.cuda.Stream
+            self.stream = raw  # type: ignore[method-assign]
 
     def probe(self, a):
         ptr = a.data_ptr()
         return (a.shape, a.stride(), a.dtype, a.get_device(), alignment(ptr)), ptr
+
+    @staticmethod
+    def sig(a):
+        return (a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 31)
 
     def describe(self, a):
         dev = a.device
@@ -205,8 +227,6 @@ class TorchAdapter(Adapter):
         return t.empty(spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}", memory_format=fmt)
 
     def stream(self, device):
-        if self._raw_stream is not None:
-            return self._raw_stream(device)
         return self.torch.cuda.current_stream(device).cuda_stream
 
     def bytes(self, nbytes, device):
@@ -223,6 +243,16 @@ class TorchAdapter(Adapter):
 
 _BY_TYPE: dict[type, Adapter] = {}
 _BY_NAME: dict[str, Adapter] = {}
+# The hot path's per-type views of the adapters (filled as array types are first seen).
+_SIG: dict[type, Any] = {}
+_STREAM: dict[type, Any] = {}
+
+
+def _register(t: type, ad: Adapter) -> Adapter:
+    _BY_TYPE[t] = ad
+    _SIG[t] = ad.sig
+    _STREAM[t] = ad.stream
+    return ad
 
 
 def library(name: str) -> Adapter:
@@ -241,12 +271,12 @@ def adapter_for(a: Any, pattern: str = "fusekit", name: str = "array") -> Adapte
     """The adapter that reads ``a``; raises OperandError for anything fusekit cannot take."""
     ad = _BY_TYPE.get(type(a))
     if ad is not None:
+        if type(a) not in _SIG:  # registered directly in _BY_TYPE (tests, plug-ins)
+            _register(type(a), ad)
         return ad
     mod = type(a).__module__.split(".")[0]
     if mod in ("cupy", "torch"):
-        ad = library(mod)
-        _BY_TYPE[type(a)] = ad
-        return ad
+        return _register(type(a), library(mod))
     if mod == "numpy":
         raise OperandError(pattern, name, "expected a CUDA device array, got a NumPy array in host (CPU) memory")
     raise OperandError(

@@ -1,0 +1,202 @@
+"""CPU: lowering patterns to cuDNN frontend graphs, checked through ``graph.inspect()`` (no GPU needed)."""
+
+import numpy as np
+import pytest
+
+import fusekit
+from fusekit import lower as lower_mod
+from fusekit import oracle, patterns
+from fusekit.lower import lower
+from fusekit.patterns import parse_pattern
+from fusekit.tensors import TensorSpec
+
+cudnn = pytest.importorskip("cudnn")
+
+CUDNN_DTYPE = {"float16": "data_type.HALF", "bfloat16": "data_type.BFLOAT16", "float32": "data_type.FLOAT"}
+NP_DTYPE = {"float16": np.float16, "bfloat16": np.float16, "float32": np.float32}  # only for stride arithmetic
+
+# node (type, pointwise mode) per pattern, in graph order
+EXPECTED_NODES = {
+    "conv": [("CONV_FPROP", None)],
+    "conv_bias": [("CONV_FPROP", None), ("POINTWISE", "bias")],
+    "conv_bias_relu": [("CONV_FPROP", None), ("POINTWISE", "bias"), ("POINTWISE", "relu")],
+}
+
+# (N, C, H, W, K, R, S, padding, stride, dilation)
+GEOMS = [
+    (2, 3, 8, 8, 4, 3, 3, (1, 1), (1, 1), (1, 1)),
+    (1, 5, 11, 9, 7, 3, 3, (2, 1), (2, 2), (2, 1)),
+    (3, 16, 7, 7, 32, 1, 1, (0, 0), (1, 1), (1, 1)),
+]
+
+
+def element_strides(shape, layout, dtype):
+    """Strides in elements of a dense array of logical NCHW ``shape`` in ``layout``, via NumPy."""
+    n, c, h, w = shape
+    item = np.dtype(NP_DTYPE[dtype]).itemsize
+    if layout == "NHWC":
+        a = np.empty((n, h, w, c), dtype=NP_DTYPE[dtype]).transpose(0, 3, 1, 2)
+    else:
+        a = np.empty((n, c, h, w), dtype=NP_DTYPE[dtype])
+    assert a.shape == tuple(shape)
+    return [s // item for s in a.strides]
+
+
+def build_case(name, dtype, layout, geom):
+    n, c, h, w, k, r, s, pad, st, dil = geom
+    pat = fusekit.get_pattern(name)
+    attrs = dict(pat.normalize_attrs(dict(padding=pad, stride=st, dilation=dil)))
+    specs = {
+        "x": TensorSpec.build((n, c, h, w), dtype, 0, layout),
+        "w": TensorSpec.build((k, c, r, s), dtype, 0, layout),
+        "b": TensorSpec.build((1, k, 1, 1), dtype, 0, "NCHW"),
+    }
+    specs = {o: specs[o] for o in pat.operand_names}
+    shapes = pat.infer_shapes({o: sp.shape for o, sp in specs.items()}, attrs)
+    for out, like in pat.outputs.items():
+        specs[out] = TensorSpec.build(shapes[out], dtype, 0, specs[like].layout)
+    return pat, specs, attrs, shapes
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=["3x3", "strided_dilated", "1x1"])
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("name", sorted(EXPECTED_NODES))
+def test_lowered_graph_structure(name, dtype, layout, geom):
+    pat, specs, attrs, shapes = build_case(name, dtype, layout, geom)
+    lowered = lower(pat, specs, attrs)
+    info = lowered.graph.inspect()
+    tensors, nodes = info["tensors"], info["nodes"]
+
+    # graph-wide data types
+    assert info["context"]["io_data_type"] == CUDNN_DTYPE[dtype]
+    assert info["context"]["compute_data_type"] == "data_type.FLOAT"
+
+    # nodes: types and modes in order, named after the values they produce, chained
+    got = [(nd["type"], nd.get("params", {}).get("mode") if nd["type"] == "POINTWISE" else None) for nd in nodes]
+    assert got == EXPECTED_NODES[name]
+    assert [nd["name"] for nd in nodes] == [op.out for op in pat.ops]
+    conv = nodes[0]
+    assert conv["inputs"] == {"image": "x", "weight": "w"}
+    assert conv["params"]["padding"] == list(attrs["padding"])
+    assert conv["params"]["stride"] == list(attrs["stride"])
+    assert conv["params"]["dilation"] == list(attrs["dilation"])
+    for prev, nd in zip(nodes, nodes[1:]):
+        assert nd["inputs"]["IN_0"] == next(iter(prev["outputs"].values()))
+    if name != "conv":
+        assert nodes[1]["inputs"]["IN_1"] == "b"
+    assert next(iter(nodes[-1]["outputs"].values())) == "y"
+
+    # names and uids: operands then outputs, distinct, matching the graph's tensors
+    assert lowered.names == pat.operand_names + tuple(pat.outputs)
+    assert len(set(lowered.uids)) == len(lowered.uids)
+    assert list(lowered.uids) == [tensors[nm]["uid"] for nm in lowered.names]
+    all_uids = [t["uid"] for t in tensors.values()]
+    assert len(set(all_uids)) == len(all_uids)
+
+    # operands: the given dims, strides and dtype, not virtual
+    for o in pat.operand_names:
+        t, sp = tensors[o], specs[o]
+        assert t["dim"] == list(sp.shape)
+        assert t["stride"] == list(sp.strides)
+        assert t["dtype"] == CUDNN_DTYPE[dtype]
+        assert t["is_virtual"] is False
+    assert tensors["x"]["stride"] == element_strides(specs["x"].shape, layout, dtype)
+    assert tensors["w"]["stride"] == element_strides(specs["w"].shape, layout, dtype)
+
+    # output: inferred dims, the input's layout, io dtype, not virtual
+    y = tensors["y"]
+    assert tuple(y["dim"]) == shapes["y"]
+    assert y["stride"] == element_strides(shapes["y"], layout, dtype)
+    assert y["dtype"] == CUDNN_DTYPE[dtype]
+    assert y["is_virtual"] is False
+
+    # intermediates: one per op that is not an output, all virtual
+    inter = {nm: t for nm, t in tensors.items() if nm not in lowered.names}
+    assert len(inter) == len(pat.ops) - len(pat.outputs)
+    assert all(t["is_virtual"] is True for t in inter.values())
+    # the frontend's own inference of the conv output agrees with Pattern.infer_shapes
+    if "conv::Y" in inter:
+        assert tuple(inter["conv::Y"]["dim"]) == shapes["conv"]
+
+
+@pytest.mark.parametrize("pad, stride, dil", [((0, 0), (1, 1), (1, 1)), ((3, 1), (2, 3), (1, 2)), ((1, 1), (1, 1), (3, 3))])
+def test_frontend_conv_shape_agrees_with_infer_shapes(pad, stride, dil):
+    """cuDNN frontend infers the virtual conv output itself; it must agree with fusekit's rule."""
+    pat, specs, attrs, shapes = build_case("conv_bias_relu", "float16", "NHWC", (2, 4, 13, 10, 6, 3, 2, pad, stride, dil))
+    info = lower(pat, specs, attrs).graph.inspect()
+    assert tuple(info["tensors"]["conv::Y"]["dim"]) == shapes["conv"]
+    # and with the oracle's actual output
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(specs["x"].shape)
+    w = rng.standard_normal(specs["w"].shape)
+    (y,) = oracle.evaluate("conv", x, w, padding=pad, stride=stride, dilation=dil)
+    assert y.shape == shapes["conv"]
+
+
+def test_default_attrs_lowered():
+    pat, specs, attrs, shapes = build_case("conv", "float32", "NCHW", (1, 2, 5, 5, 3, 3, 3, (0, 0), (1, 1), (1, 1)))
+    attrs = dict(pat.normalize_attrs({}))
+    params = lower(pat, specs, attrs).graph.inspect()["nodes"][0]["params"]
+    assert params == {"padding": [0, 0], "stride": [1, 1], "dilation": [1, 1]}
+    assert shapes["y"] == (1, 3, 3, 3)
+
+
+def test_io_dtype_follows_first_operand():
+    pat, specs, attrs, _ = build_case("conv_bias_relu", "bfloat16", "NHWC", GEOMS[0])
+    info = lower(pat, specs, attrs).graph.inspect()
+    assert info["context"]["io_data_type"] == "data_type.BFLOAT16"
+    assert info["tensors"]["b"]["dtype"] == "data_type.BFLOAT16"
+
+
+def test_user_pattern_with_add_and_mul_lowers():
+    text = """
+name = "scale_shift"
+[operands]
+x = { kind = "image" }
+s = { kind = "channel", role = "param" }
+t = { kind = "channel", role = "param" }
+[[ops]]
+op = "mul"
+in = { a = "x", b = "s" }
+out = "m"
+[[ops]]
+op = "add"
+in = { a = "m", b = "t" }
+out = "y"
+[outputs]
+y = { like = "x" }
+"""
+    pat = parse_pattern(text)
+    specs = {
+        "x": TensorSpec.build((2, 3, 4, 5), "float32", 0, "NHWC"),
+        "s": TensorSpec.build((1, 3, 1, 1), "float32", 0, "NCHW"),
+        "t": TensorSpec.build((1, 3, 1, 1), "float32", 0, "NCHW"),
+        "y": TensorSpec.build((2, 3, 4, 5), "float32", 0, "NHWC"),
+    }
+    lowered = lower(pat, specs, {})
+    info = lowered.graph.inspect()
+    assert [(nd["type"], nd["params"]["mode"]) for nd in info["nodes"]] == [("POINTWISE", "mul"), ("POINTWISE", "add")]
+    assert info["nodes"][0]["inputs"] == {"IN_0": "x", "IN_1": "s"}
+    assert info["nodes"][1]["inputs"]["IN_1"] == "t"
+    assert lowered.names == ("x", "s", "t", "y")
+    assert list(lowered.uids) == [info["tensors"][n]["uid"] for n in lowered.names]
+    assert info["tensors"]["m::OUT_0"]["is_virtual"] is True
+    assert info["tensors"]["y"]["is_virtual"] is False
+    assert info["tensors"]["y"]["stride"] == element_strides((2, 3, 4, 5), "NHWC", "float32")
+
+
+def test_every_op_has_a_lowering_and_an_oracle():
+    assert set(lower_mod.LOWER) == set(patterns.OPS)
+    assert set(oracle.EVAL) == set(patterns.OPS)
+    # and every op a shipped pattern uses is among them
+    used = {op.op for n in fusekit.list_patterns() for op in fusekit.get_pattern(n).ops}
+    assert used <= set(patterns.OPS)
+
+
+def test_cudnn_dtype_mapping():
+    assert lower_mod.cudnn_dtype("float16") == cudnn.data_type.HALF
+    assert lower_mod.cudnn_dtype("bfloat16") == cudnn.data_type.BFLOAT16
+    assert lower_mod.cudnn_dtype("float32") == cudnn.data_type.FLOAT
+    with pytest.raises(KeyError):
+        lower_mod.cudnn_dtype("float64")

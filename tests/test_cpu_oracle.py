@@ -1,0 +1,189 @@
+"""CPU: the NumPy float64 oracle against naive nested-loop convolution."""
+
+import numpy as np
+import pytest
+
+import fusekit
+from fusekit import oracle
+from fusekit.errors import OperandError
+
+
+def naive_conv(x, w, padding, stride, dilation):
+    """Cross-correlation by the definition: plain Python loops, zero padding by bounds checks."""
+    n_, c_, h_, w_ = x.shape
+    k_, c2, r_, s_ = w.shape
+    assert c2 == c_
+    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
+
+    def positions(size, pad, st, dil, taps):
+        # every output position whose dilated window fits inside the padded input
+        out, o = [], 0
+        while o * st + dil * (taps - 1) <= size + 2 * pad - 1:
+            out.append(o)
+            o += 1
+        return out
+
+    rows = positions(h_, ph, sh, dh, r_)
+    cols = positions(w_, pw, sw, dw, s_)
+    y = np.zeros((n_, k_, len(rows), len(cols)))
+    for n in range(n_):
+        for k in range(k_):
+            for oh in rows:
+                for ow in cols:
+                    acc = 0.0
+                    for c in range(c_):
+                        for r in range(r_):
+                            ih = oh * sh - ph + r * dh
+                            if not 0 <= ih < h_:
+                                continue
+                            for s in range(s_):
+                                iw = ow * sw - pw + s * dw
+                                if 0 <= iw < w_:
+                                    acc += float(x[n, c, ih, iw]) * float(w[k, c, r, s])
+                    y[n, k, oh, ow] = acc
+    return y
+
+
+# (N, C, H, W, K, R, S, padding, stride, dilation)
+CASES = [
+    (2, 3, 7, 6, 4, 3, 3, (1, 1), (1, 1), (1, 1)),  # 3x3 same padding
+    (1, 5, 9, 8, 3, 3, 3, (0, 0), (2, 2), (1, 1)),  # stride 2, batch 1, odd channels
+    (2, 3, 10, 9, 2, 3, 3, (2, 2), (1, 1), (2, 2)),  # dilation 2
+    (2, 4, 5, 5, 7, 1, 1, (0, 0), (1, 1), (1, 1)),  # 1x1, odd K
+    (1, 3, 8, 7, 5, 3, 2, (1, 0), (2, 1), (1, 2)),  # asymmetric everything
+    (1, 1, 4, 4, 1, 4, 4, (0, 0), (1, 1), (1, 1)),  # filter as large as the image
+    (3, 2, 6, 6, 3, 3, 3, (1, 1), (2, 2), (2, 2)),  # stride 2 and dilation 2 together
+    (1, 7, 5, 4, 3, 2, 2, (3, 2), (3, 2), (1, 1)),  # padding larger than the filter, stride 3
+]
+IDS = [f"n{c[0]}c{c[1]}h{c[2]}w{c[3]}k{c[4]}r{c[5]}s{c[6]}p{c[7][0]}{c[7][1]}st{c[8][0]}{c[8][1]}d{c[9][0]}{c[9][1]}" for c in CASES]
+
+
+def _inputs(rng, case):
+    n, c, h, w, k, r, s, pad, st, dil = case
+    x = rng.standard_normal((n, c, h, w))
+    wt = rng.standard_normal((k, c, r, s))
+    b = rng.standard_normal(k)
+    return x, wt, b, dict(padding=pad, stride=st, dilation=dil)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_conv2d_nchw_matches_loops(rng, case):
+    x, w, _, a = _inputs(rng, case)
+    got = oracle.conv2d_nchw(x, w, a["padding"], a["stride"], a["dilation"])
+    want = naive_conv(x, w, a["padding"], a["stride"], a["dilation"])
+    assert got.shape == want.shape
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_evaluate_patterns_match_loops(rng, case):
+    x, w, b, a = _inputs(rng, case)
+    conv = naive_conv(x, w, a["padding"], a["stride"], a["dilation"])
+    pre = conv + b[None, :, None, None]
+
+    (y_conv,) = oracle.evaluate("conv", x, w, **a)
+    (y_bias,) = oracle.evaluate("conv_bias", x, w, b, **a)
+    (y_relu,) = oracle.evaluate("conv_bias_relu", x, w, b, **a)
+    np.testing.assert_allclose(y_conv, conv, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(y_bias, pre, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(y_relu, np.maximum(pre, 0.0), rtol=1e-12, atol=1e-12)
+
+    # the output shape is what the pattern's shape inference says
+    pat = fusekit.get_pattern("conv_bias_relu")
+    shapes = pat.infer_shapes({"x": x.shape, "w": w.shape, "b": (1, len(b), 1, 1)}, dict(pat.normalize_attrs(a)))
+    assert y_relu.shape == shapes["y"] == conv.shape
+
+
+def test_relu_clamps_and_passes(rng):
+    x = rng.standard_normal((2, 4, 9, 9))
+    w = rng.standard_normal((6, 4, 3, 3))
+    b = rng.standard_normal(6)
+    (pre,) = oracle.evaluate("conv_bias", x, w, b, padding=1)
+    (y,) = oracle.evaluate("conv_bias_relu", x, w, b, padding=1)
+    assert (pre < 0).any() and (pre > 0).any(), "random data should give both signs"
+    assert (y >= 0).all()
+    np.testing.assert_array_equal(y, np.maximum(pre, 0.0))
+    np.testing.assert_array_equal(y[pre > 0], pre[pre > 0])
+    assert (y[pre <= 0] == 0).all()
+
+
+def test_bias_shapes_agree(rng):
+    x = rng.standard_normal((2, 3, 6, 6))
+    w = rng.standard_normal((5, 3, 3, 3))
+    b = rng.standard_normal(5)
+    (y_vec,) = oracle.evaluate("conv_bias_relu", x, w, b, padding=1)
+    (y_4d,) = oracle.evaluate("conv_bias_relu", x, w, b.reshape(1, 5, 1, 1), padding=1)
+    (y_list,) = oracle.evaluate("conv_bias_relu", x, w, list(b), padding=1)
+    np.testing.assert_array_equal(y_vec, y_4d)
+    np.testing.assert_array_equal(y_vec, y_list)
+    # and the bias really is per output channel
+    (y0,) = oracle.evaluate("conv_bias", x, w, np.zeros(5), padding=1)
+    (y1,) = oracle.evaluate("conv_bias", x, w, b, padding=1)
+    np.testing.assert_allclose(y1 - y0, np.broadcast_to(b[None, :, None, None], y0.shape), rtol=1e-12, atol=1e-12)
+
+
+def test_evaluate_accepts_pattern_object_and_int_attrs(rng):
+    x = rng.standard_normal((1, 2, 7, 7))
+    w = rng.standard_normal((3, 2, 3, 3))
+    pat = fusekit.get_pattern("conv")
+    (a,) = oracle.evaluate(pat, x, w, padding=1, stride=2)
+    (b,) = oracle.evaluate("conv", x, w, padding=(1, 1), stride=[2, 2])
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, naive_conv(x, w, (1, 1), (2, 2), (1, 1)), rtol=1e-12, atol=1e-12)
+
+
+def test_evaluate_upcasts_low_precision_inputs(rng):
+    x = rng.standard_normal((1, 3, 5, 5)).astype(np.float16)
+    w = rng.standard_normal((2, 3, 3, 3)).astype(np.float16)
+    (y,) = oracle.evaluate("conv", x, w)
+    assert y.dtype == np.float64
+    np.testing.assert_allclose(y, naive_conv(x.astype(np.float64), w.astype(np.float64), (0, 0), (1, 1), (1, 1)), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# shape checks: the error names the operand at fault
+# ----------------------------------------------------------------------------------------------
+def test_channel_mismatch_names_w(rng):
+    x = rng.standard_normal((2, 8, 9, 9))
+    w = rng.standard_normal((16, 4, 3, 3))
+    b = rng.standard_normal(16)
+    with pytest.raises(OperandError, match=r"conv_bias_relu: operand 'w': expected 8 input channels") as ei:
+        oracle.evaluate("conv_bias_relu", x, w, b, padding=1)
+    assert ei.value.operand == "w"
+
+
+def test_bias_length_names_b(rng):
+    x = rng.standard_normal((2, 8, 9, 9))
+    w = rng.standard_normal((16, 8, 3, 3))
+    for bad in (rng.standard_normal(15), rng.standard_normal((1, 17, 1, 1))):
+        with pytest.raises(OperandError, match=r"operand 'b': expected length 16") as ei:
+            oracle.evaluate("conv_bias", x, w, bad)
+        assert ei.value.operand == "b"
+
+
+@pytest.mark.parametrize(
+    "xshape, wshape, attrs",
+    [
+        ((1, 2, 2, 2), (3, 2, 3, 3), {}),  # image smaller than the filter
+        ((1, 2, 5, 5), (3, 2, 3, 3), {"dilation": 3}),  # dilated filter spans 7
+        ((1, 2, 6, 2), (3, 2, 3, 3), {"padding": (1, 0)}),  # too narrow in W only
+    ],
+)
+def test_too_small_image_names_x(rng, xshape, wshape, attrs):
+    x = rng.standard_normal(xshape)
+    w = rng.standard_normal(wshape)
+    with pytest.raises(OperandError, match=r"operand 'x': spatial size .* smaller than the dilated filter") as ei:
+        oracle.evaluate("conv", x, w, **attrs)
+    assert ei.value.operand == "x"
+
+
+def test_operand_count_and_attrs_checked(rng):
+    x = rng.standard_normal((1, 2, 5, 5))
+    w = rng.standard_normal((3, 2, 3, 3))
+    with pytest.raises(TypeError, match=r"conv_bias_relu takes 3 operands"):
+        oracle.evaluate("conv_bias_relu", x, w)
+    with pytest.raises(OperandError, match=r"'groups': unknown attribute"):
+        oracle.evaluate("conv", x, w, groups=2)
+    with pytest.raises(OperandError, match=r"'stride': expected values >= 1"):
+        oracle.evaluate("conv", x, w, stride=0)
