@@ -4,7 +4,8 @@
     y = fusekit.conv_bias_relu(x, w, b, padding=1)   # x, w, b: CuPy arrays or torch CUDA tensors
 """
 
-from .cache import Plan, PlanCache, PlanKey, default_cache
+from .autotune import TuneOptions, TuneResult, autotune, autotune_shapes
+from .cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
 from .errors import FusekitError, NoGPUError, OperandError, PatternError, UnsupportedError
 from .ops import call, conv2d, conv_bias, conv_bias_relu, plan_for
 from .patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
@@ -13,7 +14,8 @@ from .tensors import TensorSpec, nhwc
 __version__ = "0.1.0"
 
 __all__ = [
-    "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec",
+    "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
+    "autotune", "autotune_shapes", "configure",
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
     "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache",
     "get_pattern", "list_patterns", "load_pattern", "parse_pattern", "nhwc",

@@ -1,16 +1,39 @@
-"""Plan keys and the plan cache (an in-memory LRU of built plans)."""
+"""Plan keys and the plan cache: an in-memory LRU in front of an on-disk store of built plans.
+
+A miss goes memory -> disk -> build. The disk store keeps one file per key: a JSON header line
+(the full key, the chosen plan, candidate timings, versions, the blob's length and SHA-256)
+followed by the serialized cuDNN graph. Files are written to a temporary name and renamed, so a
+reader never sees half an entry; a per-key file lock makes concurrent processes build a key once.
+An entry that fails its checks is moved aside with a warning and rebuilt, never trusted.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import io
+import json
 import os
+import tarfile
+import tempfile
 import threading
+import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .errors import FusekitError
 from .tensors import TensorSpec
 
 DEFAULT_HEURISTICS: tuple[str, ...] = ("A", "FALLBACK")
+MODES = ("heuristic", "autotune")
+ENTRY_FORMAT = "fusekit-plan/1"
+
+
+class CacheWarning(UserWarning):
+    """A plan-cache entry was ignored (corrupt, foreign versions or GPU) and rebuilt."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +50,23 @@ class PlanKey:
     cc: tuple[int, int]
     cudnn_backend: int
     frontend: str
-    heuristics: tuple[str, ...] = DEFAULT_HEURISTICS
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "PlanKey":
+        def tup(v: Any) -> Any:
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+        specs = tuple((n, TensorSpec(**{k: tup(v) for k, v in sd.items()})) for n, sd in d["specs"])
+        fields = {k: tup(v) for k, v in d.items() if k != "specs"}
+        return PlanKey(specs=specs, **fields)
+
+    def fingerprint(self) -> str:
+        """Stable hash of the whole key (the store's file name)."""
+        canon = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:40]
 
     def describe(self) -> str:
         shapes = ", ".join(f"{n}={s.dtype}{list(s.shape)}:{s.layout}" for n, s in self.specs)
@@ -46,7 +85,25 @@ class Plan:
     engine: str
     candidates: int
     build_ms: float
+    source: str = "built"  # "built" (heuristics) | "tuned" | "disk"
+    engine_id: int | None = None
+    knobs: dict[str, int] = field(default_factory=dict)
+    tuning: list[dict] | None = field(default=None, repr=False)  # per-candidate timings and verdicts
     evicted: bool = field(default=False, repr=False)
+
+    def meta(self) -> dict:
+        """What the disk store records about the plan (beside the serialized graph)."""
+        return {
+            "engine": self.engine,
+            "engine_id": self.engine_id,
+            "knobs": self.knobs,
+            "uids": list(self.uids),
+            "workspace_size": self.workspace_size,
+            "candidates": self.candidates,
+            "build_ms": self.build_ms,
+            "source": "tuned" if self.source == "tuned" or self.tuning else self.source,
+            "tuning": self.tuning,
+        }
 
 
 @dataclass
@@ -55,16 +112,233 @@ class CacheStats:
     misses: int = 0
     builds: int = 0
     evictions: int = 0
+    disk_hits: int = 0
+    disk_writes: int = 0
+    rejected: int = 0  # disk entries moved aside
+
+
+def default_cache_dir() -> Path:
+    """$FUSEKIT_CACHE_DIR, else the user cache directory (platformdirs) / fusekit."""
+    env = os.environ.get("FUSEKIT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fusekit", appauthor=False))
+
+
+@dataclass
+class Entry:
+    """One stored plan: its header (JSON) and the serialized graph."""
+
+    path: Path
+    header: dict
+    blob: bytes
+
+    @property
+    def key(self) -> PlanKey:
+        return PlanKey.from_json(self.header["key"])
+
+
+class EntryError(FusekitError):
+    """A store entry failed a check (format, checksum, key)."""
+
+
+def _encode(key: PlanKey, meta: dict, blob: bytes) -> bytes:
+    header = {
+        "format": ENTRY_FORMAT,
+        "key": key.to_json(),
+        "key_digest": key.fingerprint(),
+        "plan": meta,
+        "blob_len": len(blob),
+        "blob_sha256": hashlib.sha256(blob).hexdigest(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    from . import __version__
+
+    header["fusekit"] = __version__
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n" + blob
+
+
+def _decode(data: bytes, path: Path) -> Entry:
+    nl = data.find(b"\n")
+    if nl < 0:
+        raise EntryError(f"{path.name}: no header line")
+    try:
+        header = json.loads(data[:nl])
+    except ValueError as e:
+        raise EntryError(f"{path.name}: header is not JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != ENTRY_FORMAT:
+        raise EntryError(f"{path.name}: unknown format {header.get('format') if isinstance(header, dict) else header!r}")
+    blob = data[nl + 1 :]
+    if len(blob) != header.get("blob_len") or hashlib.sha256(blob).hexdigest() != header.get("blob_sha256"):
+        raise EntryError(f"{path.name}: checksum mismatch (truncated or corrupted)")
+    try:
+        key = PlanKey.from_json(header["key"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise EntryError(f"{path.name}: unreadable key ({e})") from None
+    if key.fingerprint() != header.get("key_digest") or path.stem != header.get("key_digest"):
+        raise EntryError(f"{path.name}: key does not match the file it is stored in")
+    return Entry(path, header, blob)
+
+
+class DiskStore:
+    """Directory of plan entries: ``<root>/plans/<digest[:2]>/<digest>.plan``."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root).expanduser() if root is not None else default_cache_dir()
+
+    @property
+    def plans_dir(self) -> Path:
+        return self.root / "plans"
+
+    def path(self, key: PlanKey) -> Path:
+        d = key.fingerprint()
+        return self.plans_dir / d[:2] / f"{d}.plan"
+
+    def lock(self, key: PlanKey) -> Any:
+        """Inter-process lock for one key (held while it is built and written)."""
+        from filelock import FileLock
+
+        locks = self.root / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(locks / f"{key.fingerprint()}.lock"))
+
+    def read(self, key: PlanKey) -> Entry | None:
+        """The valid entry for ``key``, None if absent; a bad entry is moved aside with a warning."""
+        p = self.path(key)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            entry = _decode(data, p)
+            if entry.header["key"] != key.to_json():
+                raise EntryError(f"{p.name}: stored for another key")
+        except EntryError as e:
+            self.quarantine(p, str(e))
+            return None
+        return entry
+
+    def write(self, key: PlanKey, meta: dict, blob: bytes) -> Path:
+        """Atomically write (temporary file + rename) the entry for ``key``."""
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        data = _encode(key, meta, blob)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.stem[:8]}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return p
+
+    def quarantine(self, path: Path, why: str) -> None:
+        """Move a bad entry aside (``*.bad``) and warn; it will be rebuilt."""
+        warnings.warn(f"fusekit plan cache: ignoring {path} ({why}); moved aside and rebuilding", CacheWarning, stacklevel=3)
+        try:
+            os.replace(path, path.with_name(f"{path.name}.{int(time.time() * 1e3)}.bad"))
+        except FileNotFoundError:
+            pass
+
+    def entries(self) -> Iterator[Path]:
+        if self.plans_dir.is_dir():
+            yield from sorted(self.plans_dir.glob("*/*.plan"))
+
+    def load(self, path: Path) -> Entry:
+        """Read and check one entry file (raises EntryError)."""
+        return _decode(path.read_bytes(), path)
+
+    def verify(self, fix: bool = False) -> list[tuple[Path, str]]:
+        """[(path, problem)] for every entry that fails its checks; ``fix`` moves those aside."""
+        bad = []
+        for p in self.entries():
+            try:
+                self.load(p)
+            except EntryError as e:
+                bad.append((p, str(e)))
+                if fix:
+                    os.replace(p, p.with_name(f"{p.name}.{int(time.time() * 1e3)}.bad"))
+        return bad
+
+    def remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def clear(self) -> int:
+        """Delete every entry (and moved-aside files); returns how many entries were removed."""
+        n = 0
+        if self.plans_dir.is_dir():
+            for p in list(self.plans_dir.glob("*/*")):
+                if p.suffix == ".plan":
+                    n += 1
+                p.unlink(missing_ok=True)
+        return n
+
+    def export(self, dest: str | os.PathLike[str]) -> int:
+        """Write every valid entry into one tar.gz file; returns the count."""
+        n = 0
+        dest = Path(dest)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            for p in self.entries():
+                try:
+                    self.load(p)
+                except EntryError:
+                    continue
+                tar.add(p, arcname=f"plans/{p.parent.name}/{p.name}")
+                n += 1
+        os.replace(tmp, dest)
+        return n
+
+    def import_(self, src: str | os.PathLike[str]) -> tuple[int, list[str]]:
+        """Add the entries of an exported file; returns (imported, [problems]). Bad entries are skipped."""
+        n, problems = 0, []
+        with tarfile.open(src, "r:gz") as tar:
+            for m in tar.getmembers():
+                if not m.isfile() or not m.name.endswith(".plan"):
+                    continue
+                name = Path(m.name).name
+                f = tar.extractfile(m)
+                data = f.read() if f is not None else b""
+                try:
+                    entry = _decode(data, Path(name))
+                except EntryError as e:
+                    problems.append(str(e))
+                    continue
+                self.write(entry.key, entry.header["plan"], entry.blob)
+                n += 1
+        return n, problems
 
 
 class PlanCache:
-    """LRU of plans keyed by :class:`PlanKey`. ``maxsize`` defaults to $FUSEKIT_CACHE_SIZE or 512."""
+    """LRU of plans keyed by :class:`PlanKey`, optionally backed by a :class:`DiskStore`.
 
-    def __init__(self, maxsize: int | None = None, heuristics: tuple[str, ...] = DEFAULT_HEURISTICS) -> None:
+    ``maxsize``: $FUSEKIT_CACHE_SIZE or 512. ``mode``: "heuristic" (first plan the heuristics
+    offer) or "autotune" (time every candidate on first use of a key); $FUSEKIT_MODE.
+    """
+
+    def __init__(
+        self,
+        maxsize: int | None = None,
+        heuristics: tuple[str, ...] = DEFAULT_HEURISTICS,
+        store: DiskStore | None = None,
+        mode: str | None = None,
+    ) -> None:
         self.maxsize = int(maxsize if maxsize is not None else os.environ.get("FUSEKIT_CACHE_SIZE", 512))
         if self.maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {self.maxsize}")
+        self.mode = mode or os.environ.get("FUSEKIT_MODE", "heuristic")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.heuristics = tuple(heuristics)
+        self.store = store
         self.stats = CacheStats()
         self._plans: OrderedDict[PlanKey, Plan] = OrderedDict()
         self._lock = threading.RLock()
@@ -87,17 +361,53 @@ class PlanCache:
                 self._plans.move_to_end(key)
             return plan
 
-    def get_or_build(self, key: PlanKey, build: Callable[[], Plan]) -> Plan:
+    def get_or_build(self, key: PlanKey, build: Callable[[], Plan], load: Callable[[Entry], Plan] | None = None) -> Plan:
+        """The plan for ``key``: from memory, else from the disk store (through ``load``), else
+        ``build()`` (then written to the store)."""
         with self._lock:
             plan = self.get(key)
             if plan is not None:
                 self.stats.hits += 1
                 return plan
             self.stats.misses += 1
-            plan = build()
-            self.stats.builds += 1
+            if self.store is None or load is None:
+                plan = build()
+                self.stats.builds += 1
+            else:
+                with self.store.lock(key):
+                    plan = self._from_store(key, load)
+                    if plan is None:
+                        plan = build()
+                        self.stats.builds += 1
+                        self.save(plan)
             self.put(plan)
             return plan
+
+    def _from_store(self, key: PlanKey, load: Callable[[Entry], Plan]) -> Plan | None:
+        assert self.store is not None
+        entry = self.store.read(key)
+        if entry is None:
+            return None
+        try:
+            plan = load(entry)
+        except Exception as e:  # noqa: BLE001 - a blob the library will not load is rebuilt, not trusted
+            self.stats.rejected += 1
+            self.store.quarantine(entry.path, f"cuDNN could not load it: {type(e).__name__}: {e}")
+            return None
+        self.stats.disk_hits += 1
+        return plan
+
+    def save(self, plan: Plan) -> None:
+        """Write ``plan`` to the disk store (if any); a plan cuDNN cannot serialize stays in memory."""
+        if self.store is None:
+            return
+        try:
+            blob = plan.graph.serialize(as_bytes=True)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"fusekit: plan for {plan.key.describe()} cannot be serialized ({e}); kept in memory only", CacheWarning, stacklevel=2)
+            return
+        self.store.write(plan.key, plan.meta(), bytes(blob))
+        self.stats.disk_writes += 1
 
     def put(self, plan: Plan) -> None:
         with self._lock:
@@ -132,7 +442,21 @@ _default: PlanCache | None = None
 
 
 def default_cache() -> PlanCache:
+    """The process-wide cache: on-disk store unless $FUSEKIT_CACHE_DIR is "off"/"none"."""
     global _default
     if _default is None:
-        _default = PlanCache()
+        off = os.environ.get("FUSEKIT_CACHE_DIR", "").lower() in ("off", "none", "0")
+        _default = PlanCache(store=None if off else DiskStore())
+    return _default
+
+
+def configure(
+    *, cache_dir: str | os.PathLike[str] | None = None, disk: bool = True, mode: str | None = None, maxsize: int | None = None
+) -> PlanCache:
+    """Replace the process-wide cache (e.g. ``configure(mode="autotune", cache_dir=...)``)."""
+    global _default
+    old = _default
+    _default = PlanCache(maxsize=maxsize, store=DiskStore(cache_dir) if disk else None, mode=mode)
+    if old is not None:
+        old.clear()  # dispatch tables drop its plans
     return _default

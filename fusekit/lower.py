@@ -91,6 +91,8 @@ class Built:
     engine: str  # the selected plan's name
     candidates: int  # plans the heuristics offered
     build_ms: float
+    engine_id: int | None = None
+    knobs: dict | None = None
 
 
 def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "") -> Built:
@@ -115,4 +117,18 @@ def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where
         engine = g.get_plan_name_at_index(index)
     except Exception:  # noqa: BLE001 - the name is informative only
         engine = f"plan {index}"
-    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3)
+    engine_id, knobs = None, {}
+    try:
+        eid, kn = g.get_engine_and_knobs_at_index(index)
+        engine_id, knobs = int(eid), {getattr(k, "name", str(k)): int(v) for k, v in (kn or {}).items()}
+    except Exception:  # noqa: BLE001 - replay information is optional
+        pass
+    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3, engine_id, knobs)
+
+
+def deserialize(blob: bytes, handle: Any) -> Any:
+    """A graph from ``serialize(as_bytes=True)`` bytes, ready to execute (no heuristics, no build)."""
+    cudnn = _cudnn()
+    g = cudnn.pygraph(handle=handle)
+    g.deserialize(handle, blob)
+    return g

@@ -8,7 +8,8 @@ stream do one dict look-up, bind the arrays and execute (``_dispatch``, the one 
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+import time
+from typing import Any, Mapping, Sequence
 
 from . import lower as _lower
 from .cache import Plan, PlanCache, PlanKey, default_cache
@@ -51,10 +52,10 @@ def clear_dispatch() -> None:
         _FAST.clear()
 
 
-def _resolve(
-    pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: dict[str, Any], cache: PlanCache
-) -> _Call:
-    """Check every operand, then find or build the plan (everything a cache miss does)."""
+def _check(
+    pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: Mapping[str, Any]
+) -> tuple[dict[str, TensorSpec], tuple, list[int], Adapter]:
+    """Check every operand (and given output) against the pattern: (specs, attrs, alignments, adapter)."""
     name = pattern.name
     if len(operands) != len(pattern.operands):
         raise TypeError(f"{name} takes {len(pattern.operands)} array operands {pattern.operand_names}, got {len(operands)}")
@@ -78,11 +79,8 @@ def _resolve(
         specs[o.name] = spec
         aligns.append(ad.probe(a)[0][-1])
     norm = pattern.normalize_attrs(attrs)
-    shapes = pattern.infer_shapes({k: s.shape for k, s in specs.items()}, dict(norm))
-    out_specs = []
-    for i, (oname, like) in enumerate(pattern.outputs.items()):
-        ls = specs[like]
-        want = TensorSpec.build(shapes[oname], ls.dtype, ls.device, ls.layout if pattern.operand(like).kind == "image" else "NCHW")
+    wanted = output_specs(pattern, specs, norm)
+    for i, (oname, want) in enumerate(wanted.items()):
         if outs_given is not None:
             a = outs_given[i]
             ad = adapter_for(a, name, oname)
@@ -98,13 +96,26 @@ def _resolve(
         else:
             aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
         specs[oname] = want
-        out_specs.append(want)
-    assert adapter0 is not None and first is not None
-    device = first[1].device
-    facts = RUNTIME.device_facts(adapter0, device)
+    assert adapter0 is not None
+    return specs, norm, aligns, adapter0
+
+
+def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple) -> dict[str, TensorSpec]:
+    """Specs of the outputs fusekit allocates: shape inferred; dtype, device and layout of their 'like' operand."""
+    shapes = pattern.infer_shapes({k: specs[k].shape for k in pattern.operand_names}, dict(norm))
+    out = {}
+    for oname, like in pattern.outputs.items():
+        ls = specs[like]
+        out[oname] = TensorSpec.build(shapes[oname], ls.dtype, ls.device, ls.layout if pattern.operand(like).kind == "image" else "NCHW")
+    return out
+
+
+def make_key(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple, aligns: Sequence[int], adapter: Adapter) -> PlanKey:
+    device = specs[pattern.operand_names[0]].device
+    facts = RUNTIME.device_facts(adapter, device)
     v = versions()
-    key = PlanKey(
-        pattern=name,
+    return PlanKey(
+        pattern=pattern.name,
         digest=pattern.digest,
         specs=tuple((n, specs[n]) for n in pattern.operand_names + tuple(pattern.outputs)),
         alignments=tuple(aligns),
@@ -114,21 +125,53 @@ def _resolve(
         cc=facts.cc,
         cudnn_backend=v.cudnn_backend,
         frontend=v.frontend,
-        heuristics=cache.heuristics,
     )
-    stream = adapter0.stream(device)
-    handle = RUNTIME.handle(adapter0, device, stream)
+
+
+def _planner(pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cache: PlanCache, tune_options: Any = None):
+    """(build, load) callables for ``cache.get_or_build``: heuristics or autotuning, and deserialization."""
+    specs = dict(key.specs)
+    attrs = dict(key.attrs)
+    device = specs[pattern.operand_names[0]].device
 
     def build() -> Plan:
-        with adapter0.use_device(device):
-            lowered = _lower.lower(pattern, specs, dict(norm), handle=handle)
-            b = _lower.build(lowered, key.heuristics, where=key.describe())
-        return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms)
+        with adapter.use_device(device):
+            if cache.mode == "autotune" or tune_options is not None:
+                from .autotune import tune
 
-    plan = cache.get_or_build(key, build)
-    ws = RUNTIME.workspace(adapter0, device, stream)
+                plan, _ = tune(pattern, specs, attrs, key, adapter, handle, tune_options)
+                return plan
+            lowered = _lower.lower(pattern, specs, attrs, handle=handle)
+            b = _lower.build(lowered, cache.heuristics, where=key.describe())
+        return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
+
+    def load(entry: Any) -> Plan:
+        meta = entry.header["plan"]
+        with adapter.use_device(device):
+            t0 = time.perf_counter()
+            g = _lower.deserialize(entry.blob, handle)
+            ms = (time.perf_counter() - t0) * 1e3
+        return Plan(
+            key, g, tuple(meta["uids"]), int(meta["workspace_size"]), meta["engine"], int(meta.get("candidates", 0)), ms,
+            source="disk", engine_id=meta.get("engine_id"), knobs=meta.get("knobs") or {}, tuning=meta.get("tuning"),
+        )
+
+    return build, load
+
+
+def _resolve(
+    pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: Mapping[str, Any], cache: PlanCache
+) -> _Call:
+    """Check every operand, then find or build the plan (everything a cache miss does)."""
+    specs, norm, aligns, adapter = _check(pattern, operands, outs_given, attrs)
+    key = make_key(pattern, specs, norm, aligns, adapter)
+    device = specs[pattern.operand_names[0]].device
+    stream = adapter.stream(device)
+    handle = RUNTIME.handle(adapter, device, stream)
+    plan = cache.get_or_build(key, *_planner(pattern, key, adapter, handle, cache))
+    ws = RUNTIME.workspace(adapter, device, stream)
     ws.ensure(plan.workspace_size)
-    return _Call(plan, handle, ws, tuple(out_specs), adapter0)
+    return _Call(plan, handle, ws, tuple(specs[n] for n in pattern.outputs), adapter)
 
 
 def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any], arrays: Sequence[Any], alloc: bool) -> tuple:

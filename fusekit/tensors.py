@@ -139,6 +139,18 @@ class Adapter:
     def device_properties(self, device: int) -> tuple[str, tuple[int, int]]:
         raise NotImplementedError
 
+    def randn(self, spec: TensorSpec) -> Any:
+        """Fresh standard-normal data of ``spec`` (rounded to its dtype), for tuning and tests."""
+        raise NotImplementedError
+
+    def to_numpy(self, a: Any) -> Any:
+        """Host float64 copy of ``a`` (synchronizes)."""
+        raise NotImplementedError
+
+    def time_ms(self, fn: Any) -> float:
+        """Device time of the work ``fn()`` queues on the current stream, by CUDA events."""
+        raise NotImplementedError
+
 
 class CupyAdapter(Adapter):
     name = "cupy"
@@ -193,6 +205,29 @@ class CupyAdapter(Adapter):
         name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
         return name, (int(p["major"]), int(p["minor"]))
 
+    def randn(self, spec):
+        cp = self.cp
+        with cp.cuda.Device(spec.device):
+            if spec.layout == "NHWC":
+                n, c, h, w = spec.shape
+                a = cp.random.standard_normal((n, h, w, c), dtype=cp.float32).astype(self._dtypes[spec.dtype])
+                return a.transpose(0, 3, 1, 2)
+            return cp.random.standard_normal(spec.shape, dtype=cp.float32).astype(self._dtypes[spec.dtype])
+
+    def to_numpy(self, a):
+        import numpy as np
+
+        return self.cp.asnumpy(a).astype(np.float64)
+
+    def time_ms(self, fn):
+        cp = self.cp
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(cp.cuda.get_elapsed_time(start, end))
+
 
 class TorchAdapter(Adapter):
     name = "torch"
@@ -239,6 +274,24 @@ class TorchAdapter(Adapter):
     def device_properties(self, device):
         p = self.torch.cuda.get_device_properties(device)
         return p.name, (p.major, p.minor)
+
+    def randn(self, spec):
+        t = self.torch
+        fmt = t.channels_last if spec.layout == "NHWC" else t.contiguous_format
+        x = t.randn(spec.shape, dtype=t.float32, device=f"cuda:{spec.device}")
+        return x.to(self._dtypes[spec.dtype]).contiguous(memory_format=fmt)
+
+    def to_numpy(self, a):
+        return a.detach().double().cpu().numpy()
+
+    def time_ms(self, fn):
+        cuda = self.torch.cuda
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
 
 
 _BY_TYPE: dict[type, Adapter] = {}

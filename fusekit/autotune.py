@@ -1,0 +1,293 @@
+"""Autotuning: build every candidate plan of a key, check and time each on the GPU, keep the fastest.
+
+Candidates come from heuristics A, B and FALLBACK built with policy ALL (optionally without
+non-deterministic plans or plans over a workspace limit). Each is run on ``rotate`` sets of fresh
+random inputs; its output on the first set must match the heuristics' first plan within the
+dtype's tolerance, or it is rejected. Timing: CUDA events around ``repeats`` rounds over the input
+sets after ``warmup`` runs, median per call. A time budget and a candidate cap bound the work.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import lower as _lower
+from .cache import Plan, PlanKey
+from .errors import UnsupportedError
+from .patterns import Pattern
+from .tensors import Adapter, TensorSpec
+
+#: Normwise relative difference allowed between two plans' outputs (both rounded to the dtype).
+TOLERANCE = {"float16": 4e-3, "bfloat16": 2e-2, "float32": 4e-3}
+
+
+@dataclass
+class Candidate:
+    index: int
+    name: str
+    engine_id: int | None = None
+    knobs: dict[str, int] = field(default_factory=dict)
+    workspace: int = -1
+    time_us: float = math.inf
+    times_us: list[float] = field(default_factory=list)
+    error: float | None = None  # relative difference to the heuristic plan's output
+    verdict: str = "pending"  # "ok" | "rejected: ..." | "skipped: ..." | "failed: ..."
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["time_us"] = None if math.isinf(self.time_us) else self.time_us
+        return d
+
+
+@dataclass
+class TuneOptions:
+    budget_s: float = 2.0  # wall-clock budget per key
+    max_candidates: int = 64
+    workspace_limit: int | None = None  # bytes; plans needing more are skipped
+    deterministic: bool = False  # drop plans cuDNN marks NONDETERMINISTIC
+    warmup: int = 2
+    repeats: int = 5
+    rotate: int = 3  # input sets cycled through while timing
+    heuristics: tuple[str, ...] = ("A", "B", "FALLBACK")
+    #: Test hook: ``corrupt(index, outputs)`` may alter candidate ``index``'s outputs before they are checked.
+    corrupt: Callable[[int, list], None] | None = None
+    #: Progress: ``progress(done, total, candidate)`` after each candidate.
+    progress: Callable[[int, int, Candidate], None] | None = None
+
+
+@dataclass
+class TuneResult:
+    key: PlanKey
+    candidates: list[Candidate]
+    best: int  # index into the plan list
+    heuristic_us: float  # the heuristics' first plan
+    best_us: float
+    seconds: float
+
+    @property
+    def speedup(self) -> float:
+        return self.heuristic_us / self.best_us if self.best_us > 0 else float("nan")
+
+
+def _knobs(raw: Mapping[Any, Any]) -> dict[str, int]:
+    return {getattr(k, "name", str(k)): int(v) for k, v in (raw or {}).items()}
+
+
+def tune(
+    pattern: Pattern,
+    specs: Mapping[str, TensorSpec],
+    attrs: Mapping[str, Any],
+    key: PlanKey,
+    adapter: Adapter,
+    handle: Any,
+    options: TuneOptions | None = None,
+) -> tuple[Plan, TuneResult]:
+    """Tune one key; returns the plan (its graph has the best candidate selected) and the record."""
+    opt = options or TuneOptions()
+    cudnn = _lower._cudnn()
+    t_start = time.perf_counter()
+    lowered = _lower.lower(pattern, specs, attrs, handle=handle)
+    g = lowered.graph
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([getattr(cudnn.heur_mode, h) for h in opt.heuristics])
+        if opt.deterministic:
+            g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+        if opt.workspace_limit is not None:
+            g.deselect_workspace_greater_than(int(opt.workspace_limit))
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.ALL)
+    except Exception as e:
+        raise UnsupportedError(f"cuDNN cannot run {key.describe()}: {type(e).__name__}: {e}") from e
+    count = g.get_execution_plan_count()
+    names = list(pattern.operand_names) + list(pattern.outputs)
+    operands = [[adapter.randn(specs[n]) for n in pattern.operand_names] for _ in range(max(1, opt.rotate))]
+    outputs = [[adapter.empty(specs[n]) for n in pattern.outputs] for _ in operands]
+    sets = [ops_ + outs for ops_, outs in zip(operands, outputs)]
+    assert len(sets[0]) == len(names)
+
+    cands: list[Candidate] = []
+    for i in range(count):
+        c = Candidate(i, _safe(lambda: g.get_plan_name_at_index(i), f"plan {i}"))
+        try:
+            eid, kn = g.get_engine_and_knobs_at_index(i)
+            c.engine_id, c.knobs = int(eid), _knobs(kn)
+        except Exception:  # noqa: BLE001 - replay info is optional
+            pass
+        try:
+            c.workspace = int(g.get_workspace_size_plan_at_index(i))
+        except Exception as e:  # noqa: BLE001 - not built (declined by the backend)
+            c.verdict = f"failed: not built ({type(e).__name__})"
+        cands.append(c)
+    runnable = [c for c in cands if c.verdict == "pending"]
+    if opt.workspace_limit is not None:
+        for c in runnable:
+            if c.workspace > opt.workspace_limit:
+                c.verdict = f"skipped: workspace {c.workspace} > {opt.workspace_limit}"
+    runnable = [c for c in runnable if c.verdict == "pending"]
+    for c in runnable[opt.max_candidates :]:
+        c.verdict = f"skipped: over the cap of {opt.max_candidates} candidates"
+    runnable = runnable[: opt.max_candidates]
+    if not runnable:
+        raise UnsupportedError(f"no candidate plan could be built for {key.describe()}")
+    ws_owner, ws_ptr = adapter.bytes(max(c.workspace for c in runnable), specs[names[0]].device)
+
+    def run(index: int, s: int) -> None:
+        g.execute_plan_at_index(sets[s], ws_ptr, index, handle, tensor_uids=lowered.uids)
+
+    reference = None
+    done = 0
+    for c in runnable:
+        if time.perf_counter() - t_start > opt.budget_s and reference is not None:
+            c.verdict = f"skipped: time budget {opt.budget_s:g} s spent"
+            continue
+        try:
+            for o in outputs[0]:
+                o[...] = float("nan")  # poison: every element must be written
+            run(c.index, 0)
+            if opt.corrupt is not None:
+                opt.corrupt(c.index, outputs[0])
+            got = [adapter.to_numpy(o) for o in outputs[0]]
+            if not all(np.isfinite(x).all() for x in got):
+                c.verdict = "rejected: non-finite output"
+            elif reference is None:
+                reference, c.error = got, 0.0
+            else:
+                c.error = max(
+                    float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)) for a, r in zip(got, reference)
+                )
+                tol = TOLERANCE[specs[names[0]].dtype]
+                if c.error > tol:
+                    c.verdict = f"rejected: differs from the heuristic plan by {c.error:.2e} (> {tol:.0e})"
+            if c.verdict == "pending":
+                for _ in range(opt.warmup):
+                    for s in range(len(sets)):
+                        run(c.index, s)
+
+                def rounds() -> None:
+                    for s in range(len(sets)):
+                        run(c.index, s)
+
+                c.times_us = [adapter.time_ms(rounds) * 1e3 / len(sets) for _ in range(opt.repeats)]
+                c.time_us = statistics.median(c.times_us)
+                c.verdict = "ok"
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to run is reported, not fatal
+            c.verdict = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        done += 1
+        if opt.progress is not None:
+            opt.progress(done, len(runnable), c)
+    ok = [c for c in cands if c.verdict == "ok"]
+    if not ok:
+        raise UnsupportedError(f"no candidate plan ran correctly for {key.describe()}: {[c.verdict for c in cands][:5]}")
+    best = min(ok, key=lambda c: c.time_us)
+    first = next((c for c in cands if c.verdict == "ok"), best)
+    g.build_plan_at_index(best.index)  # selects it for execute() and serialize()
+    del ws_owner
+    seconds = time.perf_counter() - t_start
+    result = TuneResult(key, cands, best.index, first.time_us, best.time_us, seconds)
+    plan = Plan(
+        key,
+        g,
+        lowered.uids,
+        best.workspace,
+        best.name,
+        count,
+        seconds * 1e3,
+        source="tuned",
+        engine_id=best.engine_id,
+        knobs=best.knobs,
+        tuning=[c.to_json() for c in cands],
+    )
+    return plan, result
+
+
+def _safe(fn: Callable[[], Any], default: Any) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001
+        return default
+
+
+def autotune(
+    pattern: str | Pattern,
+    *operands: Any,
+    out: Any = None,
+    options: TuneOptions | None = None,
+    cache: Any = None,
+    **attrs: Any,
+) -> TuneResult:
+    """Tune the key of ``pattern`` on these operands now (ahead of time) and keep the result in
+    the plan cache, in memory and on disk; later calls with the same key run the tuned plan."""
+    from . import ops
+    from .cache import default_cache
+    from .patterns import get_pattern
+
+    pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
+    outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    specs, norm, aligns, adapter = ops._check(pat, operands, outs, attrs)
+    return _tune_key(pat, specs, norm, aligns, adapter, options, cache or default_cache())
+
+
+def autotune_shapes(
+    pattern: str | Pattern,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    dtype: str = "float16",
+    layout: str = "NHWC",
+    device: int = 0,
+    library: str | None = None,
+    options: TuneOptions | None = None,
+    cache: Any = None,
+    **attrs: Any,
+) -> TuneResult:
+    """Tune ``pattern`` for operand shapes alone (no arrays needed): the CLI's and spec files' entry."""
+    from . import ops
+    from .cache import default_cache
+    from .patterns import get_pattern
+    from .tensors import library as _library
+    from .tensors import logical_shape
+
+    pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
+    missing = [n for n in pat.operand_names if n not in shapes]
+    if missing:
+        from .errors import OperandError
+
+        raise OperandError(pat.name, missing[0], f"needs a shape (operands: {pat.operand_names})")
+    specs = {}
+    for o in pat.operands:
+        shp = logical_shape(pat.name, o.name, o.kind, tuple(shapes[o.name]))
+        specs[o.name] = TensorSpec.build(shp, dtype, device, layout if o.kind != "channel" else "NCHW")
+    norm = pat.normalize_attrs(attrs)
+    specs.update(ops.output_specs(pat, specs, norm))
+    adapter = _library(library) if library else _default_library()
+    return _tune_key(pat, specs, norm, [32] * len(specs), adapter, options, cache or default_cache())
+
+
+def _default_library() -> Adapter:
+    from .tensors import library
+
+    try:
+        return library("torch")
+    except Exception:  # noqa: BLE001
+        return library("cupy")
+
+
+def _tune_key(pat, specs, norm, aligns, adapter, options, cache) -> TuneResult:
+    from . import ops
+    from .runtime import RUNTIME
+
+    key = ops.make_key(pat, specs, norm, aligns, adapter)
+    device = specs[pat.operand_names[0]].device
+    handle = RUNTIME.handle(adapter, device, adapter.stream(device))
+    with adapter.use_device(device):
+        plan, result = tune(pat, specs, dict(norm), key, adapter, handle, options)
+    cache.put(plan)
+    cache.save(plan)
+    return result
