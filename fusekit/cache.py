@@ -52,7 +52,10 @@ class PlanKey:
     frontend: str
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for _, spec in d["specs"]:
+            spec.pop("view", None)  # the user's view of an array does not change the plan
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "PlanKey":
@@ -213,7 +216,7 @@ class DiskStore:
             return None
         try:
             entry = _decode(data, p)
-            if entry.header["key"] != key.to_json():
+            if entry.key != key:  # header["key"] came from JSON (lists); compare as PlanKeys
                 raise EntryError(f"{p.name}: stored for another key")
         except EntryError as e:
             self.quarantine(p, str(e))

@@ -16,7 +16,7 @@ from .cache import Plan, PlanCache, PlanKey, default_cache
 from .errors import OperandError
 from .patterns import Pattern, get_pattern
 from .runtime import RUNTIME, versions
-from .tensors import _SIG, _STREAM, Adapter, TensorSpec, adapter_for, as_device_array, make_spec
+from .tensors import _SIG, _STREAM, Adapter, TensorSpec, adapter_for, as_device_array, make_spec, view_shape
 
 
 class _Call:
@@ -85,7 +85,7 @@ def _check(
             a = outs_given[i]
             ad = adapter_for(a, name, oname)
             shape, strides, dtype, device = ad.describe(a)
-            got = make_spec(name, oname, "image", shape, strides, dtype, device)
+            got = make_spec(name, oname, pattern.output_kinds[oname], shape, strides, dtype, device)
             if (got.shape, got.dtype, got.device) != (want.shape, want.dtype, want.device):
                 raise OperandError(
                     name, oname, f"expected out of shape {want.shape}, dtype {want.dtype} on cuda:{want.device}, "
@@ -105,8 +105,13 @@ def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple)
     shapes = pattern.infer_shapes({k: specs[k].shape for k in pattern.operand_names}, dict(norm))
     out = {}
     for oname, like in pattern.outputs.items():
-        ls = specs[like]
-        out[oname] = TensorSpec.build(shapes[oname], ls.dtype, ls.device, ls.layout if pattern.operand(like).kind == "image" else "NCHW")
+        ls, kind = specs[like], pattern.output_kinds[oname]
+        shape = shapes[oname]
+        if kind in ("image", "filter"):
+            layout = ls.layout if ls.layout in ("NCHW", "NHWC") and pattern.operand(like).kind in ("image", "filter") else "NCHW"
+        else:
+            layout = "NCHW" if kind == "channel" else "ROW"
+        out[oname] = TensorSpec.build(shape, ls.dtype, ls.device, layout, view=view_shape(kind, shape))
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .patterns import OPS, Pattern, get_pattern
-from .tensors import logical_shape
+from .tensors import logical_shape, view_shape
 
 
 def conv2d_nchw(x: np.ndarray, w: np.ndarray, padding=(0, 0), stride=(1, 1), dilation=(1, 1)) -> np.ndarray:
@@ -52,8 +52,9 @@ def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.n
     env: dict[str, np.ndarray] = {}
     for o, a in zip(pat.operands, operands):
         arr = np.asarray(a, dtype=np.float64)
-        env[o.name] = arr.reshape(logical_shape(pat.name, o.name, o.kind, arr.shape))
+        shape = logical_shape(pat.name, o.name, o.kind, arr.shape)
+        env[o.name] = arr.T.reshape(shape) if o.kind == "matrix_t" else arr.reshape(shape)
     pat.infer_shapes({k: v.shape for k, v in env.items()}, norm)  # the same checks as the GPU path
     for op in pat.ops:
         env[op.out] = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, pat.op_attrs(op, norm))
-    return tuple(env[name] for name in pat.outputs)
+    return tuple(env[name].reshape(view_shape(pat.output_kinds[name], env[name].shape)) for name in pat.outputs)

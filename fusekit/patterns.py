@@ -31,6 +31,9 @@ KINDS = {
     "image": "4-D activation, logical dims (N, C, H, W); NCHW or NHWC (channels-last) memory",
     "filter": "4-D convolution filter, logical dims (K, C, R, S); KCRS or KRSC memory",
     "channel": "per-channel vector of length C, given as (C,) or (1, C, 1, 1)",
+    "matrix": "2-D row-major matrix (M, N), seen by cuDNN as (1, M, N)",
+    "matrix_t": "2-D row-major matrix (M, N) used transposed, seen by cuDNN as (1, N, M)",
+    "row": "vector of length N broadcast over the rows of a matrix, seen by cuDNN as (1, 1, N)",
 }
 ROLES = ("input", "weight", "bias", "param")
 
@@ -167,6 +170,7 @@ class Pattern:
     attrs: tuple[AttrSpec, ...]
     ops: tuple[Op, ...]
     outputs: Mapping[str, str]  # output name -> operand whose dtype, layout and array type it takes
+    output_kinds: Mapping[str, str] = field(default_factory=dict)  # output name -> kind (shape users see)
     saved: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
     source: str = "<memory>"
@@ -284,12 +288,15 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     outputs = doc.get("outputs")
     need(isinstance(outputs, dict) and bool(outputs), "'outputs' must be a non-empty table: name = { like = OPERAND }")
     produced = {op.out for op in ops}
-    out_map = {}
+    out_map, out_kinds = {}, {}
     for oname, spec in outputs.items():
         need(oname in produced, f"output '{oname}' is not produced by any op")
         like = spec.get("like") if isinstance(spec, dict) else None
         need(isinstance(like, str) and like in raw_ops, f"output '{oname}' needs like = one of the operands {list(raw_ops)}")
         out_map[oname] = like
+        kind = spec.get("kind", {"matrix_t": "matrix"}.get(raw_ops[like]["kind"], raw_ops[like]["kind"]))
+        need(kind in KINDS and kind != "matrix_t", f"output '{oname}' has unknown kind {kind!r}")
+        out_kinds[oname] = kind
     saved = doc.get("saved", [])
     need(isinstance(saved, list) and all(isinstance(x, str) for x in saved), "'saved' must be a list of value names")
     saved = tuple(saved)
@@ -306,6 +313,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         attrs=tuple(attrs),
         ops=tuple(ops),
         outputs=out_map,
+        output_kinds=out_kinds,
         saved=saved,
         backward=tuple(backward),
         source=source,

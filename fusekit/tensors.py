@@ -8,7 +8,7 @@ strides. A CuPy NHWC buffer of shape (N, H, W, C) is passed as ``fusekit.nhwc(a)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import NoGPUError, OperandError
@@ -33,6 +33,23 @@ def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (h * w * c, 1, w * c, c)
 
 
+def row_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def col_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """[1, A, B] seen over a row-major (B, A) matrix: its transpose, without a copy."""
+    _, a, b = shape
+    return (a * b, 1, a)
+
+
+LAYOUT_STRIDES = {"NCHW": nchw_strides, "NHWC": nhwc_strides, "ROW": row_strides, "COL": col_strides}
+
+
 def _matches(strides: tuple[int, ...], canon: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return all(s == c for s, c, d in zip(strides, canon, shape) if d != 1)
 
@@ -40,22 +57,29 @@ def _matches(strides: tuple[int, ...], canon: tuple[int, ...], shape: tuple[int,
 @dataclass(frozen=True)
 class TensorSpec:
     """Everything about an operand that a cuDNN plan depends on (the pointer's alignment is kept
-    beside it in the key)."""
+    beside it in the key). ``shape``/``strides`` are as cuDNN sees the tensor; ``view`` is the
+    shape users see (a bias (C,) is (1, C, 1, 1) to cuDNN, a matrix (M, N) is (1, M, N))."""
 
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements, canonical for the layout
     dtype: str  # "float16" | "bfloat16" | "float32"
     device: int  # CUDA ordinal
-    layout: str  # "NCHW" | "NHWC" (for filters: KCRS | KRSC)
+    layout: str  # "NCHW" | "NHWC" (4-D; filters KCRS | KRSC) | "ROW" (row-major) | "COL" (transposed view)
+    view: tuple[int, ...] = field(default=(), compare=False)  # not part of a plan's validity
 
     @staticmethod
-    def build(shape: tuple[int, ...], dtype: str, device: int, layout: str) -> "TensorSpec":
-        strides = nhwc_strides(shape) if layout == "NHWC" else nchw_strides(shape)
-        return TensorSpec(tuple(shape), strides, dtype, device, layout)
+    def build(shape: tuple[int, ...], dtype: str, device: int, layout: str, view: tuple[int, ...] | None = None) -> "TensorSpec":
+        shape = tuple(shape)
+        return TensorSpec(shape, LAYOUT_STRIDES[layout](shape), dtype, device, layout, tuple(view) if view else shape)
+
+
+#: Operand kinds: how a user's array maps to the tensor cuDNN sees.
+KIND_RANK = {"image": 4, "filter": 4, "channel": 1, "matrix": 2, "matrix_t": 2, "row": 1}
 
 
 def logical_shape(pattern: str, name: str, kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The operand's shape as cuDNN sees it (channel vectors become (1, C, 1, 1)); rank checked."""
+    """The operand's shape as cuDNN sees it; rank checked. Channel vectors become (1, C, 1, 1),
+    matrices (M, N) become (1, M, N) (``matrix_t``: (1, N, M)), row vectors (N,) become (1, 1, N)."""
     shape = tuple(int(s) for s in shape)
     if kind == "channel":
         if len(shape) == 1:
@@ -63,12 +87,35 @@ def logical_shape(pattern: str, name: str, kind: str, shape: tuple[int, ...]) ->
         if len(shape) == 4 and shape[0] == shape[2] == shape[3] == 1:
             return shape
         raise OperandError(pattern, name, f"expected shape (C,) or (1, C, 1, 1), got {shape}")
+    if kind == "row":
+        if len(shape) == 1:
+            return (1, 1, shape[0])
+        raise OperandError(pattern, name, f"expected a vector of shape (N,), got {shape}")
+    if kind in ("matrix", "matrix_t"):
+        if len(shape) != 2:
+            raise OperandError(pattern, name, f"expected a 2-D matrix (rows, columns), got rank {len(shape)} shape {shape}")
+        if min(shape) < 1:
+            raise OperandError(pattern, name, f"expected every dim >= 1, got shape {shape}")
+        return (1, shape[0], shape[1]) if kind == "matrix" else (1, shape[1], shape[0])
     if len(shape) != 4:
         dims = "(K, C, R, S)" if kind == "filter" else "(N, C, H, W)"
         raise OperandError(pattern, name, f"expected a 4-D {kind} with logical dims {dims}, got rank {len(shape)} shape {shape}")
     if min(shape) < 1:
         raise OperandError(pattern, name, f"expected every dim >= 1, got shape {shape}")
     return shape
+
+
+def view_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The user-facing shape of a cuDNN-shaped tensor of ``kind`` (inverse of logical_shape)."""
+    if kind == "channel":
+        return (shape[1],)
+    if kind == "row":
+        return (shape[2],)
+    if kind == "matrix":
+        return (shape[1], shape[2])
+    if kind == "matrix_t":
+        return (shape[2], shape[1])
+    return tuple(shape)
 
 
 def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, device: int | None) -> TensorSpec:
@@ -80,10 +127,14 @@ def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, de
         raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(SUPPORTED_DTYPES)}")
     given = tuple(int(s) for s in shape)
     shape = logical_shape(pattern, name, kind, given)
-    if kind == "channel":
-        if shape[1] > 1 and strides[0 if len(given) == 1 else 1] != 1:
+    if kind in ("channel", "row"):
+        if max(given) > 1 and strides[given.index(max(given))] != 1:
             raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")
-        return TensorSpec.build(shape, dtype, device, "NCHW")
+        return TensorSpec.build(shape, dtype, device, "NCHW" if kind == "channel" else "ROW", view=given if len(given) == 1 else None)
+    if kind in ("matrix", "matrix_t"):
+        if not _matches(strides, row_strides(given), given):
+            raise OperandError(pattern, name, f"expected a dense row-major matrix, got strides {strides}; pass a contiguous copy")
+        return TensorSpec.build(shape, dtype, device, "ROW" if kind == "matrix" else "COL", view=given)
     nchw, nhwc = nchw_strides(shape), nhwc_strides(shape)
     if _matches(strides, nchw, shape):
         layout = "NCHW"
@@ -187,7 +238,7 @@ class CupyAdapter(Adapter):
             if spec.layout == "NHWC":
                 n, c, h, w = spec.shape
                 return cp.empty((n, h, w, c), dtype=dt).transpose(0, 3, 1, 2)
-            return cp.empty(spec.shape, dtype=dt)
+            return cp.empty(spec.view or spec.shape, dtype=dt)
 
     def stream(self, device):
         return self.cp.cuda.get_current_stream(device).ptr
@@ -212,7 +263,7 @@ class CupyAdapter(Adapter):
                 n, c, h, w = spec.shape
                 a = cp.random.standard_normal((n, h, w, c), dtype=cp.float32).astype(self._dtypes[spec.dtype])
                 return a.transpose(0, 3, 1, 2)
-            return cp.random.standard_normal(spec.shape, dtype=cp.float32).astype(self._dtypes[spec.dtype])
+            return cp.random.standard_normal(spec.view or spec.shape, dtype=cp.float32).astype(self._dtypes[spec.dtype])
 
     def to_numpy(self, a):
         import numpy as np
@@ -258,8 +309,9 @@ class TorchAdapter(Adapter):
 
     def empty(self, spec):
         t = self.torch
-        fmt = t.channels_last if spec.layout == "NHWC" else t.contiguous_format
-        return t.empty(spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}", memory_format=fmt)
+        if spec.layout == "NHWC":
+            return t.empty(spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}", memory_format=t.channels_last)
+        return t.empty(spec.view or spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}")
 
     def stream(self, device):
         return self.torch.cuda.current_stream(device).cuda_stream
@@ -277,9 +329,10 @@ class TorchAdapter(Adapter):
 
     def randn(self, spec):
         t = self.torch
-        fmt = t.channels_last if spec.layout == "NHWC" else t.contiguous_format
-        x = t.randn(spec.shape, dtype=t.float32, device=f"cuda:{spec.device}")
-        return x.to(self._dtypes[spec.dtype]).contiguous(memory_format=fmt)
+        if spec.layout == "NHWC":
+            x = t.randn(spec.shape, dtype=t.float32, device=f"cuda:{spec.device}")
+            return x.to(self._dtypes[spec.dtype]).contiguous(memory_format=t.channels_last)
+        return t.randn(spec.view or spec.shape, dtype=t.float32, device=f"cuda:{spec.device}").to(self._dtypes[spec.dtype])
 
     def to_numpy(self, a):
         return a.detach().double().cpu().numpy()

@@ -122,8 +122,8 @@ MALFORMED = {
         r"output 'z' is not produced by any op",
     ),
     "unknown_kind": (
-        lambda t: t.replace('b = { kind = "channel", role = "bias" }', 'b = { kind = "matrix", role = "bias" }'),
-        r"operand 'b' has unknown kind 'matrix'",
+        lambda t: t.replace('b = { kind = "channel", role = "bias" }', 'b = { kind = "tensor5d", role = "bias" }'),
+        r"operand 'b' has unknown kind 'tensor5d'",
     ),
     "undeclared_pattern_attr": (
         lambda t: t.replace(
