@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .errors import NoGPUError, UnsupportedError
 from .patterns import OPS, Pattern
-from .tensors import TensorSpec
+from .tensors import LAYOUT_STRIDES, TensorSpec
 
 
 def _cudnn():
@@ -30,13 +30,24 @@ def cudnn_dtype(name: str) -> Any:
 
 COMPUTE_DTYPE = "float32"
 
+def _conv_kw(a: Mapping[str, Any]) -> dict:
+    return dict(padding=list(a["padding"]), stride=list(a["stride"]), dilation=list(a["dilation"]))
+
+
+def _reduce_add(g: Any, x: Any, name: str) -> Any:
+    return g.reduction(x, mode=_cudnn().reduction_mode.ADD, name=name)
+
+
 # op name -> (graph, {port: tensor}, {attr: value}, node name) -> tensor
 LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]] = {
-    "conv_fprop": lambda g, i, a, n: g.conv_fprop(
-        i["image"], i["weight"], padding=list(a["padding"]), stride=list(a["stride"]), dilation=list(a["dilation"]), name=n
-    ),
+    "conv_fprop": lambda g, i, a, n: g.conv_fprop(i["image"], i["weight"], **_conv_kw(a), name=n),
+    "conv_dgrad": lambda g, i, a, n: g.conv_dgrad(i["loss"], i["filter"], **_conv_kw(a), name=n),
+    "conv_wgrad": lambda g, i, a, n: g.conv_wgrad(i["image"], i["loss"], **_conv_kw(a), name=n),
+    "matmul": lambda g, i, a, n: g.matmul(i["a"], i["b"], name=n),
     "bias": lambda g, i, a, n: g.bias(i["input"], i["bias"], name=n),
     "relu": lambda g, i, a, n: g.relu(i["input"], name=n),
+    "relu_backward": lambda g, i, a, n: g.relu_backward(i["loss"], i["input"], name=n),
+    "channel_sum": lambda g, i, a, n: _reduce_add(g, i["input"], n),
     "add": lambda g, i, a, n: g.add(i["a"], i["b"], name=n),
     "mul": lambda g, i, a, n: g.mul(i["a"], i["b"], name=n),
 }
@@ -73,8 +84,15 @@ def lower(
     for o in pattern.operands:
         s = specs[o.name]
         env[o.name] = g.tensor(name=o.name, dim=list(s.shape), stride=list(s.strides), data_type=cudnn_dtype(s.dtype))
+    shapes = pattern.infer_shapes({o.name: specs[o.name].shape for o in pattern.operands}, attrs)
+    nhwc = any(specs[o.name].layout == "NHWC" for o in pattern.operands)
     for op in pattern.ops:
-        env[op.out] = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, pattern.op_attrs(op, attrs), op.out)
+        t = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, pattern.op_attrs(op, attrs), op.out)
+        if OPS[op.op].explicit_dims and op.out not in pattern.outputs:  # a virtual tensor cuDNN cannot size
+            shape = shapes[op.out]
+            layout = ("NHWC" if nhwc else "NCHW") if len(shape) == 4 else "ROW"
+            t.set_dim(list(shape)).set_stride(list(LAYOUT_STRIDES[layout](shape)))
+        env[op.out] = t
     for name in pattern.outputs:
         s = specs[name]
         t = env[name]

@@ -30,8 +30,48 @@ def conv2d_nchw(x: np.ndarray, w: np.ndarray, padding=(0, 0), stride=(1, 1), dil
     return out
 
 
+def conv2d_dgrad_nchw(dy: np.ndarray, w: np.ndarray, out_hw, padding=(0, 0), stride=(1, 1), dilation=(1, 1)) -> np.ndarray:
+    """Gradient of conv2d_nchw with respect to its input (a transposed convolution), output (N, C, *out_hw)."""
+    n, k, ho, wo = dy.shape
+    _, c, r, s = w.shape
+    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
+    h, wd = out_hw
+    dxp = np.zeros((n, c, h + 2 * ph + sh + (r - 1) * dh, wd + 2 * pw + sw + (s - 1) * dw), dtype=np.result_type(dy, w))
+    for i in range(r):
+        for j in range(s):
+            dxp[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh, j * dw : j * dw + (wo - 1) * sw + 1 : sw] += np.einsum(
+                "nkhw,kc->nchw", dy, w[:, :, i, j], optimize=True
+            )
+    return dxp[:, :, ph : ph + h, pw : pw + wd]
+
+
+def conv2d_wgrad_nchw(x: np.ndarray, dy: np.ndarray, kernel, padding=(0, 0), stride=(1, 1), dilation=(1, 1)) -> np.ndarray:
+    """Gradient of conv2d_nchw with respect to its filter, shape (K, C, *kernel)."""
+    n, c, h, wd = x.shape
+    _, k, ho, wo = dy.shape
+    r, s = kernel
+    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    out = np.zeros((k, c, r, s), dtype=np.result_type(x, dy))
+    for i in range(r):
+        for j in range(s):
+            win = xp[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh, j * dw : j * dw + (wo - 1) * sw + 1 : sw]
+            out[:, :, i, j] = np.einsum("nchw,nkhw->kc", win, dy, optimize=True)
+    return out
+
+
+def _channel_sum(x: np.ndarray) -> np.ndarray:
+    ax = 1 if x.ndim == 4 else x.ndim - 1
+    return x.sum(axis=tuple(i for i in range(x.ndim) if i != ax), keepdims=True)
+
+
 EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
     "conv_fprop": lambda i, a: conv2d_nchw(i["image"], i["weight"], a["padding"], a["stride"], a["dilation"]),
+    "conv_dgrad": lambda i, a: conv2d_dgrad_nchw(i["loss"], i["filter"], a["_out"][2:], a["padding"], a["stride"], a["dilation"]),
+    "conv_wgrad": lambda i, a: conv2d_wgrad_nchw(i["image"], i["loss"], a["kernel"], a["padding"], a["stride"], a["dilation"]),
+    "matmul": lambda i, a: np.matmul(i["a"], i["b"]),
+    "relu_backward": lambda i, a: i["loss"] * (i["input"] > 0),
+    "channel_sum": lambda i, a: _channel_sum(i["input"]),
     "bias": lambda i, a: i["input"] + i["bias"],
     "relu": lambda i, a: np.maximum(i["input"], 0.0),
     "add": lambda i, a: i["a"] + i["b"],
@@ -54,7 +94,7 @@ def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.n
         arr = np.asarray(a, dtype=np.float64)
         shape = logical_shape(pat.name, o.name, o.kind, arr.shape)
         env[o.name] = arr.T.reshape(shape) if o.kind == "matrix_t" else arr.reshape(shape)
-    pat.infer_shapes({k: v.shape for k, v in env.items()}, norm)  # the same checks as the GPU path
+    shapes = pat.infer_shapes({k: v.shape for k, v in env.items()}, norm)  # the same checks as the GPU path
     for op in pat.ops:
-        env[op.out] = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, pat.op_attrs(op, norm))
+        env[op.out] = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, {**pat.op_attrs(op, norm), "_out": shapes[op.out]})
     return tuple(env[name].reshape(view_shape(pat.output_kinds[name], env[name].shape)) for name in pat.outputs)

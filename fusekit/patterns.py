@@ -46,6 +46,7 @@ class OpSig:
     ports: tuple[str, ...]
     attrs: tuple[str, ...] = ()
     infer: Callable[["_Ctx"], Shape] | None = None
+    explicit_dims: bool = False  # cuDNN cannot infer the output dims: the lowering sets them
 
 
 class _Ctx:
@@ -76,15 +77,61 @@ def _conv_fprop_shape(c: _Ctx) -> Shape:
     return tuple(out)
 
 
+def _conv_dgrad_shape(c: _Ctx) -> Shape:
+    dy, w = c.shapes["loss"], c.shapes["filter"]
+    pad, stride, dil, opad = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"], c.attrs["output_padding"]
+    if w[0] != dy[1]:
+        raise c.fail("filter", f"expected {dy[1]} filters to match the channels of '{c.names['loss']}' (shape {dy}), got filter shape {w}")
+    out = [dy[0], w[1]]
+    for i in range(2):
+        if opad[i] >= max(stride[i], dil[i]):
+            raise c.fail("loss", f"output_padding {tuple(opad)} must be smaller than the stride or the dilation")
+        size = (dy[2 + i] - 1) * stride[i] - 2 * pad[i] + dil[i] * (w[2 + i] - 1) + 1 + opad[i]
+        if size < 1:
+            raise c.fail("loss", f"padding {tuple(pad)} leaves no output for spatial size {dy[2:]} and filter {w[2:]}")
+        out.append(size)
+    return tuple(out)
+
+
+def _conv_wgrad_shape(c: _Ctx) -> Shape:
+    x, dy = c.shapes["image"], c.shapes["loss"]
+    pad, stride, dil, kernel = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"], c.attrs["kernel"]
+    if x[0] != dy[0]:
+        raise c.fail("loss", f"expected batch {x[0]} like '{c.names['image']}', got shape {dy}")
+    want = tuple((x[2 + i] + 2 * pad[i] - (kernel[i] - 1) * dil[i] - 1) // stride[i] + 1 for i in range(2))
+    if tuple(dy[2:]) != want:
+        raise c.fail("loss", f"expected spatial size {want} (the convolution of {x[2:]} with a {tuple(kernel)} filter), got {dy[2:]}")
+    return (dy[1], x[1], kernel[0], kernel[1])
+
+
 def _same_shape(port: str) -> Callable[[_Ctx], Shape]:
     return lambda c: c.shapes[port]
 
 
+def _pair_shape(c: _Ctx) -> Shape:
+    a, b = c.shapes["loss"], c.shapes["input"]
+    if a != b:
+        raise c.fail("input", f"expected shape {a} like '{c.names['loss']}', got {b}")
+    return a
+
+
+def _channel_axis(shape: Shape) -> int:
+    return 1 if len(shape) == 4 else len(shape) - 1
+
+
 def _bias_shape(c: _Ctx) -> Shape:
     x, b = c.shapes["input"], c.shapes["bias"]
-    if b != (1, x[1], 1, 1):
-        raise c.fail("bias", f"expected length {x[1]} (one per output channel), got shape {b[1] if b[0] == 1 else b}")
+    ax = _channel_axis(x)
+    want = tuple(x[ax] if i == ax else 1 for i in range(len(x)))
+    if b != want:
+        raise c.fail("bias", f"expected length {x[ax]} (one per output channel), got shape {b[ax] if len(b) == len(x) and max(b) == b[ax] else b}")
     return x
+
+
+def _channel_sum_shape(c: _Ctx) -> Shape:
+    x = c.shapes["input"]
+    ax = _channel_axis(x)
+    return tuple(x[ax] if i == ax else 1 for i in range(len(x)))
 
 
 def _broadcast_shape(c: _Ctx) -> Shape:
@@ -94,10 +141,22 @@ def _broadcast_shape(c: _Ctx) -> Shape:
     return a
 
 
+def _matmul_shape(c: _Ctx) -> Shape:
+    a, b = c.shapes["a"], c.shapes["b"]
+    if a[-1] != b[-2]:
+        raise c.fail("b", f"expected {a[-1]} rows to match the columns of '{c.names['a']}' (cuDNN shape {a}), got cuDNN shape {b}")
+    return (a[0], a[1], b[2])
+
+
 OPS: dict[str, OpSig] = {
     "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation"), _conv_fprop_shape),
+    "conv_dgrad": OpSig(("loss", "filter"), ("padding", "stride", "dilation", "output_padding"), _conv_dgrad_shape, True),
+    "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel"), _conv_wgrad_shape, True),
+    "matmul": OpSig(("a", "b"), (), _matmul_shape),
     "bias": OpSig(("input", "bias"), (), _bias_shape),
     "relu": OpSig(("input",), (), _same_shape("input")),
+    "relu_backward": OpSig(("loss", "input"), (), _pair_shape),
+    "channel_sum": OpSig(("input",), (), _channel_sum_shape, True),
     "add": OpSig(("a", "b"), (), _broadcast_shape),
     "mul": OpSig(("a", "b"), (), _broadcast_shape),
 }
