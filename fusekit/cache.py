@@ -117,7 +117,7 @@ class CacheStats:
     evictions: int = 0
     disk_hits: int = 0
     disk_writes: int = 0
-    rejected: int = 0  # disk entries moved aside
+    rejected: int = 0  # disk entries moved aside (failed checks, or cuDNN refused the blob)
 
 
 def default_cache_dir() -> Path:
@@ -190,6 +190,7 @@ class DiskStore:
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
+        self.quarantined = 0  # entries this store object moved aside
 
     @property
     def plans_dir(self) -> Path:
@@ -226,8 +227,11 @@ class DiskStore:
     def write(self, key: PlanKey, meta: dict, blob: bytes) -> Path:
         """Atomically write (temporary file + rename) the entry for ``key``."""
         p = self.path(key)
+        self._write_bytes(p, _encode(key, meta, blob))
+        return p
+
+    def _write_bytes(self, p: Path, data: bytes) -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
-        data = _encode(key, meta, blob)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.stem[:8]}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -241,11 +245,11 @@ class DiskStore:
             except FileNotFoundError:
                 pass
             raise
-        return p
 
     def quarantine(self, path: Path, why: str) -> None:
         """Move a bad entry aside (``*.bad``) and warn; it will be rebuilt."""
         warnings.warn(f"fusekit plan cache: ignoring {path} ({why}); moved aside and rebuilding", CacheWarning, stacklevel=3)
+        self.quarantined += 1
         try:
             os.replace(path, path.with_name(f"{path.name}.{int(time.time() * 1e3)}.bad"))
         except FileNotFoundError:
@@ -289,15 +293,18 @@ class DiskStore:
         n = 0
         dest = Path(dest)
         tmp = dest.with_name(f".{dest.name}.tmp")
-        with tarfile.open(tmp, "w:gz") as tar:
-            for p in self.entries():
-                try:
-                    self.load(p)
-                except EntryError:
-                    continue
-                tar.add(p, arcname=f"plans/{p.parent.name}/{p.name}")
-                n += 1
-        os.replace(tmp, dest)
+        try:
+            with tarfile.open(tmp, "w:gz") as tar:
+                for p in self.entries():
+                    try:
+                        self.load(p)
+                    except EntryError:
+                        continue
+                    tar.add(p, arcname=f"plans/{p.parent.name}/{p.name}")
+                    n += 1
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
         return n
 
     def import_(self, src: str | os.PathLike[str]) -> tuple[int, list[str]]:
@@ -315,7 +322,7 @@ class DiskStore:
                 except EntryError as e:
                     problems.append(str(e))
                     continue
-                self.write(entry.key, entry.header["plan"], entry.blob)
+                self._write_bytes(self.path(entry.key), data)  # byte for byte, header included
                 n += 1
         return n, problems
 
@@ -388,13 +395,16 @@ class PlanCache:
 
     def _from_store(self, key: PlanKey, load: Callable[[Entry], Plan]) -> Plan | None:
         assert self.store is not None
+        before = self.store.quarantined
         entry = self.store.read(key)
+        self.stats.rejected += self.store.quarantined - before
         if entry is None:
             return None
         try:
             plan = load(entry)
         except Exception as e:  # noqa: BLE001 - a blob the library will not load is rebuilt, not trusted
             self.stats.rejected += 1
+            self.store.quarantined -= 1  # counted just above
             self.store.quarantine(entry.path, f"cuDNN could not load it: {type(e).__name__}: {e}")
             return None
         self.stats.disk_hits += 1
