@@ -7,7 +7,25 @@
 from .autotune import TuneOptions, TuneResult, autotune, autotune_shapes
 from .cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
 from .errors import FusekitError, NoGPUError, OperandError, PatternError, UnsupportedError
-from .ops import call, conv2d, conv_bias, conv_bias_relu, plan_for
+from .ops import (
+    FusionWarning,
+    call,
+    conv2d,
+    conv2d_backward,
+    conv_bias,
+    conv_bias_backward,
+    conv_bias_relu,
+    conv_bias_relu_backward,
+    conv_transpose_bias,
+    conv_transpose_bias_relu,
+    conv_transpose_bias_relu_backward,
+    linear_bias,
+    linear_bias_backward,
+    linear_bias_relu,
+    linear_bias_relu_backward,
+    plan_for,
+    relu_backward,
+)
 from .patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
 from .tensors import TensorSpec, nhwc
 
@@ -17,6 +35,9 @@ __all__ = [
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
     "autotune", "autotune_shapes", "configure",
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
-    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache",
+    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache", "FusionWarning",
+    "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
+    "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",
+    "linear_bias", "linear_bias_relu", "linear_bias_backward", "linear_bias_relu_backward",
     "get_pattern", "list_patterns", "load_pattern", "parse_pattern", "nhwc",
 ]

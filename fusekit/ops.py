@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Mapping, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Sequence
 
 from . import lower as _lower
 from .cache import Plan, PlanCache, PlanKey, default_cache
-from .errors import OperandError
+from .errors import OperandError, UnsupportedError
 from .patterns import Pattern, get_pattern
 from .runtime import RUNTIME, versions
 from .tensors import _SIG, _STREAM, Adapter, TensorSpec, adapter_for, as_device_array, make_spec, view_shape
@@ -107,6 +108,9 @@ def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple)
     for oname, like in pattern.outputs.items():
         ls, kind = specs[like], pattern.output_kinds[oname]
         shape = shapes[oname]
+        if kind == "tensor":  # elementwise: same layout and view as the operand it is like
+            out[oname] = TensorSpec.build(shape, ls.dtype, ls.device, ls.layout, view=ls.view if shape == ls.shape else shape)
+            continue
         if kind in ("image", "filter"):
             layout = ls.layout if ls.layout in ("NCHW", "NHWC") and pattern.operand(like).kind in ("image", "filter") else "NCHW"
         else:
@@ -273,3 +277,184 @@ def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dila
 def conv2d(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
     """``conv2d(x, w)`` (cross-correlation, as in PyTorch) as a cuDNN graph."""
     return _dispatch("conv", _CONV_ATTRS, (padding, stride, dilation), (x, w), out, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transposed convolution and fully connected forwards
+# ----------------------------------------------------------------------------------------------
+_CONVT_ATTRS = ("padding", "stride", "dilation", "output_padding")
+
+
+def conv_transpose_bias_relu(
+    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
+) -> Any:
+    """``relu(conv_transpose2d(x, w) + b)``: cuDNN dgrad as the forward op. w: (C_in, C_out, R, S)."""
+    return _dispatch("conv_transpose_bias_relu", _CONVT_ATTRS, (padding, stride, dilation, output_padding), (x, w, b), out, None)
+
+
+def conv_transpose_bias(
+    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
+) -> Any:
+    """``conv_transpose2d(x, w) + b`` as one cuDNN graph. w: (C_in, C_out, R, S)."""
+    return _dispatch("conv_transpose_bias", _CONVT_ATTRS, (padding, stride, dilation, output_padding), (x, w, b), out, None)
+
+
+def linear_bias_relu(x: Any, w: Any, b: Any, *, out: Any = None) -> Any:
+    """``relu(x @ w.T + b)``: x (B, in), w (out, in) as in torch.nn.Linear, b (out,)."""
+    return _dispatch("linear_bias_relu", (), (), (x, w, b), out, None)
+
+
+def linear_bias(x: Any, w: Any, b: Any, *, out: Any = None) -> Any:
+    """``x @ w.T + b`` as one cuDNN graph."""
+    return _dispatch("linear_bias", (), (), (x, w, b), out, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward passes: each takes the upstream gradient and the saved tensors positionally and returns
+# the gradients of the forward's operands, None for those not requested (and nothing computed).
+# ----------------------------------------------------------------------------------------------
+class FusionWarning(UserWarning):
+    """A fused graph has no cuDNN engine for a key; fusekit runs it as separate graphs."""
+
+
+_SPLIT: set[tuple] = set()
+
+
+def _fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any]) -> Any:
+    """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on."""
+    if tag in _SPLIT:
+        return split()
+    try:
+        return fused()
+    except UnsupportedError as e:
+        _SPLIT.add(tag)
+        warnings.warn(
+            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {tag[1:]}; running it as separate graphs ({e})",
+            FusionWarning,
+            stacklevel=3,
+        )
+        return split()
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if not hasattr(v, "__len__") else (int(v[0]), int(v[1]))
+
+
+def _output_padding(x_hw: Sequence[int], dy_hw: Sequence[int], k_hw: Sequence[int], padding, stride, dilation) -> tuple[int, int]:
+    """Rows/columns of x that a strided convolution never read (what dgrad must add back)."""
+    p, s, d = _pair(padding), _pair(stride), _pair(dilation)
+    return tuple(int(x_hw[i]) - ((int(dy_hw[i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(k_hw[i]) - 1) + 1) for i in range(2))  # type: ignore[return-value]
+
+
+def _tag(name: str, *arrays: Any) -> tuple:
+    return (name,) + tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
+
+
+def _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu):
+    conv = dict(padding=padding, stride=stride, dilation=dilation)
+    dx = dw = None
+    if need_dx:
+        op = _output_padding(x.shape[2:], dz.shape[2:], w.shape[2:], padding, stride, dilation)
+        if input_relu:
+            dx = _fused_or_split(
+                _tag("conv_dgrad_drelu", dz, w, x),
+                lambda: call("conv_dgrad_drelu", dz, w, x, output_padding=op, **conv),
+                lambda: call("relu_backward", call("conv_dgrad", dz, w, output_padding=op, **conv), x),
+            )
+        else:
+            dx = call("conv_dgrad", dz, w, output_padding=op, **conv)
+    if need_dw:
+        dw = call("conv_wgrad", x, dz, kernel=tuple(w.shape[2:]), **conv)
+    return dx, dw
+
+
+def relu_backward(dy: Any, y: Any) -> Any:
+    """``dy * (y > 0)``, y the ReLU's output (or input)."""
+    return call("relu_backward", dy, y)
+
+
+def conv_bias_relu_backward(
+    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
+) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = relu(conv2d(x, w) + b)``; saved: x, w, y.
+
+    ``input_relu``: x is the output of a ReLU; dx then also carries that ReLU's backward (the
+    fused dgrad + dReLU graph), so the caller skips it."""
+    need_dx, need_dw, need_db = needs
+    dz, db = _relu_bias_grad(dy, y, need_db)
+    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
+    return dx, dw, db
+
+
+def conv_bias_backward(
+    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
+) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = conv2d(x, w) + b``; saved: x, w."""
+    need_dx, need_dw, need_db = needs
+    db = call("bias_grad", dy) if need_db else None
+    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
+    return dx, dw, db
+
+
+def conv2d_backward(
+    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True), input_relu: bool = False,
+) -> tuple[Any, Any]:
+    """(dx, dw) of ``y = conv2d(x, w)``; saved: x, w."""
+    return _conv_grads(dy, x, w, padding, stride, dilation, needs[0], needs[1], input_relu)
+
+
+def conv_transpose_bias_relu_backward(
+    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True, True), relu: bool = True,
+) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = [relu](conv_transpose2d(x, w) + b)``: dx is a forward convolution of
+    dz with w, dw is wgrad with the roles of image and gradient swapped; saved: x, w, y."""
+    need_dx, need_dw, need_db = needs
+    conv = dict(padding=padding, stride=stride, dilation=dilation)
+    if relu:
+        dz, db = _relu_bias_grad(dy, y, need_db)
+    else:
+        dz, db = dy, (call("bias_grad", dy) if need_db else None)
+    dx = call("conv", dz, w, **conv) if need_dx else None
+    dw = call("conv_wgrad", dz, x, kernel=tuple(w.shape[2:]), **conv) if need_dw else None
+    return dx, dw, db
+
+
+def _relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
+    if not need_db:
+        return call("relu_backward", dy, y), None
+    return _fused_or_split(
+        _tag("relu_bias_grad", dy, y),
+        lambda: call("relu_bias_grad", dy, y),
+        lambda: (lambda d: (d, call("bias_grad", d)))(call("relu_backward", dy, y)),
+    )
+
+
+
+def linear_bias_relu_backward(dy: Any, x: Any, w: Any, y: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = relu(x @ w.T + b)``; saved: x, w, y."""
+    need_dx, need_dw, need_db = needs
+    if need_db:
+        dz, db = _fused_or_split(
+            _tag("linear_relu_grad", dy, y),
+            lambda: call("linear_relu_grad", dy, y),
+            lambda: (lambda d: (d, call("row_sum", d)))(call("relu_backward", dy, y)),
+        )
+    else:
+        dz, db = call("relu_backward", dy, y), None
+    return _linear_grads(dz, x, w, need_dx, need_dw) + (db,)
+
+
+def linear_bias_backward(dy: Any, x: Any, w: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = x @ w.T + b``; saved: x, w."""
+    db = call("row_sum", dy) if needs[2] else None
+    return _linear_grads(dy, x, w, needs[0], needs[1]) + (db,)
+
+
+def _linear_grads(dz: Any, x: Any, w: Any, need_dx: bool, need_dw: bool) -> tuple[Any, Any]:
+    dx = call("matmul", dz, w) if need_dx else None
+    dw = call("linear_wgrad", dz, x) if need_dw else None
+    return dx, dw

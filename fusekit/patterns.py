@@ -34,6 +34,7 @@ KINDS = {
     "matrix": "2-D row-major matrix (M, N), seen by cuDNN as (1, M, N)",
     "matrix_t": "2-D row-major matrix (M, N) used transposed, seen by cuDNN as (1, N, M)",
     "row": "vector of length N broadcast over the rows of a matrix, seen by cuDNN as (1, 1, N)",
+    "tensor": "any operand of an elementwise op: 4-D as an image, 2-D as a matrix, 1-D as a row",
 }
 ROLES = ("input", "weight", "bias", "param")
 

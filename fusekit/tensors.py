@@ -74,13 +74,17 @@ class TensorSpec:
 
 
 #: Operand kinds: how a user's array maps to the tensor cuDNN sees.
-KIND_RANK = {"image": 4, "filter": 4, "channel": 1, "matrix": 2, "matrix_t": 2, "row": 1}
+KIND_RANK = {"image": 4, "filter": 4, "channel": 1, "matrix": 2, "matrix_t": 2, "row": 1, "tensor": 0}
 
 
 def logical_shape(pattern: str, name: str, kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The operand's shape as cuDNN sees it; rank checked. Channel vectors become (1, C, 1, 1),
     matrices (M, N) become (1, M, N) (``matrix_t``: (1, N, M)), row vectors (N,) become (1, 1, N)."""
     shape = tuple(int(s) for s in shape)
+    if kind == "tensor":  # any array of an elementwise op: 4-D as an image, else as a matrix or vector
+        if len(shape) not in (1, 2, 4):
+            raise OperandError(pattern, name, f"expected a 1-D, 2-D or 4-D array, got shape {shape}")
+        kind = {1: "row", 2: "matrix", 4: "image"}[len(shape)]
     if kind == "channel":
         if len(shape) == 1:
             return (1, shape[0], 1, 1)
@@ -115,6 +119,8 @@ def view_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[1], shape[2])
     if kind == "matrix_t":
         return (shape[2], shape[1])
+    if kind == "tensor" and len(shape) == 3:
+        return (shape[2],) if shape[1] == 1 else (shape[1], shape[2])
     return tuple(shape)
 
 
@@ -127,6 +133,8 @@ def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, de
         raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(SUPPORTED_DTYPES)}")
     given = tuple(int(s) for s in shape)
     shape = logical_shape(pattern, name, kind, given)
+    if kind == "tensor":
+        kind = {1: "row", 2: "matrix", 4: "image"}[len(given)]
     if kind in ("channel", "row"):
         if max(given) > 1 and strides[given.index(max(given))] != 1:
             raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")

@@ -1,0 +1,143 @@
+"""PyTorch integration: autograd Functions over fusekit's fused forward and backward graphs, and
+drop-in modules (subclasses of torch.nn.Conv2d / ConvTranspose2d / Linear, so initialization and
+state dicts are PyTorch's own).
+
+    import fusekit.torch as ft
+    model = torch.nn.Sequential(ft.Conv2d(3, 16, 3, stride=2, padding=1, activation="relu"), ...)
+    model = model.cuda().to(memory_format=torch.channels_last)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ops
+from .errors import OperandError
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` dense in ``ref``'s memory format (autograd may hand over strided gradients)."""
+    if ref.dim() == 4 and ref.is_contiguous(memory_format=torch.channels_last) and not ref.is_contiguous():
+        return t.contiguous(memory_format=torch.channels_last)
+    return t.contiguous()
+
+
+class ConvBiasAct(torch.autograd.Function):
+    """y = act(conv2d(x, w) + b), act in {None, "relu"}: one cuDNN graph forward, fused graphs backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x, w, b, padding, stride, dilation, act):  # type: ignore[override]
+        w = _like(w, x)
+        kw = dict(padding=padding, stride=stride, dilation=dilation)
+        y = ops.conv_bias_relu(x, w, b, **kw) if act == "relu" else ops.conv_bias(x, w, b, **kw)
+        ctx.save_for_backward(x, w, y if act == "relu" else None)
+        ctx.kw, ctx.act = kw, act
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        x, w, y = ctx.saved_tensors
+        dy = _like(dy, x)
+        needs = ctx.needs_input_grad[:3]
+        if ctx.act == "relu":
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, **ctx.kw)
+        else:
+            dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **ctx.kw)
+        return dx, dw, db, None, None, None, None
+
+
+class ConvTransposeBiasAct(torch.autograd.Function):
+    """y = act(conv_transpose2d(x, w) + b): cuDNN dgrad as the forward op; backward by conv fprop and wgrad."""
+
+    @staticmethod
+    def forward(ctx: Any, x, w, b, padding, stride, dilation, output_padding, act):  # type: ignore[override]
+        w = _like(w, x)
+        kw = dict(padding=padding, stride=stride, dilation=dilation)
+        f = ops.conv_transpose_bias_relu if act == "relu" else ops.conv_transpose_bias
+        y = f(x, w, b, output_padding=output_padding, **kw)
+        ctx.save_for_backward(x, w, y if act == "relu" else None)
+        ctx.kw, ctx.act = kw, act
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        x, w, y = ctx.saved_tensors
+        dy = _like(dy, x)
+        dx, dw, db = ops.conv_transpose_bias_relu_backward(
+            dy, x, w, y, needs=ctx.needs_input_grad[:3], relu=ctx.act == "relu", **ctx.kw
+        )
+        return dx, dw, db, None, None, None, None, None
+
+
+class LinearBiasAct(torch.autograd.Function):
+    """y = act(x @ w.T + b) as one cuDNN graph (matmul + epilogue); backward by fused graphs."""
+
+    @staticmethod
+    def forward(ctx: Any, x, w, b, act):  # type: ignore[override]
+        x, w = x.contiguous(), w.contiguous()
+        y = ops.linear_bias_relu(x, w, b) if act == "relu" else ops.linear_bias(x, w, b)
+        ctx.save_for_backward(x, w, y if act == "relu" else None)
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        x, w, y = ctx.saved_tensors
+        dy = dy.contiguous()
+        needs = ctx.needs_input_grad[:3]
+        if ctx.act == "relu":
+            dx, dw, db = ops.linear_bias_relu_backward(dy, x, w, y, needs=needs)
+        else:
+            dx, dw, db = ops.linear_bias_backward(dy, x, w, needs=needs)
+        return dx, dw, db, None
+
+
+def _check_act(act: str | None) -> str | None:
+    if act not in (None, "relu"):
+        raise OperandError("fusekit.torch", "activation", f"expected None or 'relu', got {act!r}")
+    return act
+
+
+class Conv2d(torch.nn.Conv2d):
+    """torch.nn.Conv2d run as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"``)."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.activation = _check_act(activation)
+        if self.groups != 1 or self.padding_mode != "zeros" or self.bias is None or isinstance(self.padding, str):
+            raise OperandError("fusekit.torch.Conv2d", "arguments", "supports groups=1, zero numeric padding and bias=True")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return ConvBiasAct.apply(x, self.weight, self.bias, self.padding, self.stride, self.dilation, self.activation)
+
+
+class ConvTranspose2d(torch.nn.ConvTranspose2d):
+    """torch.nn.ConvTranspose2d as cuDNN dgrad-as-forward, with an optional fused ReLU."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.activation = _check_act(activation)
+        if self.groups != 1 or self.bias is None:
+            raise OperandError("fusekit.torch.ConvTranspose2d", "arguments", "supports groups=1 and bias=True")
+
+    def forward(self, x: torch.Tensor, output_size: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if output_size is not None:
+            raise OperandError("fusekit.torch.ConvTranspose2d", "output_size", "give output_padding at construction instead")
+        return ConvTransposeBiasAct.apply(
+            x, self.weight, self.bias, self.padding, self.stride, self.dilation, self.output_padding, self.activation
+        )
+
+
+class Linear(torch.nn.Linear):
+    """torch.nn.Linear as a fused cuDNN matmul graph, with an optional fused ReLU."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.activation = _check_act(activation)
+        if self.bias is None:
+            raise OperandError("fusekit.torch.Linear", "bias", "supports bias=True")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return LinearBiasAct.apply(x, self.weight, self.bias, self.activation)
