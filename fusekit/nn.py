@@ -1,0 +1,338 @@
+"""Layers for CuPy users and notebooks: forward / backward on fused cuDNN graphs, parameters with
+gradients, SGD and Adam, MSE and cross-entropy losses.
+
+A layer keeps only what the math needs (its parameters and the activations its backward reads);
+graphs, plans and workspaces live in fusekit's plan cache. Images are (N, C, H, W) CuPy arrays,
+NHWC (channels-last) in memory by default (``fusekit.nhwc`` views an (N, H, W, C) buffer).
+The losses and the optimizers' updates are CuPy element-wise kernels (no cuDNN graph needed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Iterator, Sequence
+
+import cupy as cp
+
+from . import ops
+from .errors import OperandError
+from .tensors import nhwc
+
+
+class Parameter:
+    """A trainable array and its gradient (accumulated by backward, cleared by zero_grad)."""
+
+    def __init__(self, data: cp.ndarray) -> None:
+        self.data = data
+        self.grad: cp.ndarray | None = None
+
+    def accumulate(self, g: cp.ndarray | None) -> None:
+        if g is None:
+            return
+        g = g.reshape(self.data.shape)
+        self.grad = g.copy() if self.grad is None else self.grad + g
+
+
+def _image(shape: Sequence[int], dtype: Any, layout: str) -> cp.ndarray:
+    n, c, h, w = shape
+    return nhwc(cp.empty((n, h, w, c), dtype)) if layout == "NHWC" else cp.empty(shape, dtype)
+
+
+def _as_layout(a: cp.ndarray, like: cp.ndarray) -> cp.ndarray:
+    """``a`` dense in ``like``'s memory order (NCHW or NHWC)."""
+    if a.ndim != 4:
+        return cp.ascontiguousarray(a)
+    if like.strides[1] == like.itemsize and like.shape[1] > 1:  # channels-last
+        if a.strides[1] == a.itemsize and a.flags.c_contiguous is False and a.transpose(0, 2, 3, 1).flags.c_contiguous:
+            return a
+        return nhwc(cp.ascontiguousarray(a.transpose(0, 2, 3, 1)))
+    return cp.ascontiguousarray(a)
+
+
+def _uniform(shape: Sequence[int], bound: float, dtype: Any, rng: cp.random.RandomState) -> cp.ndarray:
+    return rng.uniform(-bound, bound, size=tuple(shape)).astype(dtype)
+
+
+class Module:
+    training = True
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        raise NotImplementedError
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        raise NotImplementedError
+
+    def __call__(self, x: cp.ndarray) -> cp.ndarray:
+        return self.forward(x)
+
+    def parameters(self) -> list[Parameter]:
+        return [v for v in self.__dict__.values() if isinstance(v, Parameter)]
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def train(self, mode: bool = True) -> "Module":
+        self.training = mode
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+
+def _act(activation: str | None) -> str | None:
+    if activation not in (None, "relu"):
+        raise OperandError("fusekit.nn", "activation", f"expected None or 'relu', got {activation!r}")
+    return activation
+
+
+class Conv2d(Module):
+    """2-D convolution + bias (+ ReLU), one cuDNN graph forward. Weight (K, C, R, S) in the layout's order."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0, dilation: int = 1,
+        activation: str | None = None, dtype: Any = cp.float32, layout: str = "NHWC", seed: int | None = None,
+    ) -> None:
+        rng = cp.random.RandomState(seed)
+        fan_in = in_channels * kernel_size * kernel_size
+        w = _uniform((out_channels, kernel_size, kernel_size, in_channels), 1 / math.sqrt(fan_in), dtype, rng)
+        self.weight = Parameter(nhwc(w) if layout == "NHWC" else cp.ascontiguousarray(w.transpose(0, 3, 1, 2)))
+        self.bias = Parameter(_uniform((out_channels,), 1 / math.sqrt(fan_in), dtype, rng))
+        self.conv = dict(padding=padding, stride=stride, dilation=dilation)
+        self.activation = _act(activation)
+        self._saved: tuple | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        f = ops.conv_bias_relu if self.activation == "relu" else ops.conv_bias
+        y = f(x, self.weight.data, self.bias.data, **self.conv)
+        self._saved = (x, y if self.activation else None)
+        return y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        if self._saved is None:
+            raise OperandError("fusekit.nn.Conv2d", "dy", "backward() before forward()")
+        x, y = self._saved
+        dy = _as_layout(dy, x)
+        if self.activation == "relu":
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, self.weight.data, y, **self.conv)
+        else:
+            dx, dw, db = ops.conv_bias_backward(dy, x, self.weight.data, **self.conv)
+        self.weight.accumulate(dw)
+        self.bias.accumulate(db)
+        return dx
+
+
+class ConvTranspose2d(Module):
+    """Transposed convolution + bias (+ ReLU): cuDNN dgrad as the forward op. Weight (C_in, C_out, R, S)."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
+        output_padding: int = 0, dilation: int = 1, activation: str | None = None, dtype: Any = cp.float32,
+        layout: str = "NHWC", seed: int | None = None,
+    ) -> None:
+        rng = cp.random.RandomState(seed)
+        fan_in = out_channels * kernel_size * kernel_size  # as torch.nn.ConvTranspose2d
+        w = _uniform((in_channels, kernel_size, kernel_size, out_channels), 1 / math.sqrt(fan_in), dtype, rng)
+        self.weight = Parameter(nhwc(w) if layout == "NHWC" else cp.ascontiguousarray(w.transpose(0, 3, 1, 2)))
+        self.bias = Parameter(_uniform((out_channels,), 1 / math.sqrt(fan_in), dtype, rng))
+        self.conv = dict(padding=padding, stride=stride, dilation=dilation)
+        self.output_padding = output_padding
+        self.activation = _act(activation)
+        self._saved: tuple | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        f = ops.conv_transpose_bias_relu if self.activation == "relu" else ops.conv_transpose_bias
+        y = f(x, self.weight.data, self.bias.data, output_padding=self.output_padding, **self.conv)
+        self._saved = (x, y if self.activation else None)
+        return y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        if self._saved is None:
+            raise OperandError("fusekit.nn.ConvTranspose2d", "dy", "backward() before forward()")
+        x, y = self._saved
+        dy = _as_layout(dy, x)
+        dx, dw, db = ops.conv_transpose_bias_relu_backward(dy, x, self.weight.data, y, relu=self.activation == "relu", **self.conv)
+        self.weight.accumulate(dw)
+        self.bias.accumulate(db)
+        return dx
+
+
+class Linear(Module):
+    """y = x @ W.T + b (+ ReLU) as one cuDNN matmul graph; W (out, in) as torch.nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, activation: str | None = None, dtype: Any = cp.float32, seed: int | None = None) -> None:
+        rng = cp.random.RandomState(seed)
+        bound = 1 / math.sqrt(in_features)
+        self.weight = Parameter(_uniform((out_features, in_features), bound, dtype, rng))
+        self.bias = Parameter(_uniform((out_features,), bound, dtype, rng))
+        self.activation = _act(activation)
+        self._saved: tuple | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        x = cp.ascontiguousarray(x)
+        f = ops.linear_bias_relu if self.activation == "relu" else ops.linear_bias
+        y = f(x, self.weight.data, self.bias.data)
+        self._saved = (x, y if self.activation else None)
+        return y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        if self._saved is None:
+            raise OperandError("fusekit.nn.Linear", "dy", "backward() before forward()")
+        x, y = self._saved
+        dy = cp.ascontiguousarray(dy)
+        if self.activation == "relu":
+            dx, dw, db = ops.linear_bias_relu_backward(dy, x, self.weight.data, y)
+        else:
+            dx, dw, db = ops.linear_bias_backward(dy, x, self.weight.data)
+        self.weight.accumulate(dw)
+        self.bias.accumulate(db)
+        return dx
+
+
+class ReLU(Module):
+    """max(x, 0) as a cuDNN pointwise graph; backward by the relu_backward graph."""
+
+    def __init__(self) -> None:
+        self._y: cp.ndarray | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        self._y = ops.call("relu", x)
+        return self._y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        if self._y is None:
+            raise OperandError("fusekit.nn.ReLU", "dy", "backward() before forward()")
+        return ops.relu_backward(_as_layout(dy, self._y), self._y)
+
+
+class Flatten(Module):
+    """(N, C, H, W) -> (N, C*H*W) in C, H, W order (as torch.nn.Flatten on NCHW)."""
+
+    def __init__(self) -> None:
+        self._like: cp.ndarray | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        self._like = x
+        return cp.ascontiguousarray(x).reshape(x.shape[0], -1)
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        assert self._like is not None
+        return _as_layout(dy.reshape(self._like.shape), self._like)
+
+
+class Sequential(Module):
+    def __init__(self, *layers: Module) -> None:
+        self.layers = list(layers)
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        for layer in reversed(self.layers):
+            dy = layer.backward(dy)
+        return dy
+
+    def parameters(self) -> list[Parameter]:
+        return [p for layer in self.layers for p in layer.parameters()]
+
+    def train(self, mode: bool = True) -> "Sequential":
+        for layer in self.layers:
+            layer.train(mode)
+        self.training = mode
+        return self
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self.layers)
+
+    def __getitem__(self, i: int) -> Module:
+        return self.layers[i]
+
+
+class MSELoss:
+    """mean((pred - target)^2); backward() gives d loss / d pred."""
+
+    def __call__(self, pred: cp.ndarray, target: cp.ndarray) -> cp.ndarray:
+        self._diff = pred.astype(cp.float32) - target.astype(cp.float32)
+        self._pred = pred
+        return cp.mean(self._diff * self._diff)
+
+    def backward(self) -> cp.ndarray:
+        g = (2.0 / self._diff.size) * self._diff
+        return _as_layout(g.astype(self._pred.dtype), self._pred)
+
+
+class CrossEntropyLoss:
+    """Mean cross-entropy of logits (B, classes) against integer labels (B,), by a stable log-softmax."""
+
+    def __call__(self, logits: cp.ndarray, labels: cp.ndarray) -> cp.ndarray:
+        if logits.ndim != 2 or labels.shape != (logits.shape[0],):
+            raise OperandError("fusekit.nn.CrossEntropyLoss", "labels", f"expected logits (B, C) and labels (B,), got {logits.shape} and {labels.shape}")
+        z = logits.astype(cp.float32)
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - cp.log(cp.exp(z).sum(axis=1, keepdims=True))
+        self._p, self._labels, self._dtype = cp.exp(logp), labels, logits.dtype
+        return -logp[cp.arange(labels.shape[0]), labels].mean()
+
+    def backward(self) -> cp.ndarray:
+        g = self._p.copy()
+        g[cp.arange(self._labels.shape[0]), self._labels] -= 1.0
+        return (g / self._labels.shape[0]).astype(self._dtype)
+
+
+class SGD:
+    def __init__(self, params: Iterable[Parameter], lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        self.params, self.lr, self.momentum, self.wd = list(params), lr, momentum, weight_decay
+        self._v: dict[int, cp.ndarray] = {}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad + self.wd * p.data if self.wd else p.grad
+            if self.momentum:
+                v = self._v.get(id(p))
+                v = g.copy() if v is None else self.momentum * v + g
+                self._v[id(p)] = v
+                g = v
+            p.data -= self.lr * g.astype(p.data.dtype)
+
+
+_adam_update = cp.ElementwiseKernel(
+    "T g, float32 lr, float32 b1, float32 b2, float32 eps, float32 c1, float32 c2",
+    "T p, float32 m, float32 v",
+    """
+    float gf = (float)g;
+    m = b1 * m + (1.0f - b1) * gf;
+    v = b2 * v + (1.0f - b2) * gf * gf;
+    p = (T)((float)p - lr * (m / c1) / (sqrtf(v / c2) + eps));
+    """,
+    "fusekit_adam",
+)
+
+
+class Adam:
+    def __init__(self, params: Iterable[Parameter], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.params, self.lr, self.betas, self.eps = list(params), lr, betas, eps
+        self._state: dict[int, tuple[cp.ndarray, cp.ndarray]] = {}
+        self.t = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        c1, c2 = 1 - b1**self.t, 1 - b2**self.t
+        for p in self.params:
+            if p.grad is None:
+                continue
+            m, v = self._state.setdefault(id(p), (cp.zeros(p.data.shape, cp.float32), cp.zeros(p.data.shape, cp.float32)))
+            # the kernel writes p, m and v in place; p may be a channels-last view, so go through its base order
+            _adam_update(p.grad.reshape(p.data.shape), self.lr, b1, b2, self.eps, c1, c2, p.data, m, v)
