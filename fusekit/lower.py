@@ -34,6 +34,11 @@ def _conv_kw(a: Mapping[str, Any]) -> dict:
     return dict(padding=list(a["padding"]), stride=list(a["stride"]), dilation=list(a["dilation"]))
 
 
+def _first(res: Any, k: int) -> tuple:
+    """The first k real outputs of a node (optional outputs it did not make are dropped)."""
+    return tuple(t for t in res if t is not None)[:k]
+
+
 def _reduce_add(g: Any, x: Any, name: str) -> Any:
     return g.reduction(x, mode=_cudnn().reduction_mode.ADD, name=name)
 
@@ -48,6 +53,14 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "relu": lambda g, i, a, n: g.relu(i["input"], name=n),
     "relu_backward": lambda g, i, a, n: g.relu_backward(i["loss"], i["input"], name=n),
     "channel_sum": lambda g, i, a, n: _reduce_add(g, i["input"], n),
+    "batchnorm": lambda g, i, a, n: g.batchnorm(
+        i["input"], i["scale"], i["bias"], in_running_mean=i["in_running_mean"], in_running_var=i["in_running_var"],
+        epsilon=a["epsilon"], momentum=a["momentum"], name=n,
+    ),
+    "batchnorm_stats": lambda g, i, a, n: _first(g.batchnorm(i["input"], i["scale"], i["bias"], epsilon=a["epsilon"], name=n), 3),
+    "batchnorm_inference": lambda g, i, a, n: g.batchnorm_inference(i["input"], i["mean"], i["inv_variance"], i["scale"], i["bias"], name=n),
+    "batchnorm_backward": lambda g, i, a, n: g.batchnorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
+    "genstats": lambda g, i, a, n: g.genstats(i["input"], name=n),
     "add": lambda g, i, a, n: g.add(i["a"], i["b"], name=n),
     "mul": lambda g, i, a, n: g.mul(i["a"], i["b"], name=n),
 }
@@ -60,7 +73,8 @@ class Lowered:
 
     graph: Any
     names: tuple[str, ...]  # operands then outputs
-    uids: tuple[int, ...]
+    uids: tuple[int, ...]  # operands, outputs, then the pass-by-value scalars
+    consts: tuple[float, ...] = ()  # the scalars' values, bound as host float32 arrays
 
 
 def lower(
@@ -86,19 +100,28 @@ def lower(
         env[o.name] = g.tensor(name=o.name, dim=list(s.shape), stride=list(s.strides), data_type=cudnn_dtype(s.dtype))
     shapes = pattern.infer_shapes({o.name: specs[o.name].shape for o in pattern.operands}, attrs)
     nhwc = any(specs[o.name].layout == "NHWC" for o in pattern.operands)
+    consts: list[tuple[Any, float]] = []
     for op in pattern.ops:
-        t = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, pattern.op_attrs(op, attrs), op.out)
-        if OPS[op.op].explicit_dims and op.out not in pattern.outputs:  # a virtual tensor cuDNN cannot size
-            shape = shapes[op.out]
-            layout = ("NHWC" if nhwc else "NCHW") if len(shape) == 4 else "ROW"
-            t.set_dim(list(shape)).set_stride(list(LAYOUT_STRIDES[layout](shape)))
-        env[op.out] = t
+        sig = OPS[op.op]
+        op_attrs = pattern.op_attrs(op, attrs)
+        for sc in sig.scalars:  # pass-by-value float32 tensors, bound to host values at execute
+            t = g.tensor(name=f"{op.out}_{sc}", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn_dtype("float32"), is_pass_by_value=True)
+            consts.append((t, float(op_attrs[sc])))
+            op_attrs[sc] = t
+        res = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, op_attrs, op.out)
+        results = tuple(res) if len(op.produces) > 1 else (res,)
+        for name, t in zip(op.produces, results):
+            if sig.explicit_dims and name not in pattern.outputs:  # a virtual tensor cuDNN cannot size
+                shape = shapes[name]
+                layout = ("NHWC" if nhwc else "NCHW") if len(shape) == 4 else "ROW"
+                t.set_dim(list(shape)).set_stride(list(LAYOUT_STRIDES[layout](shape)))
+            env[name] = t
     for name in pattern.outputs:
         s = specs[name]
         t = env[name]
         t.set_output(True).set_name(name).set_data_type(cudnn_dtype(s.dtype)).set_dim(list(s.shape)).set_stride(list(s.strides))
     names = pattern.operand_names + tuple(pattern.outputs)
-    return Lowered(g, names, tuple(env[n].uid for n in names))
+    return Lowered(g, names, tuple(env[n].uid for n in names) + tuple(t.uid for t, _ in consts), tuple(v for _, v in consts))
 
 
 @dataclass
@@ -111,6 +134,14 @@ class Built:
     build_ms: float
     engine_id: int | None = None
     knobs: dict | None = None
+    consts: tuple[float, ...] = ()
+
+
+def host_scalars(values: Sequence[float]) -> tuple[Any, ...]:
+    """The host float32 buffers bound to a graph's pass-by-value scalars."""
+    import numpy as np
+
+    return tuple(np.full((1, 1, 1, 1), v, dtype=np.float32) for v in values)
 
 
 def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "") -> Built:
@@ -141,7 +172,7 @@ def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where
         engine_id, knobs = int(eid), {getattr(k, "name", str(k)): int(v) for k, v in (kn or {}).items()}
     except Exception:  # noqa: BLE001 - replay information is optional
         pass
-    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3, engine_id, knobs)
+    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3, engine_id, knobs, lowered.consts)
 
 
 def deserialize(blob: bytes, handle: Any) -> Any:

@@ -23,11 +23,12 @@ from .tensors import _SIG, _STREAM, Adapter, TensorSpec, adapter_for, as_device_
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
-    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter")
+    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter", "consts")
 
     def __init__(self, plan: Plan, handle: Any, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
         self.handle, self.workspace, self.outs, self.out_adapter = handle, workspace, outs, out_adapter
+        self.consts = _lower.host_scalars(plan.consts)  # host buffers of pass-by-value scalars
 
 
 _FAST: dict[tuple, _Call] = {}
@@ -69,11 +70,13 @@ def _check(
         adapter0 = adapter0 or ad
         shape, strides, dtype, device = ad.describe(a)
         spec = make_spec(name, o.name, o.kind, shape, strides, dtype, device)
+        if o.dtype is not None and spec.dtype != o.dtype:
+            raise OperandError(name, o.name, f"expected dtype {o.dtype}, got {spec.dtype}")
         if first is not None:
             fname, fspec = first
             if spec.device != fspec.device:
                 raise OperandError(name, o.name, f"is on cuda:{spec.device} but '{fname}' is on cuda:{fspec.device}; put all operands on one device")
-            if spec.dtype != fspec.dtype:
+            if o.dtype is None and spec.dtype != fspec.dtype:
                 raise OperandError(name, o.name, f"expected dtype {fspec.dtype} like '{fname}', got {spec.dtype}")
         else:
             first = (o.name, spec)
@@ -107,6 +110,7 @@ def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple)
     out = {}
     for oname, like in pattern.outputs.items():
         ls, kind = specs[like], pattern.output_kinds[oname]
+        ls = TensorSpec.build(ls.shape, pattern.output_dtypes.get(oname, ls.dtype), ls.device, ls.layout, view=ls.view)
         shape = shapes[oname]
         if kind == "tensor":  # elementwise: same layout and view as the operand it is like
             out[oname] = TensorSpec.build(shape, ls.dtype, ls.device, ls.layout, view=ls.view if shape == ls.shape else shape)
@@ -152,7 +156,7 @@ def _planner(pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cach
                 return plan
             lowered = _lower.lower(pattern, specs, attrs, handle=handle)
             b = _lower.build(lowered, cache.heuristics, where=key.describe())
-        return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
+        return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs, consts=b.consts)
 
     def load(entry: Any) -> Plan:
         meta = entry.header["plan"]
@@ -163,6 +167,7 @@ def _planner(pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cach
         return Plan(
             key, g, tuple(meta["uids"]), int(meta["workspace_size"]), meta["engine"], int(meta.get("candidates", 0)), ms,
             source="disk", engine_id=meta.get("engine_id"), knobs=meta.get("knobs") or {}, tuning=meta.get("tuning"),
+            consts=tuple(meta.get("consts", ())),
         )
 
     return build, load
@@ -235,7 +240,7 @@ def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tup
     if alloc:
         outs = tuple([c.out_adapter.empty(s) for s in c.outs])
         arrays = operands + outs
-    c.graph.execute(arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    c.graph.execute(arrays + c.consts if c.consts else arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
     return outs[0] if len(outs) == 1 else outs
 
 

@@ -65,6 +65,34 @@ def _channel_sum(x: np.ndarray) -> np.ndarray:
     return x.sum(axis=tuple(i for i in range(x.ndim) if i != ax), keepdims=True)
 
 
+def _bn_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    mean = x.mean(axis=(0, 2, 3), keepdims=True)
+    var = x.var(axis=(0, 2, 3), keepdims=True)
+    return mean, var, 1.0 / np.sqrt(var + eps)
+
+
+def _batchnorm(i: Mapping[str, np.ndarray], a: Mapping[str, Any], running: bool) -> tuple:
+    x = i["input"]
+    mean, var, inv = _bn_stats(x, a["epsilon"])
+    y = (x - mean) * inv * i["scale"] + i["bias"]
+    if not running:
+        return y, mean, inv
+    m, count = a["momentum"], x.size // x.shape[1]
+    unbiased = var * count / max(count - 1, 1)
+    return y, mean, inv, (1 - m) * i["in_running_mean"] + m * mean, (1 - m) * i["in_running_var"] + m * unbiased
+
+
+def _batchnorm_backward(i: Mapping[str, np.ndarray]) -> tuple:
+    dy, x, gamma, mean, inv = i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"]
+    axes = (0, 2, 3)
+    m = x.size // x.shape[1]
+    xhat = (x - mean) * inv
+    dbeta = dy.sum(axis=axes, keepdims=True)
+    dgamma = (dy * xhat).sum(axis=axes, keepdims=True)
+    dx = gamma * inv / m * (m * dy - dbeta - xhat * dgamma)
+    return dx, dgamma, dbeta
+
+
 EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
     "conv_fprop": lambda i, a: conv2d_nchw(i["image"], i["weight"], a["padding"], a["stride"], a["dilation"]),
     "conv_dgrad": lambda i, a: conv2d_dgrad_nchw(i["loss"], i["filter"], a["_out"][2:], a["padding"], a["stride"], a["dilation"]),
@@ -72,6 +100,11 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
     "matmul": lambda i, a: np.matmul(i["a"], i["b"]),
     "relu_backward": lambda i, a: i["loss"] * (i["input"] > 0),
     "channel_sum": lambda i, a: _channel_sum(i["input"]),
+    "batchnorm": lambda i, a: _batchnorm(i, a, True),
+    "batchnorm_stats": lambda i, a: _batchnorm(i, a, False),
+    "batchnorm_inference": lambda i, a: (i["input"] - i["mean"]) * i["inv_variance"] * i["scale"] + i["bias"],
+    "batchnorm_backward": lambda i, a: _batchnorm_backward(i),
+    "genstats": lambda i, a: (i["input"].sum(axis=(0, 2, 3), keepdims=True), (i["input"] ** 2).sum(axis=(0, 2, 3), keepdims=True)),
     "bias": lambda i, a: i["input"] + i["bias"],
     "relu": lambda i, a: np.maximum(i["input"], 0.0),
     "add": lambda i, a: i["a"] + i["b"],
@@ -96,5 +129,6 @@ def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.n
         env[o.name] = arr.T.reshape(shape) if o.kind == "matrix_t" else arr.reshape(shape)
     shapes = pat.infer_shapes({k: v.shape for k, v in env.items()}, norm)  # the same checks as the GPU path
     for op in pat.ops:
-        env[op.out] = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, {**pat.op_attrs(op, norm), "_out": shapes[op.out]})
+        res = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, {**pat.op_attrs(op, norm), "_out": shapes[op.out]})
+        env.update(zip(op.produces, res) if len(op.produces) > 1 else [(op.out, res)])
     return tuple(env[name].reshape(view_shape(pat.output_kinds[name], env[name].shape)) for name in pat.outputs)

@@ -36,7 +36,7 @@ KINDS = {
     "row": "vector of length N broadcast over the rows of a matrix, seen by cuDNN as (1, 1, N)",
     "tensor": "any operand of an elementwise op: 4-D as an image, 2-D as a matrix, 1-D as a row",
 }
-ROLES = ("input", "weight", "bias", "param")
+ROLES = ("input", "weight", "bias", "param", "state")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,8 +46,10 @@ ROLES = ("input", "weight", "bias", "param")
 class OpSig:
     ports: tuple[str, ...]
     attrs: tuple[str, ...] = ()
-    infer: Callable[["_Ctx"], Shape] | None = None
+    infer: Callable[["_Ctx"], Any] | None = None  # a Shape, or a tuple of Shapes for several outputs
     explicit_dims: bool = False  # cuDNN cannot infer the output dims: the lowering sets them
+    outputs: tuple[str, ...] = ("out",)
+    scalars: tuple[str, ...] = ()  # attributes given to cuDNN as pass-by-value float32 tensors
 
 
 class _Ctx:
@@ -149,7 +151,65 @@ def _matmul_shape(c: _Ctx) -> Shape:
     return (a[0], a[1], b[2])
 
 
+def _stat_check(c: _Ctx, x: Shape, *ports: str) -> Shape:
+    want = (1, x[1], 1, 1)
+    for p in ports:
+        if c.shapes[p] != want:
+            got = c.shapes[p]
+            raise c.fail(p, f"expected one value per channel of '{c.names.get('input', c.names.get('loss'))}' ({x[1]}), got shape {got[1] if len(got) == 4 and max(got) == got[1] else got}")
+    return want
+
+
+def _eps_check(c: _Ctx) -> None:
+    if not c.attrs["epsilon"] > 0:
+        raise OperandError(c.pattern, "epsilon", f"expected a positive float, got {c.attrs['epsilon']!r}")
+    if "momentum" in c.attrs and not 0.0 <= c.attrs["momentum"] <= 1.0:
+        raise OperandError(c.pattern, "momentum", f"expected a float in [0, 1], got {c.attrs['momentum']!r}")
+
+
+def _bn_train_shape(c: _Ctx) -> tuple:
+    x = c.shapes["input"]
+    _eps_check(c)
+    st = _stat_check(c, x, "scale", "bias", "in_running_mean", "in_running_var")
+    return (x, st, st, st, st)
+
+
+def _bn_stats_shape(c: _Ctx) -> tuple:
+    x = c.shapes["input"]
+    _eps_check(c)
+    st = _stat_check(c, x, "scale", "bias")
+    return (x, st, st)
+
+
+def _bn_inference_shape(c: _Ctx) -> Shape:
+    x = c.shapes["input"]
+    _stat_check(c, x, "mean", "inv_variance", "scale", "bias")
+    return x
+
+
+def _bn_backward_shape(c: _Ctx) -> tuple:
+    dy, x = c.shapes["loss"], c.shapes["input"]
+    if dy != x:
+        raise c.fail("input", f"expected shape {dy} like '{c.names['loss']}', got {x}")
+    st = _stat_check(c, x, "scale", "mean", "inv_variance")
+    return (x, st, st)
+
+
+def _genstats_shape(c: _Ctx) -> tuple:
+    x = c.shapes["input"]
+    st = (1, x[1], 1, 1)
+    return (st, st)
+
+
 OPS: dict[str, OpSig] = {
+    "batchnorm": OpSig(
+        ("input", "scale", "bias", "in_running_mean", "in_running_var"), ("epsilon", "momentum"), _bn_train_shape,
+        outputs=("y", "mean", "inv_var", "next_running_mean", "next_running_var"), scalars=("epsilon", "momentum"),
+    ),
+    "batchnorm_stats": OpSig(("input", "scale", "bias"), ("epsilon",), _bn_stats_shape, outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
+    "batchnorm_inference": OpSig(("input", "mean", "inv_variance", "scale", "bias"), (), _bn_inference_shape),
+    "batchnorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _bn_backward_shape, outputs=("dx", "dscale", "dbias")),
+    "genstats": OpSig(("input",), (), _genstats_shape, outputs=("sum", "sq_sum")),
     "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation"), _conv_fprop_shape),
     "conv_dgrad": OpSig(("loss", "filter"), ("padding", "stride", "dilation", "output_padding"), _conv_dgrad_shape, True),
     "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel"), _conv_wgrad_shape, True),
@@ -171,6 +231,7 @@ class Operand:
     name: str
     kind: str
     role: str
+    dtype: str | None = None  # fixed dtype (e.g. float32 statistics); None: the pattern's I/O dtype
 
 
 def _index(v: Any) -> int:
@@ -219,7 +280,12 @@ class Op:
     op: str
     inputs: Mapping[str, str]
     attrs: Mapping[str, Any]  # op attribute -> pattern attribute name (str) or literal value
-    out: str
+    out: str  # the (first) value it produces
+    outs: tuple[str, ...] = ()  # every value it produces, in the op's output order
+
+    @property
+    def produces(self) -> tuple[str, ...]:
+        return self.outs or (self.out,)
 
 
 @dataclass(frozen=True)
@@ -231,6 +297,7 @@ class Pattern:
     ops: tuple[Op, ...]
     outputs: Mapping[str, str]  # output name -> operand whose dtype, layout and array type it takes
     output_kinds: Mapping[str, str] = field(default_factory=dict)  # output name -> kind (shape users see)
+    output_dtypes: Mapping[str, str] = field(default_factory=dict)  # output name -> fixed dtype, if any
     saved: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
     source: str = "<memory>"
@@ -262,7 +329,11 @@ class Pattern:
             sig = OPS[op.op]
             op_attrs = self.op_attrs(op, attrs)
             ctx = _Ctx(self.name, {p: env[n] for p, n in op.inputs.items()}, dict(op.inputs), op_attrs)
-            env[op.out] = sig.infer(ctx) if sig.infer else ctx.shapes[sig.ports[0]]
+            res = sig.infer(ctx) if sig.infer else ctx.shapes[sig.ports[0]]
+            if len(op.produces) > 1:
+                env.update(zip(op.produces, res))
+            else:
+                env[op.out] = res
         return env
 
     @staticmethod
@@ -306,7 +377,9 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         need(isinstance(kind, str) and isinstance(role, str), f"operand '{oname}': 'kind' and 'role' must be strings")
         need(kind in KINDS, f"operand '{oname}' has unknown kind {kind!r}; known: {sorted(KINDS)}")
         need(role in ROLES, f"operand '{oname}' has unknown role {role!r}; known: {list(ROLES)}")
-        operands.append(Operand(oname, kind, role))
+        dtype = spec.get("dtype")
+        need(dtype in (None, "float32"), f"operand '{oname}': dtype may only be fixed to \"float32\"")
+        operands.append(Operand(oname, kind, role, dtype))
 
     attrs = []
     need(isinstance(doc.get("attrs", {}), dict), "'attrs' must be a table name = default or name = { default = ..., min = ... }")
@@ -340,15 +413,20 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         missing = set(sig.attrs) - set(op_attrs)
         need(not missing, f"ops[{i}] ({opname}): attribute(s) {sorted(missing)} not given")
         out = spec.get("out")
-        need(isinstance(out, str) and out.isidentifier(), f"ops[{i}] ({opname}): 'out' must name the value it produces")
-        need(out not in defined, f"ops[{i}] ({opname}): 'out' {out!r} is already defined")
-        defined.add(out)
-        ops.append(Op(opname, dict(inputs), {k: _freeze(v) for k, v in op_attrs.items()}, out))
+        outs = out if isinstance(out, list) else [out]
+        need(
+            len(outs) == len(sig.outputs) and all(isinstance(o, str) and o.isidentifier() for o in outs),
+            f"ops[{i}] ({opname}): 'out' must name the {len(sig.outputs)} value(s) it produces {list(sig.outputs)}",
+        )
+        for o in outs:
+            need(o not in defined, f"ops[{i}] ({opname}): 'out' {o!r} is already defined")
+            defined.add(o)
+        ops.append(Op(opname, dict(inputs), {k: _freeze(v) for k, v in op_attrs.items()}, outs[0], tuple(outs) if len(outs) > 1 else ()))
 
     outputs = doc.get("outputs")
     need(isinstance(outputs, dict) and bool(outputs), "'outputs' must be a non-empty table: name = { like = OPERAND }")
-    produced = {op.out for op in ops}
-    out_map, out_kinds = {}, {}
+    produced = {o for op in ops for o in op.produces}
+    out_map, out_kinds, out_dtypes = {}, {}, {}
     for oname, spec in outputs.items():
         need(oname in produced, f"output '{oname}' is not produced by any op")
         like = spec.get("like") if isinstance(spec, dict) else None
@@ -357,6 +435,10 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         kind = spec.get("kind", {"matrix_t": "matrix"}.get(raw_ops[like]["kind"], raw_ops[like]["kind"]))
         need(kind in KINDS and kind != "matrix_t", f"output '{oname}' has unknown kind {kind!r}")
         out_kinds[oname] = kind
+        odt = spec.get("dtype")
+        need(odt in (None, "float32"), f"output '{oname}': dtype may only be fixed to \"float32\"")
+        if odt:
+            out_dtypes[oname] = odt
     saved = doc.get("saved", [])
     need(isinstance(saved, list) and all(isinstance(x, str) for x in saved), "'saved' must be a list of value names")
     saved = tuple(saved)
@@ -374,6 +456,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         ops=tuple(ops),
         outputs=out_map,
         output_kinds=out_kinds,
+        output_dtypes=out_dtypes,
         saved=saved,
         backward=tuple(backward),
         source=source,

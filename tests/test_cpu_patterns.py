@@ -76,7 +76,7 @@ def test_every_shipped_pattern_loads(name):
     assert pat.ops and pat.operands and pat.outputs
     assert all(op.op in OPS for op in pat.ops)
     names = set(pat.operand_names)
-    produced = {op.out for op in pat.ops}
+    produced = {o for op in pat.ops for o in op.produces}
     for out, like in pat.outputs.items():
         assert out in produced
         assert like in names
