@@ -463,3 +463,152 @@ def _linear_grads(dz: Any, x: Any, w: Any, need_dx: bool, need_dw: bool) -> tupl
     dx = call("matmul", dz, w) if need_dx else None
     dw = call("linear_wgrad", dz, x) if need_dw else None
     return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch norm, split into normalize / scale / shift, and fused back together
+# ----------------------------------------------------------------------------------------------
+_IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
+
+
+def _affine_identity(x: Any) -> tuple[Any, Any, Any]:
+    """(ones, zeros, scratch) float32 channel vectors for x's channels, cached per library/device/C.
+    cuDNN's batch-norm node always applies gamma and beta; normalize-only runs it with these, and
+    its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call)."""
+    c = int(x.shape[1])
+    key = (type(x), _device_index(x), c)
+    v = _IDENTITY.get(key)
+    if v is None:
+        ad = adapter_for(x)
+        spec = TensorSpec.build((1, c, 1, 1), "float32", _device_index(x), "NCHW", view=(c,))
+        ones, zeros, scratch = ad.empty(spec), ad.empty(spec), ad.empty(TensorSpec.build((1, 2 * c, 1, 1), "float32", spec.device, "NCHW", view=(2 * c,)))
+        ones[...] = 1.0
+        zeros[...] = 0.0
+        v = _IDENTITY[key] = (ones, zeros, scratch)
+    return v
+
+
+def _device_index(x: Any) -> int:
+    return int(x.get_device()) if hasattr(x, "get_device") else int(x.data.device_id)
+
+
+def bn_normalize(
+    x: Any, running_mean: Any = None, running_var: Any = None, *, epsilon: float = 1e-5, momentum: float = 0.1
+) -> tuple[Any, ...]:
+    """Batch normalization without scale or shift: (x - mean) * inv_std over N, H, W.
+
+    Returns (y, mean, inv_var), plus (new_running_mean, new_running_var) when running stats are
+    given (updated with ``momentum``, unbiased variance, as PyTorch). Statistics are float32 (C,)."""
+    ones, zeros, _ = _affine_identity(x)
+    if running_mean is None:
+        return call("batchnorm_stats", x, ones, zeros, epsilon=epsilon)
+    return call("batchnorm", x, ones, zeros, running_mean, running_var, epsilon=epsilon, momentum=momentum)
+
+
+def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
+    """dx of :func:`bn_normalize` (no gamma/beta gradients are produced for the caller)."""
+    ones, _, scratch = _affine_identity(x)
+    c = int(x.shape[1])
+    dx = _empty_like(x)
+    call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, scratch[:c], scratch[c:]))
+    return dx
+
+
+def _empty_like(x: Any) -> Any:
+    if hasattr(x, "get_device"):
+        import torch
+
+        return torch.empty_like(x)  # keeps channels-last
+    import cupy
+
+    return cupy.empty_like(x)  # order="K" keeps the strides' order
+
+
+def batchnorm(
+    x: Any, gamma: Any, beta: Any, running_mean: Any = None, running_var: Any = None, *,
+    epsilon: float = 1e-5, momentum: float = 0.1, relu: bool = False,
+) -> tuple[Any, ...]:
+    """Training batch norm (normalize, scale, shift fused; + ReLU with ``relu``): (y, mean, inv_var
+    [, new_running_mean, new_running_var])."""
+    if running_mean is None:
+        if relu:
+            y, mean, inv = call("batchnorm_stats", x, gamma, beta, epsilon=epsilon)
+            return call("relu", y), mean, inv
+        return call("batchnorm_stats", x, gamma, beta, epsilon=epsilon)
+    name = "batchnorm_relu" if relu else "batchnorm"
+    return call(name, x, gamma, beta, running_mean, running_var, epsilon=epsilon, momentum=momentum)
+
+
+def batchnorm_backward(
+    dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any, *, y: Any = None, needs: Sequence[bool] = (True, True, True)
+) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True))
+    the ReLU backward is fused in front (the dReLU + BN backward graph)."""
+    if y is None:
+        res = call("batchnorm_backward", dy, x, gamma, mean, inv_var)
+    else:
+        res = _fused_or_split(
+            _tag("batchnorm_relu_backward", dy, x),
+            lambda: call("batchnorm_relu_backward", dy, y, x, gamma, mean, inv_var),
+            lambda: call("batchnorm_backward", call("relu_backward", dy, y), x, gamma, mean, inv_var),
+        )
+    return tuple(r if n else None for r, n in zip(res, needs))  # type: ignore[return-value]
+
+
+def inv_std(running_var: Any, epsilon: float = 1e-5) -> Any:
+    """1 / sqrt(running_var + epsilon), what inference batch norm reads."""
+    return (running_var + epsilon) ** -0.5
+
+
+def batchnorm_inference(x: Any, mean: Any, inv_stdev: Any, gamma: Any, beta: Any, *, relu: bool = False) -> Any:
+    """Inference batch norm from running statistics (``inv_stdev`` = :func:`inv_std` of the running variance)."""
+    return call("batchnorm_inference_relu" if relu else "batchnorm_inference", x, mean, inv_stdev, gamma, beta)
+
+
+def channel_scale_shift(x: Any, gamma: Any = None, beta: Any = None, *, relu: bool = False) -> Any:
+    """y = x * gamma + beta per channel (either may be None), + ReLU with ``relu``; pointwise cuDNN graphs."""
+    if gamma is not None and beta is not None:
+        return call("channel_scale_shift_relu" if relu else "channel_scale_shift", x, gamma, beta)
+    if relu:
+        raise OperandError("channel_scale_shift", "beta", "relu=True needs both gamma and beta (fuse the ReLU behind a full scale and shift)")
+    if gamma is not None:
+        return call("channel_scale", x, gamma)
+    if beta is not None:
+        return call("channel_shift", x, beta)
+    raise OperandError("channel_scale_shift", "gamma", "give gamma, beta or both")
+
+
+def channel_scale_shift_backward(
+    dy: Any, x: Any, gamma: Any = None, *, y: Any = None, needs: Sequence[bool] = (True, True, True)
+) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`channel_scale_shift`; ``y``: its output when relu=True (the mask).
+    dgamma needs x; dx needs gamma (dx = dy when there is no gamma)."""
+    need_dx, need_dg, need_db = needs
+    if y is not None:
+        dy = call("relu_backward", dy, y)
+    dx = (call("channel_scale", dy, gamma) if gamma is not None else dy) if need_dx else None
+    dg = call("scale_grad", dy, x) if need_dg else None
+    db = call("shift_grad", dy) if need_db else None
+    return dx, dg, db
+
+
+def fold_batchnorm(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: float = 1e-5) -> tuple[Any, Any]:
+    """Fold inference batch norm into the convolution before it: conv(x, w') + b' = BN(conv(x, w) + b).
+    Returns (w', b') in w's dtype (w' in w's memory layout); run them with :func:`conv_bias_relu`."""
+    scale = gamma * (var + epsilon) ** -0.5  # float32, one per output channel
+    w2 = _empty_like(w)
+    w2[...] = w * scale.reshape(-1, 1, 1, 1)  # computed in float32, stored in w's dtype and layout
+    b2 = w.new_empty((w.shape[0],)) if hasattr(w, "new_empty") else __import__("cupy").empty((w.shape[0],), w.dtype)
+    b2[...] = beta - mean * scale if b is None else (b - mean) * scale + beta
+    return w2, b2
+
+
+def conv_bias_add_relu(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+    """``relu(conv2d(x, w) + b + z)``: a residual block's tail in one cuDNN graph."""
+    return _dispatch("conv_bias_add_relu", _CONV_ATTRS, (padding, stride, dilation), (x, w, b, z), out, None)
+
+
+def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1) -> tuple[Any, Any, Any]:
+    """(y, sum, sq_sum): a training convolution that also emits the per-channel sums of its output
+    the next batch norm needs (cuDNN genstats), in one graph."""
+    return _dispatch("conv_genstats", _CONV_ATTRS, (padding, stride, dilation), (x, w), None, None)

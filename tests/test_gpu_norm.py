@@ -1,0 +1,167 @@
+"""GPU: batch norm split into normalize / scale / shift and fused back, against PyTorch in float64."""
+
+import math
+
+import pytest
+
+import fusekit
+from fusekit import ops
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+CHANNELS = [1, 3, 64, 257]
+TOL = {"float16": 4e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
+STAT_TOL = 1e-4
+
+
+def img(n, c, h, w, dtype, layout):
+    t = torch.randn(n, c, h, w, device="cuda").to(getattr(torch, dtype)) * 2 + 0.5
+    return t.contiguous(memory_format=torch.channels_last) if layout == "NHWC" else t.contiguous()
+
+
+def vec(c, lo=0.5, hi=1.5):
+    return torch.rand(c, device="cuda") * (hi - lo) + lo
+
+
+def rel(a, ref):
+    assert a is not None and torch.isfinite(a.double()).all()
+    return float((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("c", CHANNELS)
+@pytest.mark.parametrize("relu", [False, True])
+def test_batchnorm_training_forward_backward(c, dtype, layout, relu):
+    x = img(4, c, 9, 7, dtype, layout)
+    gamma, beta = vec(c), torch.randn(c, device="cuda")
+    rm, rv = torch.randn(c, device="cuda"), vec(c)
+    y, mean, inv, nrm, nrv = ops.batchnorm(x, gamma, beta, rm, rv, epsilon=1e-5, momentum=0.1, relu=relu)
+    xr = x.double().requires_grad_(True)
+    gr, br = gamma.double().requires_grad_(True), beta.double().requires_grad_(True)
+    rmr, rvr = rm.double().clone(), rv.double().clone()
+    yr = F.batch_norm(xr, rmr, rvr, gr, br, True, 0.1, 1e-5)
+    yr = torch.relu(yr) if relu else yr
+    assert y.shape == x.shape and y.dtype == x.dtype and rel(y, yr) < TOL[dtype]
+    assert rel(mean, x.double().mean((0, 2, 3))) < STAT_TOL or float(mean.abs().max()) < 1e-6
+    assert rel(nrm, rmr) < STAT_TOL and rel(nrv, rvr) < STAT_TOL
+    var = x.double().var((0, 2, 3), unbiased=False)
+    assert rel(inv, 1 / torch.sqrt(var + 1e-5)) < STAT_TOL
+    dy = torch.randn_like(y)
+    yr.backward(dy.double())
+    dx, dg, db = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y if relu else None)
+    assert rel(dx, xr.grad) < TOL[dtype] * 2 and rel(dg, gr.grad) < TOL[dtype] * 2 and rel(db, br.grad) < TOL[dtype] * 2
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("c", CHANNELS)
+def test_normalize_alone(c, dtype, layout):
+    """Normalize without scale/shift (a framework keeps its own affine); backward gives dx only."""
+    x = img(3, c, 8, 8, dtype, layout)
+    y, mean, inv = ops.bn_normalize(x)
+    xr = x.double().requires_grad_(True)
+    yr = F.batch_norm(xr, None, None, None, None, True, 0.0, 1e-5)
+    assert rel(y, yr) < TOL[dtype]
+    dy = torch.randn_like(y)
+    yr.backward(dy.double())
+    dx = ops.bn_normalize_backward(dy, x, mean, inv)
+    assert dx.shape == x.shape and rel(dx, xr.grad) < 2 * TOL[dtype]
+    # with running statistics: the update equals PyTorch's
+    rm, rv = torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")
+    _, _, _, nrm, nrv = ops.bn_normalize(x, rm, rv, momentum=0.3)
+    rmr, rvr = rm.double().clone(), rv.double().clone()
+    F.batch_norm(x.double(), rmr, rvr, None, None, True, 0.3, 1e-5)
+    assert rel(nrm, rmr) < STAT_TOL or float((nrm.double() - rmr).abs().max()) < 1e-6
+    assert rel(nrv, rvr) < STAT_TOL
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("c", CHANNELS)
+@pytest.mark.parametrize("relu", [False, True])
+def test_scale_shift_alone_and_backward(c, dtype, relu):
+    x = img(2, c, 6, 5, dtype, "NHWC")
+    gamma, beta = vec(c), torch.randn(c, device="cuda")
+    y = ops.channel_scale_shift(x, gamma, beta, relu=relu)
+    xr, gr, br = (t.double().requires_grad_(True) for t in (x, gamma, beta))
+    yr = xr * gr.view(1, -1, 1, 1) + br.view(1, -1, 1, 1)
+    yr = torch.relu(yr) if relu else yr
+    assert rel(y, yr) < TOL[dtype]
+    dy = torch.randn_like(y)
+    yr.backward(dy.double())
+    dx, dg, db = ops.channel_scale_shift_backward(dy, x, gamma, y=y if relu else None)
+    assert rel(dx, xr.grad) < TOL[dtype] * 2 and rel(dg, gr.grad) < TOL[dtype] * 2 and rel(db, br.grad) < TOL[dtype] * 2
+    assert rel(ops.channel_scale_shift(x, gamma), x.double() * gamma.double().view(1, -1, 1, 1)) < TOL[dtype]
+    assert rel(ops.channel_scale_shift(x, beta=beta), x.double() + beta.double().view(1, -1, 1, 1)) < TOL[dtype]
+
+
+def test_scale_shift_errors():
+    x = img(2, 8, 4, 4, "float16", "NHWC")
+    with pytest.raises(fusekit.OperandError, match="'beta'.*needs both"):
+        ops.channel_scale_shift(x, vec(8), None, relu=True)
+    with pytest.raises(fusekit.OperandError, match="'gamma'.*expected one value per channel"):
+        ops.channel_scale_shift(x, vec(7), vec(8))
+    with pytest.raises(fusekit.OperandError, match="'gamma'.*expected dtype float32"):
+        ops.channel_scale_shift(x, vec(8).half(), vec(8))
+    with pytest.raises(fusekit.OperandError, match="'epsilon'.*positive"):
+        ops.batchnorm(x, vec(8), vec(8), epsilon=0.0)
+    with pytest.raises(fusekit.OperandError, match="'momentum'.*in \\[0, 1\\]"):
+        ops.batchnorm(x, vec(8), vec(8), vec(8), vec(8), momentum=1.5)
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("c", CHANNELS)
+def test_inference(c, dtype, layout):
+    x = img(4, c, 7, 7, dtype, layout)
+    gamma, beta, rm, rv = vec(c), torch.randn(c, device="cuda"), torch.randn(c, device="cuda"), vec(c)
+    for relu in (False, True):
+        y = ops.batchnorm_inference(x, rm, ops.inv_std(rv), gamma, beta, relu=relu)
+        yr = F.batch_norm(x.double(), rm.double(), rv.double(), gamma.double(), beta.double(), False, 0.1, 1e-5)
+        assert rel(y, torch.relu(yr) if relu else yr) < TOL[dtype]
+
+
+def test_running_stats_track_pytorch_over_steps():
+    c = 64
+    rm, rv = torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")
+    bn = torch.nn.BatchNorm2d(c, momentum=0.1).cuda().double()
+    gamma, beta = bn.weight.detach().float().clone(), bn.bias.detach().float().clone()
+    for _ in range(6):
+        x = img(8, c, 10, 10, "float32", "NHWC")
+        _, _, _, rm, rv = ops.batchnorm(x, gamma, beta, rm, rv, momentum=0.1)
+        bn(x.double())
+    assert rel(rm, bn.running_mean) < 1e-5 and rel(rv, bn.running_var) < 1e-5
+
+
+def test_conv_bn_relu_inference_folded():
+    x = img(2, 16, 12, 12, "float16", "NHWC")
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1).cuda()
+    bn = torch.nn.BatchNorm2d(32).cuda().eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+    w = conv.weight.detach().half().contiguous(memory_format=torch.channels_last)
+    w2, b2 = ops.fold_batchnorm(w, conv.bias.detach(), bn.running_mean, bn.running_var, bn.weight.detach(), bn.bias.detach(), bn.eps)
+    assert w2.dtype == torch.float16 and w2.is_contiguous(memory_format=torch.channels_last)
+    y = ops.conv_bias_relu(x, w2, b2, padding=1)
+    with torch.no_grad():
+        ref = torch.relu(bn.double()(F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)))
+    assert rel(y, ref) < 5e-3
+
+
+def test_conv_genstats_and_residual():
+    x = img(4, 32, 14, 14, "float16", "NHWC")
+    w = (torch.randn(64, 32, 3, 3, device="cuda") / 17).half().contiguous(memory_format=torch.channels_last)
+    b = torch.randn(64, device="cuda").half()
+    y, s, sq = ops.conv_genstats(x, w, padding=1)
+    yr = F.conv2d(x.double(), w.double(), padding=1)
+    assert rel(y, yr) < TOL["float16"]
+    assert rel(s, y.double().sum((0, 2, 3))) < 1e-3 and rel(sq, (y.double() ** 2).sum((0, 2, 3))) < 1e-3
+    z = img(4, 64, 14, 14, "float16", "NHWC")
+    out = ops.conv_bias_add_relu(x, w, b, z, padding=1)
+    ref = torch.relu(F.conv2d(x.double(), w.double(), b.double(), padding=1) + z.double())
+    assert rel(out, ref) < TOL["float16"]
