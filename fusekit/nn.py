@@ -221,16 +221,27 @@ class Flatten(Module):
 
 
 class Sequential(Module):
-    def __init__(self, *layers: Module) -> None:
+    """Layers in order. With ``fuse=True`` (default) adjacent normalize -> scale/shift -> ReLU layers
+    run as one cuDNN graph (see ``_fuse``); results are the same as running them one by one."""
+
+    def __init__(self, *layers: Module, fuse: bool = True) -> None:
         self.layers = list(layers)
+        self.fuse = fuse
+        self._plan: list[Module] | None = None
+
+    def _steps(self) -> list[Module]:
+        if self._plan is None:
+            self._plan = _fuse(self.layers) if self.fuse else list(self.layers)
+        return self._plan
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:
-        for layer in self.layers:
+        self._ran = self._steps()
+        for layer in self._ran:
             x = layer(x)
         return x
 
     def backward(self, dy: cp.ndarray) -> cp.ndarray:
-        for layer in reversed(self.layers):
+        for layer in reversed(self._ran):
             dy = layer.backward(dy)
         return dy
 
@@ -336,3 +347,156 @@ class Adam:
             m, v = self._state.setdefault(id(p), (cp.zeros(p.data.shape, cp.float32), cp.zeros(p.data.shape, cp.float32)))
             # the kernel writes p, m and v in place; p may be a channels-last view, so go through its base order
             _adam_update(p.grad.reshape(p.data.shape), self.lr, b1, b2, self.eps, c1, c2, p.data, m, v)
+
+
+class BatchNorm2d(Module):
+    """Batch norm over (N, H, W) per channel. ``affine=False``: normalize only (no gamma/beta and no
+    gradients for them); ``track_running_stats=False``: batch statistics in eval mode too.
+    ``relu=True`` fuses a ReLU behind it (what Sequential does for BatchNorm2d -> ReLU)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, relu: bool = False) -> None:
+        if not eps > 0:
+            raise OperandError("fusekit.nn.BatchNorm2d", "eps", f"expected a positive float, got {eps!r}")
+        if not 0.0 <= momentum <= 1.0:
+            raise OperandError("fusekit.nn.BatchNorm2d", "momentum", f"expected a float in [0, 1], got {momentum!r}")
+        self.num_features, self.eps, self.momentum, self.relu = num_features, eps, momentum, relu
+        self.affine, self.track_running_stats = affine, track_running_stats
+        if affine:
+            self.weight = Parameter(cp.ones(num_features, cp.float32))
+            self.bias = Parameter(cp.zeros(num_features, cp.float32))
+        self.running_mean = cp.zeros(num_features, cp.float32) if track_running_stats else None
+        self.running_var = cp.ones(num_features, cp.float32) if track_running_stats else None
+        self._saved: tuple | None = None
+
+    def _affine(self, x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        if self.affine:
+            return self.weight.data, self.bias.data
+        ones, zeros, _ = ops._affine_identity(x)
+        return ones, zeros
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        if x.ndim != 4 or x.shape[1] != self.num_features:
+            raise OperandError("fusekit.nn.BatchNorm2d", "x", f"expected (N, {self.num_features}, H, W), got shape {x.shape}")
+        gamma, beta = self._affine(x)
+        if self.training or not self.track_running_stats:
+            if self.track_running_stats and self.training:
+                y, mean, inv, rm, rv = ops.batchnorm(x, gamma, beta, self.running_mean, self.running_var,
+                                                     epsilon=self.eps, momentum=self.momentum, relu=self.relu)
+                self.running_mean, self.running_var = rm, rv
+            else:
+                y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=self.eps, relu=self.relu)
+            self._saved = (x, mean, inv, y if self.relu else None)
+            return y
+        self._saved = None
+        return ops.batchnorm_inference(x, self.running_mean, ops.inv_std(self.running_var, self.eps), gamma, beta, relu=self.relu)
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        if self._saved is None:
+            raise OperandError("fusekit.nn.BatchNorm2d", "dy", "backward() needs a forward() in training mode")
+        x, mean, inv, y = self._saved
+        dy = _as_layout(dy, x)
+        if not self.affine and y is None:
+            return ops.bn_normalize_backward(dy, x, mean, inv)
+        gamma, _ = self._affine(x)
+        dx, dg, db = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=(True, self.affine, self.affine))
+        if self.affine:
+            self.weight.accumulate(dg)
+            self.bias.accumulate(db)
+        return dx
+
+
+class ChannelScaleShift(Module):
+    """y = x * gamma + beta per channel (``scale``/``shift`` pick which exist); ``relu=True`` fuses a ReLU."""
+
+    def __init__(self, num_features: int, scale: bool = True, shift: bool = True, relu: bool = False) -> None:
+        if not (scale or shift):
+            raise OperandError("fusekit.nn.ChannelScaleShift", "scale", "needs a scale, a shift or both")
+        if relu and not (scale and shift):
+            raise OperandError("fusekit.nn.ChannelScaleShift", "shift", "relu=True needs both a scale and a shift")
+        self.num_features, self.relu = num_features, relu
+        self.weight = Parameter(cp.ones(num_features, cp.float32)) if scale else None
+        self.bias = Parameter(cp.zeros(num_features, cp.float32)) if shift else None
+        self._saved: tuple | None = None
+
+    def parameters(self) -> list[Parameter]:
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        g = self.weight.data if self.weight is not None else None
+        b = self.bias.data if self.bias is not None else None
+        y = ops.channel_scale_shift(x, g, b, relu=self.relu)
+        self._saved = (x, y if self.relu else None)
+        return y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        assert self._saved is not None, "backward() before forward()"
+        x, y = self._saved
+        dy = _as_layout(dy, x)
+        g = self.weight.data if self.weight is not None else None
+        dx, dg, db = ops.channel_scale_shift_backward(dy, x, g, y=y, needs=(True, self.weight is not None, self.bias is not None))
+        if self.weight is not None:
+            self.weight.accumulate(dg)
+        if self.bias is not None:
+            self.bias.accumulate(db)
+        return dx
+
+
+class _FusedNorm(Module):
+    """BatchNorm2d(affine=False) [+ ChannelScaleShift(scale, shift)] [+ ReLU] run as one graph;
+    made by Sequential, holding no state of its own (it drives the member layers' state)."""
+
+    def __init__(self, bn: BatchNorm2d, ss: ChannelScaleShift | None, relu: bool) -> None:
+        self.bn, self.ss, self.relu = bn, ss, relu
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        bn, ss = self.bn, self.ss
+        gamma, beta = (ss.weight.data, ss.bias.data) if ss is not None else bn._affine(x)
+        if bn.training or not bn.track_running_stats:
+            if bn.training and bn.track_running_stats:
+                y, mean, inv, bn.running_mean, bn.running_var = ops.batchnorm(
+                    x, gamma, beta, bn.running_mean, bn.running_var, epsilon=bn.eps, momentum=bn.momentum, relu=self.relu)
+            else:
+                y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=bn.eps, relu=self.relu)
+            self._saved = (x, mean, inv, y if self.relu else None)
+            return y
+        return ops.batchnorm_inference(x, bn.running_mean, ops.inv_std(bn.running_var, bn.eps), gamma, beta, relu=self.relu)
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        x, mean, inv, y = self._saved
+        dy = _as_layout(dy, x)
+        ss = self.ss
+        gamma = ss.weight.data if ss is not None else self.bn._affine(x)[0]
+        has_affine = ss is not None or self.bn.affine
+        dx, dg, db = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=(True, has_affine, has_affine))
+        owner = ss if ss is not None else (self.bn if self.bn.affine else None)
+        if owner is not None:
+            owner.weight.accumulate(dg)
+            owner.bias.accumulate(db)
+        return dx
+
+    def parameters(self) -> list[Parameter]:
+        return []  # the member layers own them
+
+
+def _fuse(layers: Sequence[Module]) -> list[Module]:
+    """Group adjacent BatchNorm2d -> [ChannelScaleShift(scale and shift)] -> [ReLU] into one graph, and
+    ChannelScaleShift(scale and shift) -> ReLU likewise; everything else runs as it is."""
+    out: list[Module] = []
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        if isinstance(layer, BatchNorm2d) and not layer.relu:
+            ss = None
+            j = i + 1
+            if not layer.affine and isinstance(nxt, ChannelScaleShift) and nxt.weight is not None and nxt.bias is not None and not nxt.relu:
+                ss, j = nxt, i + 2
+            relu = j < len(layers) and isinstance(layers[j], ReLU)
+            if ss is not None or relu:
+                out.append(_FusedNorm(layer, ss, relu))
+                i = j + (1 if relu else 0)
+                continue
+        out.append(layer)
+        i += 1
+    return out

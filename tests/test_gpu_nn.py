@@ -91,3 +91,47 @@ def test_cupy_autoencoder_trains():
     print(f"CuPy autoencoder: {losses[0]:.4f} -> {losses[-1]:.5f}")
     assert all(math.isfinite(v) for v in losses)
     assert losses[0] / min(losses[-10:]) >= 10
+
+
+def test_sequential_fuses_normalize_scale_shift_relu_with_identical_results():
+    """normalize -> scale/shift -> ReLU written as three layers runs as one graph, same numbers."""
+    import fusekit
+    import fusekit.nn as fnn
+
+    def build(fuse):
+        bn = fnn.BatchNorm2d(64, affine=False)
+        ss = fnn.ChannelScaleShift(64)
+        ss.weight.data[...] = cp.linspace(0.5, 1.5, 64, dtype=cp.float32)
+        ss.bias.data[...] = cp.linspace(-1, 1, 64, dtype=cp.float32)
+        return fnn.Sequential(bn, ss, fnn.ReLU(), fuse=fuse)
+
+    fused, plain = build(True), build(False)
+    assert len(fused._steps()) == 1 and len(plain._steps()) == 3
+    x = fusekit_nhwc_random((8, 64, 12, 12))
+    y1, y2 = fused(x), plain(x)
+    assert float(cp.abs(y1 - y2).max()) < 1e-4
+    dy = fusekit_nhwc_random((8, 64, 12, 12))
+    dx1, dx2 = fused.backward(dy), plain.backward(dy)
+    assert float(cp.linalg.norm(dx1 - dx2) / cp.linalg.norm(dx2)) < 1e-4
+    for p1, p2 in zip(fused.parameters(), plain.parameters()):
+        assert float(cp.linalg.norm(p1.grad - p2.grad) / cp.linalg.norm(p2.grad)) < 1e-4
+    for a, b in ((fused[0].running_mean, plain[0].running_mean), (fused[0].running_var, plain[0].running_var)):
+        assert float(cp.abs(a - b).max()) < 1e-5
+    fused.eval(), plain.eval()
+    assert float(cp.abs(fused(x) - plain(x)).max()) < 1e-4
+
+
+def test_batchnorm2d_matches_torch_train_and_eval():
+    import fusekit.nn as fnn
+
+    bn = fnn.BatchNorm2d(3, momentum=0.2)
+    ref = torch.nn.BatchNorm2d(3, momentum=0.2).cuda().double()
+    for _ in range(3):
+        x = fusekit_nhwc_random((4, 3, 9, 9))
+        y = bn(x)
+        yr = ref(to_torch(x))
+        assert rel(y, yr) < 1e-4
+    assert rel(bn.running_mean, ref.running_mean) < 1e-5 and rel(bn.running_var, ref.running_var) < 1e-5
+    bn.eval(), ref.eval()
+    x = fusekit_nhwc_random((4, 3, 9, 9))
+    assert rel(bn(x), ref(to_torch(x))) < 1e-4
