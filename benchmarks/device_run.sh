@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# What one call of the device tool runs (see ../shared/device/README.md): install the carried
+# frontend wheel, then the requested parts, logs and results under $OUT.
+#   bash benchmarks/device_run.sh probes tests bench-conv bench-autotune bench-train bench-norm
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FUSEKIT_CACHE_DIR=${FUSEKIT_CACHE_DIR:-/tmp/fusekit-cache}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for part in "$@"; do
+  case $part in
+    probes)
+      timeout 120 python3 benchmarks/probes/probe_autotune_api.py > "$OUT/probe_autotune.log" 2>&1
+      timeout 120 python3 benchmarks/probes/probe_norm_api.py > "$OUT/probe_norm.log" 2>&1
+      grep -E "^\[|plans|build|serialize|deserialize|equal|err|replay|filtered" "$OUT/probe_norm.log" "$OUT/probe_autotune.log" | cut -c1-220 | head -40 ;;
+    tests)
+      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/ > "$OUT/gpu_tests.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -45 ;;
+    tests-*)
+      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
+    bench-*)
+      timeout 500 python3 "benchmarks/${part//-/_}.py" --out "$OUT" > "$OUT/${part}.log" 2>&1
+      tail -8 "$OUT/${part}.log" | cut -c1-400 ;;
+  esac
+done
