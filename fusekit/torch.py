@@ -141,3 +141,83 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return LinearBiasAct.apply(x, self.weight, self.bias, self.activation)
+
+
+class BatchNormAct(torch.autograd.Function):
+    """Training batch norm (+ ReLU): one cuDNN graph forward (running stats updated in place of the
+    module's buffers), the BN backward (with the dReLU fused in front) as one graph."""
+
+    @staticmethod
+    def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, relu):  # type: ignore[override]
+        if running_mean is not None:
+            y, mean, inv, rm, rv = ops.batchnorm(x, gamma, beta, running_mean, running_var, epsilon=eps, momentum=momentum, relu=relu)
+            running_mean.copy_(rm)
+            running_var.copy_(rv)
+        else:
+            y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=eps, relu=relu)
+        ctx.save_for_backward(x, gamma, mean, inv, y if relu else None)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        x, gamma, mean, inv, y = ctx.saved_tensors
+        dx, dg, db = ops.batchnorm_backward(_like(dy, x), x, gamma, mean, inv, y=y, needs=ctx.needs_input_grad[:3])
+        return dx, dg, db, None, None, None, None, None
+
+
+class BatchNorm2d(torch.nn.BatchNorm2d):
+    """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU]; eval: inference BN [+ ReLU]).
+    ``affine=False`` runs normalize only; gamma/beta gradients are then neither made nor stored."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.activation = _check_act(activation)
+
+    def _identity(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ones, zeros, _ = ops._affine_identity(x)
+        return ones, zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        relu = self.activation == "relu"
+        gamma, beta = (self.weight, self.bias) if self.affine else self._identity(x)
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        if self.training or not self.track_running_stats:
+            use_running = self.training and self.track_running_stats
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+            return BatchNormAct.apply(
+                x, gamma, beta, self.running_mean if use_running else None, self.running_var if use_running else None,
+                self.eps, momentum, relu,
+            )
+        return ops.batchnorm_inference(x, self.running_mean, ops.inv_std(self.running_var, self.eps), gamma.detach(), beta.detach(), relu=relu)
+
+
+class ScaleShiftAct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, gamma, beta, relu):  # type: ignore[override]
+        y = ops.channel_scale_shift(x, gamma, beta, relu=relu)
+        ctx.save_for_backward(x, gamma, y if relu else None)
+        ctx.has = (gamma is not None, beta is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        x, gamma, y = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        dx, dg, db = ops.channel_scale_shift_backward(_like(dy, x), x, gamma, y=y, needs=(n[0], ctx.has[0] and n[1], ctx.has[1] and n[2]))
+        return dx, dg, db, None
+
+
+class ChannelScaleShift(torch.nn.Module):
+    """y = x * gamma + beta per channel (``scale``/``shift`` choose which exist), optional fused ReLU."""
+
+    def __init__(self, num_features: int, scale: bool = True, shift: bool = True, activation: str | None = None, device: Any = None) -> None:
+        super().__init__()
+        self.activation = _check_act(activation)
+        if not (scale or shift) or (self.activation and not (scale and shift)):
+            raise OperandError("fusekit.torch.ChannelScaleShift", "scale", "needs a scale or a shift, and both for a fused ReLU")
+        self.weight = torch.nn.Parameter(torch.ones(num_features, device=device)) if scale else None
+        self.bias = torch.nn.Parameter(torch.zeros(num_features, device=device)) if shift else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation == "relu")
