@@ -18,8 +18,8 @@ class PatternError(FusekitError):
 class OperandError(FusekitError, ValueError):
     """An operand (array or attribute) does not fit the pattern; names the operand and what was expected."""
 
-    def __init__(self, pattern: str, operand: str, message: str) -> None:
-        super().__init__(f"{pattern}: operand '{operand}': {message}")
+    def __init__(self, pattern: str, operand: str, message: str, what: str = "operand") -> None:
+        super().__init__(f"{pattern}: {what} '{operand}': {message}")
         self.pattern = pattern
         self.operand = operand
 

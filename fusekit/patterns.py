@@ -162,9 +162,9 @@ def _stat_check(c: _Ctx, x: Shape, *ports: str) -> Shape:
 
 def _eps_check(c: _Ctx) -> None:
     if not c.attrs["epsilon"] > 0:
-        raise OperandError(c.pattern, "epsilon", f"expected a positive float, got {c.attrs['epsilon']!r}")
+        raise OperandError(c.pattern, "epsilon", f"expected a positive float, got {c.attrs['epsilon']!r}", what="attribute")
     if "momentum" in c.attrs and not 0.0 <= c.attrs["momentum"] <= 1.0:
-        raise OperandError(c.pattern, "momentum", f"expected a float in [0, 1], got {c.attrs['momentum']!r}")
+        raise OperandError(c.pattern, "momentum", f"expected a float in [0, 1], got {c.attrs['momentum']!r}", what="attribute")
 
 
 def _bn_train_shape(c: _Ctx) -> tuple:
@@ -267,11 +267,11 @@ class AttrSpec:
                 out = value
         except (TypeError, ValueError):
             form = f"an int or a sequence of {len(d)} ints" if isinstance(d, tuple) else type(d).__name__
-            raise OperandError(pattern, self.name, f"expected {form}, got {value!r}") from None
+            raise OperandError(pattern, self.name, f"expected {form}, got {value!r}", what="attribute") from None
         if self.min is not None:
             vals = out if isinstance(out, tuple) else (out,)
             if any(v < self.min for v in vals):
-                raise OperandError(pattern, self.name, f"expected values >= {self.min}, got {value!r}")
+                raise OperandError(pattern, self.name, f"expected values >= {self.min}, got {value!r}", what="attribute")
         return out
 
 
@@ -319,7 +319,7 @@ class Pattern:
         known = {a.name for a in self.attrs}
         for k in given:
             if k not in known:
-                raise OperandError(self.name, k, f"unknown attribute; this pattern takes {sorted(known) or 'none'}")
+                raise OperandError(self.name, k, f"unknown attribute; this pattern takes {sorted(known) or 'none'}", what="attribute")
         return tuple((a.name, a.normalize(self.name, given.get(a.name, a.default))) for a in self.attrs)
 
     def infer_shapes(self, shapes: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:

@@ -36,7 +36,13 @@ def versions() -> Versions:
     global _versions
     if _versions is None:
         cudnn = cudnn_module()
-        _versions = Versions(int(cudnn.backend_version()), str(cudnn.__version__))
+        try:
+            backend = int(cudnn.backend_version())
+        except Exception as e:  # libcudnn missing or not loadable
+            from .errors import NoGPUError
+
+            raise NoGPUError(f"the cuDNN library cannot be loaded ({e}); install fusekit[cu12] or fusekit[cu13]") from None
+        _versions = Versions(backend, str(cudnn.__version__))
     return _versions
 
 

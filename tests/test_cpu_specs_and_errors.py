@@ -208,8 +208,8 @@ def good_operands(dtype="float16"):
     return x, w, b
 
 
-def raises_operand(name, match):
-    return pytest.raises(OperandError, match=rf"^conv_bias_relu: operand '{name}': .*{match}")
+def raises_operand(name, match, what="operand"):
+    return pytest.raises(OperandError, match=rf"^conv_bias_relu: {what} '{name}': .*{match}")
 
 
 def test_valid_operands_reach_the_tripwire(fake):
@@ -299,7 +299,7 @@ def test_non_dense_strides(fake):
 
 def test_unknown_attribute(fake):
     x, w, b = good_operands()
-    with raises_operand("groups", r"unknown attribute; this pattern takes \['dilation', 'padding', 'stride'\]"):
+    with raises_operand("groups", what="attribute", match=r"unknown attribute; this pattern takes \['dilation', 'padding', 'stride'\]"):
         fusekit.call("conv_bias_relu", x, w, b, groups=2)
     with pytest.raises(TypeError):  # the typed wrapper has no such keyword at all
         fusekit.conv_bias_relu(x, w, b, groups=2)
@@ -311,7 +311,7 @@ def test_unknown_attribute(fake):
 )
 def test_bad_attribute_value(fake, attr, value, match):
     x, w, b = good_operands()
-    with raises_operand(attr, match):
+    with raises_operand(attr, match, what="attribute"):
         fusekit.conv_bias_relu(x, w, b, **{attr: value})
 
 
