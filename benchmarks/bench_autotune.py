@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fusekit  # noqa: E402
-from bench_conv import BATCH, RESNET50, cl, graph_time_us  # noqa: E402
+from bench_conv import BATCH, RESNET50, graph_time_us  # noqa: E402
+from timing import cl  # noqa: E402
 from fusekit.cache import DiskStore, PlanCache  # noqa: E402
 
 SWEEP_REPEATS = 15

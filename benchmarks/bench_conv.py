@@ -28,8 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import fusekit
-from fusekit import ops as fops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fusekit  # noqa: E402
+from timing import cl  # noqa: E402
+from timing import graph_time_us as _graph_time_us  # noqa: E402
+from fusekit import ops as fops  # noqa: E402
 
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.2e12
@@ -65,35 +68,9 @@ REPS = 20  # calls per graph replay
 TRIALS = 15
 
 
-def cl(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
-
-
-def graph_time_us(fn_i, warm: int = 3) -> float:
-    """Median per-call device time of fn_i(i) for i in 0..REPS-1, captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(ROT * 2):
-            fn_i(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for i in range(REPS):
-            fn_i(i)
-    for _ in range(warm):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(TRIALS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPS)
-    return statistics.median(times)
+def graph_time_us(fn_i) -> float:
+    """Median per-call device time of fn_i(i), REPS calls cycling over the ROT input sets, in one CUDA graph."""
+    return _graph_time_us(fn_i, reps=REPS, trials=TRIALS, warm=ROT * 2)
 
 
 def host_time_us(fn, n: int = 200, trials: int = 9) -> float:

@@ -15,7 +15,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,40 +26,15 @@ import fusekit  # noqa: E402
 import fusekit.torch as ft  # noqa: E402
 from bench_train import graphed_time_us as step_time_us  # noqa: E402
 from fusekit import ops  # noqa: E402
+from timing import cl, graph_time_us  # noqa: E402
 
 PEAK_BYTES = 4.2e12
 TRIALS, REPS = 15, 20
 SHAPES = [(32, 64, 56), (32, 128, 28), (32, 256, 14), (32, 512, 7), (32, 256, 56)]
 
 
-def cl(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
-
-
 def time_us(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(REPS):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(TRIALS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / REPS)
-    return statistics.median(ts)
+    return graph_time_us(lambda i: fn(), reps=REPS, trials=TRIALS, warm=3)
 
 
 def rel(a, ref) -> float:

@@ -15,7 +15,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import autoencoder  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import graph_time_us  # noqa: E402
 
 import fusekit  # noqa: E402
 import fusekit.torch as ft  # noqa: E402
@@ -43,36 +45,15 @@ def step_fn(model, x):
 
 def graphed_time_us(model, x) -> float:
     """Median device time of one forward+backward, captured (with its allocations) in a CUDA graph."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
+
+    def reset() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+
     step = step_fn(model, x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            for p in params:
-                p.grad = None
-            x.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    for p in params:
-        p.grad = None
-    x.grad = None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(REPS):
-            step()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(TRIALS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / REPS)
-    return statistics.median(ts)
+    return graph_time_us(lambda i: step(), reps=REPS, trials=TRIALS, warm=3, reset=reset)
 
 
 def grads(model, x):
