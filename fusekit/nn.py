@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import cupy as cp
 
-from . import ops
+from . import ops, pool
 from .errors import OperandError
 from .tensors import nhwc
 
@@ -500,3 +500,68 @@ def _fuse(layers: Sequence[Module]) -> list[Module]:
         out.append(layer)
         i += 1
     return out
+
+
+class MaxPool2d(Module):
+    """Max pooling (CuPy kernel; cuDNN's Python graph API has no pooling node). The argmax is kept
+    as an int32 array for the backward."""
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self._saved: tuple | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        y, argmax = pool.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+        self._saved = (argmax, x.shape)
+        return y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        assert self._saved is not None, "backward() before forward()"
+        argmax, shape = self._saved
+        return pool.max_pool2d_backward(dy, argmax, shape)
+
+
+class AvgPool2d(Module):
+    """Average pooling (CuPy kernel), PyTorch semantics (count_include_pad)."""
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True) -> None:
+        self.args = (kernel_size, stride, padding)
+        self.count_include_pad = count_include_pad
+        self._shape: tuple | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        self._shape = x.shape
+        return pool.avg_pool2d(x, *self.args, count_include_pad=self.count_include_pad)
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        assert self._shape is not None, "backward() before forward()"
+        return pool.avg_pool2d_backward(dy, self._shape, *self.args, count_include_pad=self.count_include_pad)
+
+
+class Softmax(Module):
+    """Softmax over ``axis`` (channels by default); the backward reads the output y, not x."""
+
+    def __init__(self, axis: int = 1, log: bool = False) -> None:
+        self.axis, self.log = axis, log
+        self._y: cp.ndarray | None = None
+
+    def forward(self, x: cp.ndarray) -> cp.ndarray:
+        self._y = (pool.log_softmax if self.log else pool.softmax)(x, self.axis)
+        return self._y
+
+    def backward(self, dy: cp.ndarray) -> cp.ndarray:
+        assert self._y is not None, "backward() before forward()"
+        return (pool.log_softmax_backward if self.log else pool.softmax_backward)(dy, self._y, self.axis)
+
+
+class NLLLoss:
+    """Mean negative log-likelihood of log-probabilities (B, classes) (after Softmax(log=True))."""
+
+    def __call__(self, logp: cp.ndarray, labels: cp.ndarray) -> cp.ndarray:
+        self._shape, self._labels, self._dtype = logp.shape, labels, logp.dtype
+        return -logp[cp.arange(labels.shape[0]), labels].astype(cp.float32).mean()
+
+    def backward(self) -> cp.ndarray:
+        g = cp.zeros(self._shape, self._dtype)
+        g[cp.arange(self._labels.shape[0]), self._labels] = -1.0 / self._labels.shape[0]
+        return g

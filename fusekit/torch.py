@@ -221,3 +221,88 @@ class ChannelScaleShift(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation == "relu")
+
+
+class _MaxPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, kernel_size, stride, padding):  # type: ignore[override]
+        from . import pool
+
+        y, argmax = pool.max_pool2d(x, kernel_size, stride, padding)
+        ctx.save_for_backward(argmax)
+        ctx.shape = tuple(x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        from . import pool
+
+        (argmax,) = ctx.saved_tensors
+        return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None
+
+
+class MaxPool2d(torch.nn.Module):
+    """Max pooling through fusekit's CuPy kernel (int32 argmax saved for the backward)."""
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding)
+
+
+class _AvgPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad):  # type: ignore[override]
+        from . import pool
+
+        ctx.args, ctx.shape, ctx.cip = (kernel_size, stride, padding), tuple(x.shape), count_include_pad
+        return pool.avg_pool2d(x, kernel_size, stride, padding, count_include_pad)
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        from . import pool
+
+        return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, count_include_pad=ctx.cip), None, None, None, None
+
+
+class AvgPool2d(torch.nn.Module):
+    """Average pooling through fusekit's CuPy kernel (PyTorch semantics)."""
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding, self.count_include_pad = kernel_size, stride, padding, count_include_pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _AvgPool.apply(x, self.kernel_size, self.stride, self.padding, self.count_include_pad)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, axis, log):  # type: ignore[override]
+        from . import pool
+
+        y = (pool.log_softmax if log else pool.softmax)(x, axis)
+        ctx.save_for_backward(y)
+        ctx.axis, ctx.log = axis, log
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        from . import pool
+
+        (y,) = ctx.saved_tensors
+        f = pool.log_softmax_backward if ctx.log else pool.softmax_backward
+        return f(_like(dy, y), y, ctx.axis), None, None
+
+
+class Softmax(torch.nn.Module):
+    """Softmax (``log=True``: log-softmax) over ``dim``; the backward reads the output, not the input."""
+
+    def __init__(self, dim: int = 1, log: bool = False) -> None:
+        super().__init__()
+        self.dim, self.log = dim, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _Softmax.apply(x, self.dim, self.log)

@@ -135,3 +135,40 @@ def test_batchnorm2d_matches_torch_train_and_eval():
     bn.eval(), ref.eval()
     x = fusekit_nhwc_random((4, 3, 9, 9))
     assert rel(bn(x), ref(to_torch(x))) < 1e-4
+
+
+def test_small_cnn_trains():
+    """conv-BN-ReLU-pool x2, linear, log-softmax on a synthetic 4-class task (which quadrant holds the blob)."""
+    import fusekit
+    import fusekit.nn as fnn
+
+    rng = np.random.default_rng(0)
+
+    def batch(n):
+        labels = rng.integers(0, 4, n)
+        imgs = rng.normal(0, 0.3, (n, 16, 16, 3)).astype(np.float32)
+        for i, q in enumerate(labels):
+            r0, c0 = (q // 2) * 8 + rng.integers(1, 5), (q % 2) * 8 + rng.integers(1, 5)
+            imgs[i, r0:r0 + 3, c0:c0 + 3, :] += 2.0
+        return fusekit.nhwc(cp.asarray(imgs)), cp.asarray(labels)
+
+    model = fnn.Sequential(
+        fnn.Conv2d(3, 8, 3, padding=1, seed=0), fnn.BatchNorm2d(8), fnn.ReLU(), fnn.MaxPool2d(2),
+        fnn.Conv2d(8, 16, 3, padding=1, seed=1), fnn.BatchNorm2d(16), fnn.ReLU(), fnn.MaxPool2d(2),
+        fnn.Flatten(), fnn.Linear(16 * 4 * 4, 4, seed=2), fnn.Softmax(log=True),
+    )
+    assert sum(type(s).__name__ == "_FusedNorm" for s in model._steps()) == 2  # BN -> ReLU fused twice
+    opt, loss_fn = fnn.Adam(model.parameters(), lr=3e-3), fnn.NLLLoss()
+    losses = []
+    for _ in range(150):
+        x, labels = batch(32)
+        loss = loss_fn(model(x), labels)
+        opt.zero_grad()
+        model.backward(loss_fn.backward())
+        opt.step()
+        losses.append(float(loss))
+    model.eval()
+    x, labels = batch(256)
+    acc = float((model(x).argmax(axis=1) == labels).mean())
+    print(f"small CNN: loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}, eval accuracy {acc:.1%}")
+    assert np.mean(losses[-10:]) < losses[0] / 4 and acc > 0.9
