@@ -39,6 +39,10 @@ def _first(res: Any, k: int) -> tuple:
     return tuple(t for t in res if t is not None)[:k]
 
 
+def _training() -> Any:
+    return _cudnn().norm_forward_phase.TRAINING
+
+
 def _reduce_add(g: Any, x: Any, name: str) -> Any:
     return g.reduction(x, mode=_cudnn().reduction_mode.ADD, name=name)
 
@@ -61,6 +65,10 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "batchnorm_inference": lambda g, i, a, n: g.batchnorm_inference(i["input"], i["mean"], i["inv_variance"], i["scale"], i["bias"], name=n),
     "batchnorm_backward": lambda g, i, a, n: g.batchnorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
     "genstats": lambda g, i, a, n: g.genstats(i["input"], name=n),
+    "layernorm": lambda g, i, a, n: _first(g.layernorm(i["input"], i["scale"], i["bias"], a["epsilon"], norm_forward_phase=_training(), name=n), 3),
+    "layernorm_backward": lambda g, i, a, n: g.layernorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
+    "instancenorm": lambda g, i, a, n: _first(g.instancenorm(i["input"], i["scale"], i["bias"], a["epsilon"], norm_forward_phase=_training(), name=n), 3),
+    "instancenorm_backward": lambda g, i, a, n: g.instancenorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
     "add": lambda g, i, a, n: g.add(i["a"], i["b"], name=n),
     "mul": lambda g, i, a, n: g.mul(i["a"], i["b"], name=n),
 }

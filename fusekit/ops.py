@@ -612,3 +612,23 @@ def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation
     """(y, sum, sq_sum): a training convolution that also emits the per-channel sums of its output
     the next batch norm needs (cuDNN genstats), in one graph."""
     return _dispatch("conv_genstats", _CONV_ATTRS, (padding, stride, dilation), (x, w), None, None)
+
+
+def layernorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[Any, Any, Any]:
+    """Layer norm over (C, H, W) per sample (training): (y, mean, inv_var); gamma, beta (1, C, H, W) float32."""
+    return call("layernorm", x, gamma, beta, epsilon=epsilon)
+
+
+def layernorm_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`layernorm`."""
+    return call("layernorm_backward", dy, x, gamma, mean, inv_var)
+
+
+def instancenorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[Any, Any, Any]:
+    """Instance norm over (H, W) per sample and channel (training): (y, mean, inv_var); gamma, beta (C,) float32."""
+    return call("instancenorm", x, gamma, beta, epsilon=epsilon)
+
+
+def instancenorm_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`instancenorm`."""
+    return call("instancenorm_backward", dy, x, gamma, mean, inv_var)

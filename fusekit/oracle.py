@@ -93,6 +93,22 @@ def _batchnorm_backward(i: Mapping[str, np.ndarray]) -> tuple:
     return dx, dgamma, dbeta
 
 
+def _norm(i: Mapping[str, np.ndarray], a: Mapping[str, Any], axes: tuple[int, ...]) -> tuple:
+    x = i["input"]
+    mean = x.mean(axis=axes, keepdims=True)
+    inv = 1.0 / np.sqrt(x.var(axis=axes, keepdims=True) + a["epsilon"])
+    return (x - mean) * inv * i["scale"] + i["bias"], mean, inv
+
+
+def _norm_backward(i: Mapping[str, np.ndarray], axes: tuple[int, ...], affine_sum: tuple[int, ...]) -> tuple:
+    dy, x, gamma, mean, inv = i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"]
+    m = np.prod([x.shape[k] for k in axes])
+    xhat = (x - mean) * inv
+    g = dy * gamma
+    dx = inv / m * (m * g - g.sum(axis=axes, keepdims=True) - xhat * (g * xhat).sum(axis=axes, keepdims=True))
+    return dx, (dy * xhat).sum(axis=affine_sum, keepdims=True), dy.sum(axis=affine_sum, keepdims=True)
+
+
 EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
     "conv_fprop": lambda i, a: conv2d_nchw(i["image"], i["weight"], a["padding"], a["stride"], a["dilation"]),
     "conv_dgrad": lambda i, a: conv2d_dgrad_nchw(i["loss"], i["filter"], a["_out"][2:], a["padding"], a["stride"], a["dilation"]),
@@ -104,6 +120,10 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
     "batchnorm_stats": lambda i, a: _batchnorm(i, a, False),
     "batchnorm_inference": lambda i, a: (i["input"] - i["mean"]) * i["inv_variance"] * i["scale"] + i["bias"],
     "batchnorm_backward": lambda i, a: _batchnorm_backward(i),
+    "layernorm": lambda i, a: _norm(i, a, (1, 2, 3)),
+    "layernorm_backward": lambda i, a: _norm_backward(i, (1, 2, 3), (0,)),
+    "instancenorm": lambda i, a: _norm(i, a, (2, 3)),
+    "instancenorm_backward": lambda i, a: _norm_backward(i, (2, 3), (0, 2, 3)),
     "genstats": lambda i, a: (i["input"].sum(axis=(0, 2, 3), keepdims=True), (i["input"] ** 2).sum(axis=(0, 2, 3), keepdims=True)),
     "bias": lambda i, a: i["input"] + i["bias"],
     "relu": lambda i, a: np.maximum(i["input"], 0.0),

@@ -195,6 +195,37 @@ def _bn_backward_shape(c: _Ctx) -> tuple:
     return (x, st, st)
 
 
+def _norm_shape(stats_axes: tuple[int, ...], affine_axes: tuple[int, ...]) -> Callable[[_Ctx], tuple]:
+    """Layer / instance norm: statistics keep ``stats_axes`` of x; gamma and beta keep ``affine_axes``."""
+
+    def infer(c: _Ctx) -> tuple:
+        x = c.shapes["input"]
+        _eps_check(c)
+        want = tuple(d if i in affine_axes else 1 for i, d in enumerate(x))
+        for p in ("scale", "bias"):
+            if c.shapes[p] != want:
+                raise c.fail(p, f"expected shape {want} for '{c.names['input']}' of shape {x}, got {c.shapes[p]}")
+        st = tuple(d if i in stats_axes else 1 for i, d in enumerate(x))
+        return (x, st, st)
+
+    return infer
+
+
+def _norm_backward_shape(stats_axes: tuple[int, ...], affine_axes: tuple[int, ...]) -> Callable[[_Ctx], tuple]:
+    def infer(c: _Ctx) -> tuple:
+        dy, x = c.shapes["loss"], c.shapes["input"]
+        if dy != x:
+            raise c.fail("input", f"expected shape {dy} like '{c.names['loss']}', got {x}")
+        aff = tuple(d if i in affine_axes else 1 for i, d in enumerate(x))
+        st = tuple(d if i in stats_axes else 1 for i, d in enumerate(x))
+        for p, want in (("scale", aff), ("mean", st), ("inv_variance", st)):
+            if c.shapes[p] != want:
+                raise c.fail(p, f"expected shape {want}, got {c.shapes[p]}")
+        return (x, aff, aff)
+
+    return infer
+
+
 def _genstats_shape(c: _Ctx) -> tuple:
     x = c.shapes["input"]
     st = (1, x[1], 1, 1)
@@ -210,6 +241,10 @@ OPS: dict[str, OpSig] = {
     "batchnorm_inference": OpSig(("input", "mean", "inv_variance", "scale", "bias"), (), _bn_inference_shape),
     "batchnorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _bn_backward_shape, outputs=("dx", "dscale", "dbias")),
     "genstats": OpSig(("input",), (), _genstats_shape, outputs=("sum", "sq_sum")),
+    "layernorm": OpSig(("input", "scale", "bias"), ("epsilon",), _norm_shape((0,), (1, 2, 3)), outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
+    "layernorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _norm_backward_shape((0,), (1, 2, 3)), outputs=("dx", "dscale", "dbias")),
+    "instancenorm": OpSig(("input", "scale", "bias"), ("epsilon",), _norm_shape((0, 1), (1,)), outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
+    "instancenorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _norm_backward_shape((0, 1), (1,)), outputs=("dx", "dscale", "dbias")),
     "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation"), _conv_fprop_shape),
     "conv_dgrad": OpSig(("loss", "filter"), ("padding", "stride", "dilation", "output_padding"), _conv_dgrad_shape, True),
     "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel"), _conv_wgrad_shape, True),

@@ -165,3 +165,26 @@ def test_conv_genstats_and_residual():
     out = ops.conv_bias_add_relu(x, w, b, z, padding=1)
     ref = torch.relu(F.conv2d(x.double(), w.double(), b.double(), padding=1) + z.double())
     assert rel(out, ref) < TOL["float16"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_layernorm_and_instancenorm(dtype, layout):
+    x = img(4, 6, 5, 7, dtype, layout)
+    gl, bl = vec(6 * 5 * 7).view(1, 6, 5, 7), torch.randn(1, 6, 5, 7, device="cuda")
+    y, mean, inv = ops.layernorm(x, gl, bl)
+    xr, gr, br = (t.double().requires_grad_(True) for t in (x, gl[0], bl[0]))
+    yr = F.layer_norm(xr, (6, 5, 7), gr, br, 1e-5)
+    assert rel(y, yr) < TOL[dtype]
+    dy = torch.randn_like(y)
+    yr.backward(dy.double())
+    dx, dg, db = ops.layernorm_backward(dy, x, gl, mean, inv)
+    assert rel(dx, xr.grad) < 2 * TOL[dtype] and rel(dg[0], gr.grad) < 2 * TOL[dtype] and rel(db[0], br.grad) < 2 * TOL[dtype]
+    gi, bi = vec(6), torch.randn(6, device="cuda")
+    y, mean, inv = ops.instancenorm(x, gi, bi)
+    xr, gr, br = (t.double().requires_grad_(True) for t in (x, gi, bi))
+    yr = F.instance_norm(xr, weight=gr, bias=br, eps=1e-5)
+    assert rel(y, yr) < TOL[dtype]
+    yr.backward(dy.double())
+    dx, dg, db = ops.instancenorm_backward(dy, x, gi, mean, inv)
+    assert rel(dx, xr.grad) < 2 * TOL[dtype] and rel(dg, gr.grad) < 2 * TOL[dtype] and rel(db, br.grad) < 2 * TOL[dtype]
