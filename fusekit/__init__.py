@@ -28,6 +28,7 @@ from .ops import (
 )
 from .patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
 from .tensors import TensorSpec, nhwc
+from . import pool  # noqa: E402  (CuPy pooling and softmax kernels)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,804 @@
+"""Pooling and softmax as CuPy kernels, with NumPy float64 references.
+
+The cuDNN frontend's graph API has no pooling or softmax node, so these run as ``cupy.RawModule``
+kernels. Images are in logical (N, C, H, W) dim order with NCHW or NHWC (channels-last) memory; the
+kernels index through each array's strides, so neither layout is copied, and results keep the
+layout of the input they are computed from. Inputs are CuPy arrays or torch CUDA tensors (imported
+zero-copy through DLPack and run on torch's current stream); results are of the first operand's
+type. float16, bfloat16 and float32 are computed in float32 and stored in the input's dtype.
+Every user error is an OperandError raised before anything is launched.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from .errors import NoGPUError, OperandError
+from .tensors import _matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+INDEX_DTYPES = ("int32", "int64")
+_BLOCK = 256
+_MAX_BLOCKS = 1 << 20  # kernels loop grid-stride past this
+
+__all__ = [
+    "PoolGeometry", "pool2d_geometry",
+    "max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward",
+    "softmax", "log_softmax", "softmax_backward", "log_softmax_backward",
+    "max_pool2d_reference", "max_pool2d_backward_reference", "avg_pool2d_reference",
+    "avg_pool2d_backward_reference", "softmax_reference", "log_softmax_reference",
+    "softmax_backward_reference", "log_softmax_backward_reference",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Geometry (pure Python; shared by the kernels and the references)
+# ----------------------------------------------------------------------------------------------
+class PoolGeometry(NamedTuple):
+    """Normalized pooling attributes and the output's spatial size."""
+
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    ho: int
+    wo: int
+
+
+def _pair(pattern: str, name: str, v: Any, minimum: int) -> tuple[int, int]:
+    vals = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
+    try:
+        a, b = vals
+    except (TypeError, ValueError):
+        raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}") from None
+    for e in (a, b):
+        if isinstance(e, bool) or not isinstance(e, (int, np.integer)):
+            raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}")
+        if e < minimum:
+            raise OperandError(pattern, name, f"expected values >= {minimum}, got {v!r}")
+    return int(a), int(b)
+
+
+def pool2d_geometry(
+    input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0, pattern: str = "pool2d"
+) -> PoolGeometry:
+    """Check pooling attributes against an (N, C, H, W) shape; output size by PyTorch's floor formula.
+
+    Raises OperandError for a non-4-D shape, kernel or stride < 1, padding < 0 or more than half the
+    kernel (PyTorch's limit, which keeps every window on real input), or a kernel larger than the
+    padded input.
+    """
+    shape = tuple(int(s) for s in input_shape)
+    if len(shape) != 4:
+        raise OperandError(pattern, "x", f"expected a 4-D image (N, C, H, W), got rank {len(shape)} shape {shape}")
+    if min(shape) < 1:
+        raise OperandError(pattern, "x", f"expected every dim >= 1, got shape {shape}")
+    kh, kw = _pair(pattern, "kernel_size", kernel_size, 1)
+    sh, sw = _pair(pattern, "stride", kernel_size if stride is None else stride, 1)
+    ph, pw = _pair(pattern, "padding", padding, 0)
+    _, _, h, w = shape
+    for axis, k, p, size in (("height", kh, ph, h), ("width", kw, pw, w)):
+        if 2 * p > k:
+            raise OperandError(pattern, "padding", f"{axis} padding {p} is more than half the kernel {k}")
+        if k > size + 2 * p:
+            raise OperandError(pattern, "kernel_size", f"kernel {k} larger than padded input {axis} {size} + 2*{p} = {size + 2 * p}")
+    return PoolGeometry(kh, kw, sh, sw, ph, pw, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1)
+
+
+def _axis(pattern: str, axis: Any, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise OperandError(pattern, "axis", f"expected an int in [{-ndim}, {ndim}), got {axis!r}")
+    return int(axis) % ndim
+
+
+# ----------------------------------------------------------------------------------------------
+# NumPy float64 references (the oracle of the tests)
+# ----------------------------------------------------------------------------------------------
+def _offsets(g: PoolGeometry, h: int, w: int, i: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Input rows and columns under window offset (i, j) of every output position, and their validity."""
+    rows = np.arange(g.ho) * g.sh - g.ph + i
+    cols = np.arange(g.wo) * g.sw - g.pw + j
+    valid = ((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :]
+    return np.clip(rows, 0, h - 1), np.clip(cols, 0, w - 1), valid
+
+
+def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool) -> np.ndarray:
+    """(Ho, Wo) divisors as PyTorch: window clipped to the padded input, or to the input without pad."""
+    def span(n_out: int, s: int, p: int, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        start = np.arange(n_out) * s - p
+        end = np.minimum(start + k, size + p)
+        return end - start, np.minimum(end, size) - np.maximum(start, 0)
+
+    padded_h, real_h = span(g.ho, g.sh, g.ph, g.kh, h)
+    padded_w, real_w = span(g.wo, g.sw, g.pw, g.kw, w)
+    return np.outer(padded_h, padded_w) if count_include_pad else np.outer(real_h, real_w)
+
+
+def max_pool2d_reference(x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0) -> tuple[np.ndarray, np.ndarray]:
+    """float64 max pooling of (N, C, H, W) and int64 argmax (flat h*W+w in the input plane).
+
+    As PyTorch: padding never wins, ties keep the first position in row-major window order, NaN wins.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference")
+    n, c, h, w = x.shape
+    best = np.full((n, c, g.ho, g.wo), -np.inf)
+    first_h = np.maximum(np.arange(g.ho) * g.sh - g.ph, 0)
+    first_w = np.maximum(np.arange(g.wo) * g.sw - g.pw, 0)
+    idx = np.broadcast_to((first_h[:, None] * w + first_w[None, :]), best.shape).astype(np.int64)
+    for i in range(g.kh):
+        for j in range(g.kw):
+            rows, cols, valid = _offsets(g, h, w, i, j)
+            v = x[:, :, rows[:, None], cols[None, :]]
+            take = valid & ((v > best) | np.isnan(v))
+            best = np.where(take, v, best)
+            idx = np.where(take, rows[:, None] * w + cols[None, :], idx)
+    return best, idx
+
+
+def max_pool2d_backward_reference(dy: np.ndarray, argmax: np.ndarray, input_shape: Sequence[int]) -> np.ndarray:
+    """float64 gradient of max pooling: dy scatter-added at argmax into zeros of ``input_shape``."""
+    dy = np.asarray(dy, dtype=np.float64)
+    n, c, h, w = (int(s) for s in input_shape)
+    dx = np.zeros((n * c, h * w))
+    rows = np.repeat(np.arange(n * c), dy.shape[2] * dy.shape[3])
+    np.add.at(dx, (rows, np.asarray(argmax).reshape(-1)), dy.reshape(-1))
+    return dx.reshape(n, c, h, w)
+
+
+def avg_pool2d_reference(
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True
+) -> np.ndarray:
+    """float64 average pooling of (N, C, H, W) with PyTorch's divisors (zero padding)."""
+    x = np.asarray(x, dtype=np.float64)
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "avg_pool2d_reference")
+    n, c, h, w = x.shape
+    total = np.zeros((n, c, g.ho, g.wo))
+    for i in range(g.kh):
+        for j in range(g.kw):
+            rows, cols, valid = _offsets(g, h, w, i, j)
+            total += np.where(valid, x[:, :, rows[:, None], cols[None, :]], 0.0)
+    return total / _avg_divisor(g, h, w, count_include_pad)
+
+
+def avg_pool2d_backward_reference(
+    dy: np.ndarray, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
+    count_include_pad: bool = True,
+) -> np.ndarray:
+    """float64 gradient of avg_pool2d_reference with respect to its input."""
+    dy = np.asarray(dy, dtype=np.float64)
+    n, c, h, w = (int(s) for s in input_shape)
+    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, "avg_pool2d_backward_reference")
+    if dy.shape != (n, c, g.ho, g.wo):
+        raise OperandError("avg_pool2d_backward_reference", "dy", f"expected shape {(n, c, g.ho, g.wo)}, got {dy.shape}")
+    share = dy / _avg_divisor(g, h, w, count_include_pad)
+    dxp = np.zeros((n, c, h + 2 * g.ph + g.kh, w + 2 * g.pw + g.kw))
+    for i in range(g.kh):
+        for j in range(g.kw):
+            dxp[:, :, i : i + (g.ho - 1) * g.sh + 1 : g.sh, j : j + (g.wo - 1) * g.sw + 1 : g.sw] += share
+    return dxp[:, :, g.ph : g.ph + h, g.pw : g.pw + w]
+
+
+def softmax_reference(x: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 softmax along ``axis``."""
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def log_softmax_reference(x: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 log-softmax along ``axis``."""
+    x = np.asarray(x, dtype=np.float64)
+    z = x - x.max(axis=axis, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+
+
+def softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 softmax gradient from its output: y * (dy - sum(dy * y))."""
+    dy, y = np.asarray(dy, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+
+
+def log_softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 log-softmax gradient from its output: dy - exp(y) * sum(dy)."""
+    dy, y = np.asarray(dy, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    return dy - np.exp(y) * dy.sum(axis=axis, keepdims=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA source: one module per storage dtype. Values are loaded to float32 and stored rounded to
+# nearest even; float16 converts with PTX cvt, bfloat16 with bit operations (no headers needed).
+# ----------------------------------------------------------------------------------------------
+_PRELUDE = {
+    "float32": r"""
+typedef float T;
+__device__ __forceinline__ float ld(const T* p, long long i) { return p[i]; }
+__device__ __forceinline__ void st(T* p, long long i, float v) { p[i] = v; }
+""",
+    "float16": r"""
+typedef unsigned short T;
+__device__ __forceinline__ float ld(const T* p, long long i) {
+    float f; unsigned short h = p[i];
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ void st(T* p, long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i] = h;
+}
+""",
+    "bfloat16": r"""
+typedef unsigned short T;
+__device__ __forceinline__ float ld(const T* p, long long i) { return __uint_as_float(((unsigned int)p[i]) << 16); }
+__device__ __forceinline__ void st(T* p, long long i, float v) {
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) p[i] = (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
+    else p[i] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+""",
+}
+
+_BODY = r"""
+#define GRID_LOOP(i, total) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (total); \
+         i += (long long)blockDim.x * gridDim.x)
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+
+// Element i of an (N, C, H, W) walk in memory order: c fastest when channels-last, else w.
+__device__ __forceinline__ void decode(long long i, int C, int H, int W, int cl, int& n, int& c, int& h, int& w) {
+    if (cl) { c = (int)(i % C); i /= C; w = (int)(i % W); i /= W; h = (int)(i % H); n = (int)(i / H); }
+    else    { w = (int)(i % W); i /= W; h = (int)(i % H); i /= H; c = (int)(i % C); n = (int)(i / C); }
+}
+
+// One thread per output; padding never wins; ties keep the first window position; NaN wins.
+extern "C" __global__ void max_pool_fwd(
+    const T* x, T* y, int* am, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        int hs = ho * sh - ph, ws = wo * sw - pw;
+        const int he = imin(hs + kh, H), we = imin(ws + kw, W);
+        hs = imax(hs, 0); ws = imax(ws, 0);
+        const T* xp = x + (n * xn + c * xc);
+        float best = neg_inf();
+        int arg = hs * W + ws;
+        for (int h = hs; h < he; ++h) {
+            for (int w = ws; w < we; ++w) {
+                const float v = ld(xp, h * xh + w * xw);
+                if (v > best || v != v) { best = v; arg = h * W + w; }
+            }
+        }
+        const long long o = n * yn + c * yc + ho * yh + wo * yw;
+        st(y, o, best);
+        am[o] = arg;
+    }
+}
+
+// One thread per dy element: atomicAdd of dy into acc (float32, zeroed) at its argmax.
+template <typename I>
+__device__ __forceinline__ void max_pool_bwd(
+    const T* dy, const I* am, float* acc, long long total, int C, int Ho, int Wo, int H, int W,
+    long long dn, long long dc, long long dh, long long dw,
+    long long an, long long ac, long long ah, long long aw,
+    long long gn, long long gc, long long gh, long long gw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        const long long a = (long long)am[n * an + c * ac + ho * ah + wo * aw];
+        if (a < 0 || a >= (long long)H * W) continue;  // not an index into the plane: dropped
+        const int h = (int)(a / W), w = (int)(a % W);
+        atomicAdd(acc + (n * gn + c * gc + h * gh + w * gw), ld(dy, n * dn + c * dc + ho * dh + wo * dw));
+    }
+}
+
+#define MAX_POOL_BWD(NAME, I) \
+extern "C" __global__ void NAME( \
+    const T* dy, const I* am, float* acc, long long total, int C, int Ho, int Wo, int H, int W, \
+    long long dn, long long dc, long long dh, long long dw, \
+    long long an, long long ac, long long ah, long long aw, \
+    long long gn, long long gc, long long gh, long long gw, int cl) { \
+    max_pool_bwd<I>(dy, am, acc, total, C, Ho, Wo, H, W, dn, dc, dh, dw, an, ac, ah, aw, gn, gc, gh, gw, cl); \
+}
+MAX_POOL_BWD(max_pool_bwd_i32, int)
+MAX_POOL_BWD(max_pool_bwd_i64, long long)
+
+extern "C" __global__ void cast_f32(const float* a, T* o, long long total) {
+    GRID_LOOP(i, total) st(o, i, a[i]);
+}
+
+// PyTorch's divisor: the window clipped to the padded input (count_include_pad) or to the input.
+__device__ __forceinline__ int avg_window(int ho, int wo, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw,
+                                          int cip, int& hs, int& he, int& ws, int& we) {
+    hs = ho * sh - ph; ws = wo * sw - pw;
+    he = imin(hs + kh, H + ph); we = imin(ws + kw, W + pw);
+    const int padded = (he - hs) * (we - ws);
+    hs = imax(hs, 0); ws = imax(ws, 0); he = imin(he, H); we = imin(we, W);
+    return cip ? padded : (he - hs) * (we - ws);
+}
+
+extern "C" __global__ void avg_pool_fwd(
+    const T* x, T* y, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int cip,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo, hs, he, ws, we;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, hs, he, ws, we);
+        const T* xp = x + (n * xn + c * xc);
+        float s = 0.f;
+        for (int h = hs; h < he; ++h)
+            for (int w = ws; w < we; ++w) s += ld(xp, h * xh + w * xw);
+        st(y, n * yn + c * yc + ho * yh + wo * yw, s / (float)div);
+    }
+}
+
+// One thread per input element, gathering from the windows that cover it (deterministic).
+extern "C" __global__ void avg_pool_bwd(
+    const T* dy, T* dx, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int cip,
+    long long dn, long long dc, long long dh, long long dw,
+    long long xn, long long xc, long long xh, long long xw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, h, w;
+        decode(i, C, H, W, cl, n, c, h, w);
+        const int hos = (h + ph < kh) ? 0 : (h + ph - kh) / sh + 1, hoe = imin((h + ph) / sh + 1, Ho);
+        const int wos = (w + pw < kw) ? 0 : (w + pw - kw) / sw + 1, woe = imin((w + pw) / sw + 1, Wo);
+        const T* dp = dy + (n * dn + c * dc);
+        float s = 0.f;
+        for (int ho = hos; ho < hoe; ++ho) {
+            for (int wo = wos; wo < woe; ++wo) {
+                int hs, he, ws, we;
+                const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, hs, he, ws, we);
+                s += ld(dp, ho * dh + wo * dw) / (float)div;
+            }
+        }
+        st(dx, n * xn + c * xc + h * xh + w * xw, s);
+    }
+}
+
+// Softmax family over rows of length L (axis stride aL/bL/qL); a row's other three indices come
+// from r with o2 fastest. mode 0: softmax(a); 1: log_softmax(a); 2: softmax backward (a = y,
+// b = dy); 3: log_softmax backward (a = y, b = dy). Output to q.
+#define ROW_ARGS \
+    const T* a, const T* b, T* q, long long rows, int L, int o1, int o2, \
+    long long a0, long long a1, long long a2, long long aL, \
+    long long b0, long long b1, long long b2, long long bL, \
+    long long q0, long long q1, long long q2, long long qL, int mode
+
+#define ROW_POINTERS(r) \
+    const long long i2 = (r) % o2, t_ = (r) / o2, i1 = t_ % o1, i0 = t_ / o1; \
+    const T* pa = a + (i0 * a0 + i1 * a1 + i2 * a2); \
+    const T* pb = b + (i0 * b0 + i1 * b1 + i2 * b2); \
+    T* pq = q + (i0 * q0 + i1 * q1 + i2 * q2);
+
+// One thread per row (rows adjacent in memory go to adjacent threads).
+extern "C" __global__ void softmax_rows(ROW_ARGS) {
+    GRID_LOOP(r, rows) {
+        ROW_POINTERS(r)
+        if (mode < 2) {
+            float m = neg_inf();
+            for (int k = 0; k < L; ++k) m = fmaxf(m, ld(pa, k * aL));
+            float s = 0.f;
+            for (int k = 0; k < L; ++k) s += expf(ld(pa, k * aL) - m);
+            if (mode == 0) {
+                const float inv = 1.f / s;
+                for (int k = 0; k < L; ++k) st(pq, k * qL, expf(ld(pa, k * aL) - m) * inv);
+            } else {
+                const float lse = logf(s);
+                for (int k = 0; k < L; ++k) st(pq, k * qL, (ld(pa, k * aL) - m) - lse);
+            }
+        } else {
+            float s = 0.f;
+            for (int k = 0; k < L; ++k) s += mode == 2 ? ld(pb, k * bL) * ld(pa, k * aL) : ld(pb, k * bL);
+            for (int k = 0; k < L; ++k) {
+                const float yv = ld(pa, k * aL), g = ld(pb, k * bL);
+                st(pq, k * qL, mode == 2 ? yv * (g - s) : g - expf(yv) * s);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+}
+
+// One warp per row, lanes striding along it (for rows contiguous in memory). blockDim % 32 == 0.
+extern "C" __global__ void softmax_rows_warp(ROW_ARGS) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = blockDim.x >> 5;
+    for (long long r = (long long)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += warps * gridDim.x) {
+        ROW_POINTERS(r)
+        if (mode < 2) {
+            float m = neg_inf();
+            for (int k = lane; k < L; k += 32) m = fmaxf(m, ld(pa, k * aL));
+            m = warp_max(m);
+            float s = 0.f;
+            for (int k = lane; k < L; k += 32) s += expf(ld(pa, k * aL) - m);
+            s = warp_sum(s);
+            if (mode == 0) {
+                const float inv = 1.f / s;
+                for (int k = lane; k < L; k += 32) st(pq, k * qL, expf(ld(pa, k * aL) - m) * inv);
+            } else {
+                const float lse = logf(s);
+                for (int k = lane; k < L; k += 32) st(pq, k * qL, (ld(pa, k * aL) - m) - lse);
+            }
+        } else {
+            float s = 0.f;
+            for (int k = lane; k < L; k += 32) s += mode == 2 ? ld(pb, k * bL) * ld(pa, k * aL) : ld(pb, k * bL);
+            s = warp_sum(s);
+            for (int k = lane; k < L; k += 32) {
+                const float yv = ld(pa, k * aL), g = ld(pb, k * bL);
+                st(pq, k * qL, mode == 2 ? yv * (g - s) : g - expf(yv) * s);
+            }
+        }
+    }
+}
+"""
+
+WARP_KERNELS = frozenset({"softmax_rows_warp"})
+_MODULES: dict[str, Any] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def kernel_source(dtype: str) -> str:
+    """The CUDA source of the module for storage dtype ``dtype`` (float16 | bfloat16 | float32)."""
+    return _PRELUDE[dtype] + _BODY
+
+
+def _kernel(dtype: str, name: str) -> Any:
+    mod = _MODULES.get(dtype)
+    if mod is None:
+        import cupy
+
+        with _MODULES_LOCK:
+            mod = _MODULES.get(dtype)
+            if mod is None:
+                mod = _MODULES[dtype] = cupy.RawModule(code=kernel_source(dtype))
+    return mod.get_function(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Operands
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Operand:
+    """A checked array: its library, logical shape, canonical element strides and layout."""
+
+    array: Any
+    lib: str  # "cupy" | "torch"
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    layout: str  # "NCHW" | "NHWC" | "ROW"
+    dtype: str
+    device: int
+
+
+def _layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    if layout == "NHWC":
+        return nhwc_strides(shape)
+    return nchw_strides(shape) if layout == "NCHW" else row_strides(shape)
+
+
+def _operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tuple[str, ...]) -> _Operand:
+    """Check one array (device, rank, dtype, dense NCHW/NHWC or row-major strides); no GPU work."""
+    a = as_device_array(a, pattern, name)
+    ad = adapter_for(a, pattern, name)
+    shape, strides, dtype, device = ad.describe(a)
+    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
+    if device is None:
+        raise OperandError(pattern, name, "expected a CUDA device array, got an array in host (CPU) memory")
+    if len(shape) not in ranks:
+        what = "a 4-D image (N, C, H, W)" if ranks == (4,) else "a 2-D (batch, classes) array or a 4-D image (N, C, H, W)"
+        raise OperandError(pattern, name, f"expected {what}, got rank {len(shape)} shape {shape}")
+    if min(shape) < 1:
+        raise OperandError(pattern, name, f"expected every dim >= 1, got shape {shape}")
+    if dtype not in dtypes:
+        raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(dtypes)}")
+    if len(shape) == 4:
+        if _matches(strides, nchw_strides(shape), shape):
+            layout = "NCHW"
+        elif _matches(strides, nhwc_strides(shape), shape):
+            layout = "NHWC"
+        else:
+            raise OperandError(
+                pattern, name, f"strides {strides} are neither dense NCHW {nchw_strides(shape)} nor dense NHWC "
+                f"(channels-last) {nhwc_strides(shape)}; pass a contiguous or channels-last copy",
+            )
+    elif _matches(strides, row_strides(shape), shape):
+        layout = "ROW"
+    else:
+        raise OperandError(pattern, name, f"expected a dense row-major array, got strides {strides}; pass a contiguous copy")
+    return _Operand(a, ad.name, shape, _layout_strides(shape, layout), layout, dtype, int(device))
+
+
+def _same_place(pattern: str, first: tuple[str, _Operand], other: tuple[str, _Operand], dtype: bool = True) -> None:
+    (fname, f), (oname, o) = first, other
+    if o.device != f.device:
+        raise OperandError(pattern, oname, f"is on cuda:{o.device} but '{fname}' is on cuda:{f.device}; put all operands on one device")
+    if dtype and o.dtype != f.dtype:
+        raise OperandError(pattern, oname, f"expected dtype {f.dtype} like '{fname}', got {o.dtype}")
+
+
+def _input_shape(pattern: str, input_shape: Any, dy: _Operand) -> tuple[int, int, int, int]:
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except (TypeError, ValueError):
+        raise OperandError(pattern, "input_shape", f"expected 4 ints (N, C, H, W), got {input_shape!r}") from None
+    if len(shape) != 4 or min(shape) < 1:
+        raise OperandError(pattern, "input_shape", f"expected 4 positive ints (N, C, H, W), got {shape}")
+    if shape[:2] != dy.shape[:2]:
+        raise OperandError(pattern, "input_shape", f"N, C of {shape} differ from dy's {dy.shape[:2]}")
+    return shape  # type: ignore[return-value]
+
+
+def _check_plane(pattern: str, name: str, h: int, w: int) -> None:
+    if h * w >= 2**31:
+        raise OperandError(pattern, name, f"plane {h}x{w} has 2**31 or more elements; int32 argmax cannot index it")
+
+
+def _i32(*v: int) -> list[np.int32]:
+    return [np.int32(x) for x in v]
+
+
+def _i64(*v: int) -> list[np.int64]:
+    return [np.int64(x) for x in v]
+
+
+class _Launch:
+    """One call's GPU side: the operands' device, the stream (torch's current one for a torch
+    caller, else CuPy's current one), zero-copy CuPy views and outputs of the caller's type."""
+
+    def __init__(self, pattern: str, first: _Operand) -> None:
+        try:
+            import cupy
+        except ImportError as e:
+            raise NoGPUError(f"{pattern} runs CuPy kernels and CuPy is not installed ({e}); install fusekit[cu12] or fusekit[cu13]") from None
+        self.cp, self.first, self._stack = cupy, first, ExitStack()
+
+    def __enter__(self) -> "_Launch":
+        cp, dev = self.cp, self.first.device
+        self._stack.enter_context(cp.cuda.Device(dev))
+        if self.first.lib == "torch":
+            import torch
+
+            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cp.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev)
+            self._stack.enter_context(stream)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.__exit__(*exc)
+
+    def _from_torch(self, t: Any) -> Any:
+        import torch
+
+        t = t.detach()
+        if t.is_floating_point() and t.element_size() == 2:  # CuPy may lack bfloat16; kernels read bits
+            t = t.view(torch.int16)
+        return self.cp.from_dlpack(t)
+
+    def view(self, op: _Operand) -> Any:
+        """A CuPy array over ``op``'s memory (zero-copy)."""
+        return op.array if op.lib == "cupy" else self._from_torch(op.array)
+
+    def empty(self, like: _Operand, shape: tuple[int, ...], layout: str, dtype: str | None = None) -> tuple[Any, Any]:
+        """(result of the caller's type, CuPy view of it): uninitialised, dense in ``layout``."""
+        name = dtype or like.dtype
+        dev = self.first.device
+        if self.first.lib == "torch":
+            import torch
+
+            fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+            t = torch.empty(shape, dtype=getattr(torch, name), device=f"cuda:{dev}", memory_format=fmt)
+            return t, self._from_torch(t)
+        cp = self.cp
+        dt = like.array.dtype if dtype is None and like.lib == "cupy" else cp.dtype(name)
+        if layout == "NHWC":
+            n, c, h, w = shape
+            a = cp.empty((n, h, w, c), dtype=dt).transpose(0, 3, 1, 2)
+        else:
+            a = cp.empty(shape, dtype=dt)
+        return a, a
+
+    def zeros_f32(self, size: int) -> Any:
+        return self.cp.zeros(size, dtype=self.cp.float32)
+
+    @staticmethod
+    def zero(view: Any) -> None:
+        view.fill(0)
+
+    def run(self, dtype: str, name: str, threads: int, args: Sequence[Any]) -> None:
+        """Launch ``name`` of ``dtype``'s module with ``threads`` threads (grid-stride past the cap)."""
+        blocks = max(1, min(-(-threads // _BLOCK), _MAX_BLOCKS))
+        _kernel(dtype, name)((blocks,), (_BLOCK,), tuple(args))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pooling
+# ----------------------------------------------------------------------------------------------
+def max_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0) -> tuple[Any, Any]:
+    """Max pooling of an (N, C, H, W) image, as torch.nn.functional.max_pool2d(return_indices=True).
+
+    Padding is -inf (it never wins). Returns (y, argmax): y of x's dtype and memory layout, shape
+    (N, C, Ho, Wo); argmax int32 of the same shape and layout, holding the flat index h*W+w of the
+    maximum in the input plane (first position in row-major window order on ties; NaN wins).
+    """
+    P = "max_pool2d"
+    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P)
+    n, c, h, w = xo.shape
+    _check_plane(P, "x", h, w)
+    yshape = (n, c, g.ho, g.wo)
+    total = n * c * g.ho * g.wo
+    with _Launch(P, xo) as L:
+        y, yv = L.empty(xo, yshape, xo.layout)
+        am, amv = L.empty(xo, yshape, xo.layout, "int32")
+        L.run(xo.dtype, "max_pool_fwd", total, [
+            L.view(xo), yv, amv, *_i64(total), *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw),
+            *_i64(*xo.strides), *_i64(*_layout_strides(yshape, xo.layout)), *_i32(xo.layout == "NHWC"),
+        ])
+    return y, am
+
+
+def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any:
+    """Gradient of max_pool2d: dy scatter-added at argmax into zeros of ``input_shape`` (N, C, H, W).
+
+    Uses float32 atomicAdd (then one rounding to dy's dtype), so overlapping windows accumulate
+    correctly but the order of the additions, hence the last bits, may differ between runs.
+    argmax is int32 or int64 (PyTorch's indices), shaped like dy; entries outside [0, H*W) are
+    dropped. dx has dy's dtype and memory layout.
+    """
+    P = "max_pool2d_backward"
+    d = _operand(P, "dy", dy, (4,), FLOAT_DTYPES)
+    a = _operand(P, "argmax", argmax, (4,), INDEX_DTYPES)
+    _same_place(P, ("dy", d), ("argmax", a), dtype=False)
+    if a.shape != d.shape:
+        raise OperandError(P, "argmax", f"expected dy's shape {d.shape}, got {a.shape}")
+    n, c, h, w = _input_shape(P, input_shape, d)
+    _check_plane(P, "input_shape", h, w)
+    xs = _layout_strides((n, c, h, w), d.layout)
+    total_in, total_out = n * c * h * w, d.shape[0] * d.shape[1] * d.shape[2] * d.shape[3]
+    with _Launch(P, d) as L:
+        dx, dxv = L.empty(d, (n, c, h, w), d.layout)
+        if d.dtype == "float32":
+            acc = dxv
+            L.zero(acc)
+        else:
+            acc = L.zeros_f32(total_in)  # same strides as dx: both dense in d.layout
+        L.run(d.dtype, f"max_pool_bwd_i{a.dtype[3:]}", total_out, [
+            L.view(d), L.view(a), acc, *_i64(total_out), *_i32(c, d.shape[2], d.shape[3], h, w),
+            *_i64(*d.strides), *_i64(*a.strides), *_i64(*xs), *_i32(d.layout == "NHWC"),
+        ])
+        if d.dtype != "float32":
+            L.run(d.dtype, "cast_f32", total_in, [acc, dxv, *_i64(total_in)])
+    return dx
+
+
+def avg_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True) -> Any:
+    """Average pooling of an (N, C, H, W) image, as torch.nn.functional.avg_pool2d (zero padding,
+    ceil_mode=False); y has x's dtype and memory layout."""
+    P = "avg_pool2d"
+    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P)
+    n, c, h, w = xo.shape
+    yshape = (n, c, g.ho, g.wo)
+    total = n * c * g.ho * g.wo
+    with _Launch(P, xo) as L:
+        y, yv = L.empty(xo, yshape, xo.layout)
+        L.run(xo.dtype, "avg_pool_fwd", total, [
+            L.view(xo), yv, *_i64(total),
+            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad)),
+            *_i64(*xo.strides), *_i64(*_layout_strides(yshape, xo.layout)), *_i32(xo.layout == "NHWC"),
+        ])
+    return y
+
+
+def avg_pool2d_backward(
+    dy: Any, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
+    count_include_pad: bool = True,
+) -> Any:
+    """Gradient of avg_pool2d with respect to its input of ``input_shape`` (N, C, H, W).
+
+    Deterministic: each dx element sums dy/divisor over the windows that cover it. dx has dy's
+    dtype and memory layout.
+    """
+    P = "avg_pool2d_backward"
+    d = _operand(P, "dy", dy, (4,), FLOAT_DTYPES)
+    n, c, h, w = _input_shape(P, input_shape, d)
+    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, P)
+    if d.shape != (n, c, g.ho, g.wo):
+        raise OperandError(P, "dy", f"expected shape {(n, c, g.ho, g.wo)} (avg_pool2d's output for input_shape), got {d.shape}")
+    total = n * c * h * w
+    with _Launch(P, d) as L:
+        dx, dxv = L.empty(d, (n, c, h, w), d.layout)
+        L.run(d.dtype, "avg_pool_bwd", total, [
+            L.view(d), dxv, *_i64(total),
+            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad)),
+            *_i64(*d.strides), *_i64(*_layout_strides((n, c, h, w), d.layout)), *_i32(d.layout == "NHWC"),
+        ])
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax
+# ----------------------------------------------------------------------------------------------
+def _row_args(ops: Sequence[_Operand], axis: int) -> tuple[int, int, int, int, list[np.int64]]:
+    """(rows, L, o1, o2, strides): the non-axis dims ordered by the first operand's stride, largest
+    first (so adjacent rows are adjacent in its memory), padded to three."""
+    shape = ops[0].shape
+    others = sorted((d for d in range(len(shape)) if d != axis), key=lambda d: -ops[0].strides[d])
+    others = [None] * (3 - len(others)) + others
+    sizes = [1 if d is None else shape[d] for d in others]
+    strides: list[np.int64] = []
+    for op in ops:
+        strides += _i64(*(0 if d is None else op.strides[d] for d in others), op.strides[axis])
+    return sizes[0] * sizes[1] * sizes[2], shape[axis], sizes[1], sizes[2], strides
+
+
+def _softmax_call(P: str, mode: int, a_name: str, a: Any, dy: Any, axis: int) -> Any:
+    """mode 0 / 1: softmax / log_softmax of a = x; 2 / 3: their gradients from a = y and dy."""
+    D = _operand(P, "dy", dy, (2, 4), FLOAT_DTYPES) if dy is not None else None
+    A = _operand(P, a_name, a, (2, 4), FLOAT_DTYPES)
+    if D is not None:
+        _same_place(P, ("dy", D), (a_name, A))
+        if D.shape != A.shape:
+            raise OperandError(P, a_name, f"expected dy's shape {D.shape}, got {A.shape}")
+    ax = _axis(P, axis, len(A.shape))
+    like = A if D is None else D  # the result: x's (forward) or dy's (backward) type, dtype and layout
+    with _Launch(P, like) as L:
+        out, outv = L.empty(like, like.shape, like.layout)
+        Q = replace(like, array=out)
+        # rows walk the result's memory order; the kernel's b is dy (backward) or unread (forward)
+        rows, length, o1, o2, strides = _row_args([Q, A, like], ax)
+        q_str, a_str, b_str = strides[0:4], strides[4:8], strides[8:12]
+        av = L.view(A)
+        bv = av if D is None else L.view(D)
+        name = "softmax_rows_warp" if A.strides[ax] == 1 and length >= 32 else "softmax_rows"
+        threads = rows * 32 if name in WARP_KERNELS else rows
+        L.run(A.dtype, name, threads, [av, bv, outv, *_i64(rows), *_i32(length, o1, o2), *a_str, *b_str, *q_str, *_i32(mode)])
+    return out
+
+
+def softmax(x: Any, axis: int = 1) -> Any:
+    """Numerically stable softmax of a 2-D (batch, classes) array or an (N, C, H, W) image along
+    ``axis`` (default: classes / channels), accumulated in float32; y has x's dtype and layout."""
+    return _softmax_call("softmax", 0, "x", x, None, axis)
+
+
+def log_softmax(x: Any, axis: int = 1) -> Any:
+    """Numerically stable log-softmax along ``axis`` (as softmax), computed as (x - max) - log(sum exp)."""
+    return _softmax_call("log_softmax", 1, "x", x, None, axis)
+
+
+def softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
+    """Gradient of softmax from its output y: dx = y * (dy - sum(dy * y)) along ``axis``; dx has dy's
+    dtype and layout."""
+    return _softmax_call("softmax_backward", 2, "y", y, dy, axis)
+
+
+def log_softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
+    """Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along ``axis``; dx has dy's
+    dtype and layout."""
+    return _softmax_call("log_softmax_backward", 3, "y", y, dy, axis)

@@ -1,0 +1,690 @@
+"""CPU: fusekit.pool's NumPy references against naive loops, finite differences and PyTorch (when
+importable); every user error raised before a launch; and the CUDA kernels' own source compiled for
+the host by g++ (a small CUDA shim, warps emulated by 32 threads) and run through the public API."""
+
+import ctypes
+import itertools
+import math
+import re
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from fusekit import pool, tensors
+from fusekit.errors import OperandError
+
+
+def pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# naive loops (written from PyTorch's definitions, independently of fusekit.pool)
+# ----------------------------------------------------------------------------------------------
+def out_size(size, k, s, p):
+    return (size + 2 * p - k) // s + 1
+
+
+def naive_max_pool(x, k, s, p):
+    (kh, kw), (sh, sw), (ph, pw) = pair(k), pair(s), pair(p)
+    n, c, h, w = x.shape
+    ho, wo = out_size(h, kh, sh, ph), out_size(w, kw, sw, pw)
+    y, am = np.empty((n, c, ho, wo)), np.empty((n, c, ho, wo), dtype=np.int64)
+    for b, ch, i, j in itertools.product(range(n), range(c), range(ho), range(wo)):
+        best, arg = None, None
+        for di, dj in itertools.product(range(kh), range(kw)):
+            r, q = i * sh - ph + di, j * sw - pw + dj
+            if 0 <= r < h and 0 <= q < w and (best is None or x[b, ch, r, q] > best):
+                best, arg = x[b, ch, r, q], r * w + q
+        y[b, ch, i, j], am[b, ch, i, j] = best, arg
+    return y, am
+
+
+def naive_avg_window(i, j, h, w, k, s, p, count_include_pad):
+    """Input cells of output (i, j) and its divisor."""
+    (kh, kw), (sh, sw), (ph, pw) = pair(k), pair(s), pair(p)
+    cells, padded = [], 0
+    for di, dj in itertools.product(range(kh), range(kw)):
+        r, q = i * sh - ph + di, j * sw - pw + dj
+        if -ph <= r < h + ph and -pw <= q < w + pw:
+            padded += 1
+        if 0 <= r < h and 0 <= q < w:
+            cells.append((r, q))
+    return cells, (padded if count_include_pad else len(cells))
+
+
+def naive_avg_pool(x, k, s, p, cip):
+    (kh, kw), (sh, sw), (ph, pw) = pair(k), pair(s), pair(p)
+    n, c, h, w = x.shape
+    ho, wo = out_size(h, kh, sh, ph), out_size(w, kw, sw, pw)
+    y = np.empty((n, c, ho, wo))
+    for b, ch, i, j in itertools.product(range(n), range(c), range(ho), range(wo)):
+        cells, div = naive_avg_window(i, j, h, w, k, s, p, cip)
+        y[b, ch, i, j] = sum(x[b, ch, r, q] for r, q in cells) / div
+    return y
+
+
+def naive_avg_pool_backward(dy, shape, k, s, p, cip):
+    n, c, h, w = shape
+    dx = np.zeros(shape)
+    for b, ch, i, j in itertools.product(range(n), range(c), range(dy.shape[2]), range(dy.shape[3])):
+        cells, div = naive_avg_window(i, j, h, w, k, s, p, cip)
+        for r, q in cells:
+            dx[b, ch, r, q] += dy[b, ch, i, j] / div
+    return dx
+
+
+def naive_max_pool_backward(dy, am, shape):
+    dx = np.zeros(shape)
+    w = shape[3]
+    for b, ch, i, j in itertools.product(*(range(d) for d in dy.shape)):
+        a = am[b, ch, i, j]
+        dx[b, ch, a // w, a % w] += dy[b, ch, i, j]
+    return dx
+
+
+def naive_softmax(x, axis, log=False):
+    x = np.moveaxis(x, axis, -1)
+    out = np.empty_like(x)
+    for idx in np.ndindex(x.shape[:-1]):
+        row = [float(v) for v in x[idx]]
+        m = max(row)
+        total = sum(math.exp(v - m) for v in row)
+        out[idx] = [(v - m) - math.log(total) if log else math.exp(v - m) / total for v in row]
+    return np.moveaxis(out, -1, axis)
+
+
+# (N, C, H, W) x (kernel, stride, padding): kernel 2/3, stride 1/2, padding 0/1; stride 1 overlaps
+SHAPES = [(2, 3, 5, 6), (1, 1, 4, 4), (1, 2, 7, 5), (1, 2, 2, 3)]
+GEOMS = [(k, s, p) for k in (2, 3) for s in (1, 2) for p in (0, 1)] + [((3, 2), (2, 1), (1, 0)), ((2, 3), (1, 2), (1, 1))]
+
+
+def fits(shape, k, s, p):
+    (kh, kw), (ph, pw) = pair(k), pair(p)
+    return shape[2] + 2 * ph >= kh and shape[3] + 2 * pw >= kw
+
+
+CASES = [(sh, g) for sh in SHAPES for g in GEOMS if fits(sh, *g)]
+CASE_IDS = [f"{'x'.join(map(str, sh))}-k{g[0]}s{g[1]}p{g[2]}".replace(" ", "") for sh, g in CASES]
+
+
+@pytest.mark.parametrize("shape, geom", CASES, ids=CASE_IDS)
+def test_max_pool_reference_matches_naive_loops(shape, geom, rng):
+    x = rng.standard_normal(shape)
+    y, am = pool.max_pool2d_reference(x, *geom)
+    yn, amn = naive_max_pool(x, *geom)
+    np.testing.assert_array_equal(y, yn)
+    np.testing.assert_array_equal(am, amn)
+    dy = rng.standard_normal(y.shape)
+    np.testing.assert_allclose(pool.max_pool2d_backward_reference(dy, am, shape), naive_max_pool_backward(dy, amn, shape), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cip", [True, False])
+@pytest.mark.parametrize("shape, geom", CASES, ids=CASE_IDS)
+def test_avg_pool_reference_matches_naive_loops(shape, geom, cip, rng):
+    x = rng.standard_normal(shape)
+    y = pool.avg_pool2d_reference(x, *geom, count_include_pad=cip)
+    np.testing.assert_allclose(y, naive_avg_pool(x, *geom, cip), rtol=1e-12, atol=1e-12)
+    dy = rng.standard_normal(y.shape)
+    dx = pool.avg_pool2d_backward_reference(dy, shape, *geom, count_include_pad=cip)
+    np.testing.assert_allclose(dx, naive_avg_pool_backward(dy, shape, *geom, cip), rtol=1e-12, atol=1e-12)
+
+
+def test_max_pool_reference_ties_padding_and_nan():
+    x = np.zeros((1, 1, 4, 4))  # all ties: the first cell of each window, never the padding
+    _, am = pool.max_pool2d_reference(x, 3, 2, 1)
+    np.testing.assert_array_equal(am[0, 0], [[0, 1], [4, 5]])
+    x = np.full((1, 1, 3, 3), -np.inf)  # -inf input still beats -inf padding: the first real cell
+    y, am = pool.max_pool2d_reference(x, 3, 1, 1)
+    assert np.all(y == -np.inf)
+    np.testing.assert_array_equal(am[0, 0], [[0, 0, 1], [0, 0, 1], [3, 3, 4]])
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    x[0, 0, 0, 0] = np.nan  # NaN wins (and propagates), as PyTorch
+    y, am = pool.max_pool2d_reference(x, 2)
+    assert np.isnan(y[0, 0, 0, 0]) and am[0, 0, 0, 0] == 0
+    assert am[0, 0, 1, 1] == 15
+
+
+@pytest.mark.parametrize("shape, axis", [((2, 5, 3, 4), 1), ((4, 7), 1), ((3, 6), 0), ((2, 3, 4, 5), -1), ((1, 1, 2, 2), 1)])
+def test_softmax_references_match_naive_loops(shape, axis, rng):
+    x = 4 * rng.standard_normal(shape)
+    y, ly = pool.softmax_reference(x, axis), pool.log_softmax_reference(x, axis)
+    np.testing.assert_allclose(y, naive_softmax(x, axis), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(ly, naive_softmax(x, axis, log=True), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(y.sum(axis=axis), 1.0, rtol=1e-12)
+    big = pool.softmax_reference(x + 1000.0, axis)  # stable: shifting the logits changes nothing
+    np.testing.assert_allclose(big, y, rtol=1e-9, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward references against central finite differences of sum(dy * f(x))
+# ----------------------------------------------------------------------------------------------
+def numeric_grad(f, x, dy, eps=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[i] += eps
+        xm[i] -= eps
+        g[i] = ((dy * f(xp)).sum() - (dy * f(xm)).sum()) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("cip", [True, False])
+@pytest.mark.parametrize("geom", [(3, 1, 1), (2, 2, 1), (3, 2, 0), ((3, 2), (1, 2), (1, 1))])
+def test_avg_pool_backward_reference_is_the_gradient(geom, cip, rng):
+    x = rng.standard_normal((2, 2, 5, 6))
+    dy = rng.standard_normal(pool.avg_pool2d_reference(x, *geom, count_include_pad=cip).shape)
+    g = numeric_grad(lambda t: pool.avg_pool2d_reference(t, *geom, count_include_pad=cip), x, dy)
+    dx = pool.avg_pool2d_backward_reference(dy, x.shape, *geom, count_include_pad=cip)
+    np.testing.assert_allclose(dx, g, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("geom", [(3, 1, 1), (2, 2, 1), (3, 2, 0), (2, 1, 0)])
+def test_max_pool_backward_reference_is_the_gradient(geom, rng):
+    shape = (2, 2, 5, 6)
+    x = rng.permutation(np.prod(shape)).reshape(shape) * 0.1  # distinct values: argmax is stable under eps
+    y, am = pool.max_pool2d_reference(x, *geom)
+    dy = rng.standard_normal(y.shape)
+    g = numeric_grad(lambda t: pool.max_pool2d_reference(t, *geom)[0], x, dy)
+    np.testing.assert_allclose(pool.max_pool2d_backward_reference(dy, am, shape), g, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("shape, axis", [((2, 4, 3, 2), 1), ((3, 5), 1), ((3, 5), 0)])
+def test_softmax_backward_references_are_the_gradients(shape, axis, rng):
+    x, dy = rng.standard_normal(shape), rng.standard_normal(shape)
+    g = numeric_grad(lambda t: pool.softmax_reference(t, axis), x, dy)
+    dx = pool.softmax_backward_reference(dy, pool.softmax_reference(x, axis), axis)
+    np.testing.assert_allclose(dx, g, rtol=1e-6, atol=1e-8)
+    g = numeric_grad(lambda t: pool.log_softmax_reference(t, axis), x, dy)
+    dx = pool.log_softmax_backward_reference(dy, pool.log_softmax_reference(x, axis), axis)
+    np.testing.assert_allclose(dx, g, rtol=1e-6, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------
+# references against PyTorch (CPU build), float64
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape, geom", CASES, ids=CASE_IDS)
+def test_pool_references_match_torch(shape, geom, rng):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = rng.standard_normal(shape)
+    xt = torch.tensor(x, requires_grad=True)
+    yt, it = F.max_pool2d(xt, *geom, return_indices=True)
+    y, am = pool.max_pool2d_reference(x, *geom)
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(am, it.numpy())
+    dy = rng.standard_normal(y.shape)
+    yt.backward(torch.tensor(dy))
+    np.testing.assert_allclose(pool.max_pool2d_backward_reference(dy, am, shape), xt.grad.numpy(), rtol=1e-12, atol=1e-12)
+    for cip in (True, False):
+        xt.grad = None
+        yt = F.avg_pool2d(xt, *geom, count_include_pad=cip)
+        np.testing.assert_allclose(pool.avg_pool2d_reference(x, *geom, count_include_pad=cip), yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+        yt.backward(torch.tensor(dy))
+        dx = pool.avg_pool2d_backward_reference(dy, shape, *geom, count_include_pad=cip)
+        np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 257, 2, 3), (6, 10), (3, 1000)])
+def test_softmax_references_match_torch(shape, rng):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x, dy = 3 * rng.standard_normal(shape), rng.standard_normal(shape)
+    for fn, ref, bwd in (
+        (F.softmax, pool.softmax_reference, pool.softmax_backward_reference),
+        (F.log_softmax, pool.log_softmax_reference, pool.log_softmax_backward_reference),
+    ):
+        xt = torch.tensor(x, requires_grad=True)
+        yt = fn(xt, dim=1)
+        y = ref(x, 1)
+        np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-14)
+        yt.backward(torch.tensor(dy))
+        np.testing.assert_allclose(bwd(dy, y, 1), xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# geometry checks
+# ----------------------------------------------------------------------------------------------
+def test_geometry_normalizes_and_uses_the_floor_formula():
+    assert pool.pool2d_geometry((1, 1, 7, 8), 3) == pool.PoolGeometry(3, 3, 3, 3, 0, 0, 2, 2)
+    assert pool.pool2d_geometry((1, 1, 7, 8), 3, 2, 1) == pool.PoolGeometry(3, 3, 2, 2, 1, 1, 4, 4)
+    assert pool.pool2d_geometry((1, 1, 7, 8), (3, 2), (1, 2), (1, 0)) == pool.PoolGeometry(3, 2, 1, 2, 1, 0, 7, 4)
+    assert pool.pool2d_geometry((1, 1, 1, 1), 2, 1, 1).ho == 2
+    assert pool.pool2d_geometry((1, 1, 4, 4), np.int64(2)).ho == 2
+
+
+@pytest.mark.parametrize(
+    "shape, args, operand, match",
+    [
+        ((1, 1, 2, 5), (3,), "kernel_size", "kernel 3 larger than padded input height 2"),
+        ((1, 1, 5, 2), (3, 1, 0), "kernel_size", "kernel 3 larger than padded input width 2"),
+        ((1, 1, 1, 1), (4, 1, 1), "kernel_size", "kernel 4 larger than padded input height 1 \\+ 2\\*1 = 3"),
+        ((1, 1, 5, 5), (0,), "kernel_size", ">= 1"),
+        ((1, 1, 5, 5), ((2, 0),), "kernel_size", ">= 1"),
+        ((1, 1, 5, 5), ((2, 2, 2),), "kernel_size", "an int or a pair"),
+        ((1, 1, 5, 5), (2.0,), "kernel_size", "an int or a pair"),
+        ((1, 1, 5, 5), (True,), "kernel_size", "an int or a pair"),
+        ((1, 1, 5, 5), ("3",), "kernel_size", "an int or a pair"),
+        ((1, 1, 5, 5), (2, 0), "stride", ">= 1"),
+        ((1, 1, 5, 5), (2, (1, -1)), "stride", ">= 1"),
+        ((1, 1, 5, 5), (3, 1, -1), "padding", ">= 0"),
+        ((1, 1, 5, 5), (3, 1, 2), "padding", "height padding 2 is more than half the kernel 3"),
+        ((1, 1, 5, 5), ((3, 2), 1, (1, 2)), "padding", "width padding 2 is more than half the kernel 2"),
+        ((1, 1, 5), (2,), "x", "expected a 4-D image"),
+        ((1, 0, 5, 5), (2,), "x", "every dim >= 1"),
+    ],
+)
+def test_geometry_errors(shape, args, operand, match):
+    with pytest.raises(OperandError, match=match) as ei:
+        pool.pool2d_geometry(shape, *args, pattern="max_pool2d")
+    assert ei.value.operand == operand
+    assert str(ei.value).startswith("max_pool2d: operand ")
+
+
+def test_references_check_geometry():
+    with pytest.raises(OperandError, match="kernel 5 larger"):
+        pool.max_pool2d_reference(np.zeros((1, 1, 3, 3)), 5)
+    with pytest.raises(OperandError, match="padding"):
+        pool.avg_pool2d_reference(np.zeros((1, 1, 3, 3)), 2, 1, 2)
+    with pytest.raises(OperandError, match="expected shape"):
+        pool.avg_pool2d_backward_reference(np.zeros((1, 1, 2, 2)), (1, 1, 3, 3), 2, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API errors without a GPU: host arrays, and fake device arrays with a tripwire on launching
+# ----------------------------------------------------------------------------------------------
+def call_each(x):
+    """Every public function on ``x`` in each array slot."""
+    return {
+        "max_pool2d": lambda: pool.max_pool2d(x, 2),
+        "max_pool2d_backward": lambda: pool.max_pool2d_backward(x, x, (1, 1, 4, 4)),
+        "avg_pool2d": lambda: pool.avg_pool2d(x, 2),
+        "avg_pool2d_backward": lambda: pool.avg_pool2d_backward(x, (1, 1, 4, 4), 2),
+        "softmax": lambda: pool.softmax(x),
+        "log_softmax": lambda: pool.log_softmax(x),
+        "softmax_backward": lambda: pool.softmax_backward(x, x),
+        "log_softmax_backward": lambda: pool.log_softmax_backward(x, x),
+    }
+
+
+@pytest.mark.parametrize("fn", list(call_each(None)))
+def test_numpy_input_is_rejected_as_host_memory(fn):
+    x = np.zeros((1, 1, 2, 2), np.float32)
+    with pytest.raises(OperandError, match="host \\(CPU\\) memory") as ei:
+        call_each(x)[fn]()
+    assert ei.value.pattern == fn
+    assert ei.value.operand in ("x", "dy")
+
+
+@pytest.mark.parametrize("fn", list(call_each(None)))
+def test_cpu_torch_tensor_is_rejected_as_host_memory(fn):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(OperandError, match="host \\(CPU\\) memory"):
+        call_each(torch.zeros(1, 1, 2, 2))[fn]()
+
+
+def test_other_objects_are_rejected():
+    with pytest.raises(OperandError, match="expected a CuPy array, a torch tensor"):
+        pool.softmax([[1.0, 2.0]])
+
+
+class FakeDev:
+    """A 'device array' that only knows its metadata."""
+
+    def __init__(self, shape, dtype="float16", layout="NCHW", strides=None, device=0):
+        self.shape = tuple(shape)
+        if strides is None:
+            if layout == "NHWC":
+                n, c, h, w = self.shape
+                strides = (h * w * c, 1, w * c, c)
+            else:
+                strides = tensors.row_strides(self.shape)
+        self.strides, self.dtype, self.device = tuple(strides), dtype, device
+
+
+class FakeDevAdapter(tensors.Adapter):
+    name = "fake"
+
+    def describe(self, a):
+        return a.shape, a.strides, a.dtype, a.device
+
+
+class Launched(Exception):
+    pass
+
+
+class Tripwire:
+    def __init__(self, pattern, first):
+        raise Launched(pattern)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setitem(tensors._BY_TYPE, FakeDev, FakeDevAdapter())
+    monkeypatch.setattr(pool, "_Launch", Tripwire)
+    yield
+    for table in ("_SIG", "_STREAM"):
+        getattr(tensors, table, {}).pop(FakeDev, None)
+
+
+@pytest.mark.usefixtures("fake")
+@pytest.mark.parametrize(
+    "call, pattern, operand, match",
+    [
+        (lambda: pool.max_pool2d(FakeDev((1, 1, 4, 4), "float64"), 2), "max_pool2d", "x", "unsupported dtype float64"),
+        (lambda: pool.max_pool2d(FakeDev((1, 4, 4)), 2), "max_pool2d", "x", "expected a 4-D image"),
+        (lambda: pool.max_pool2d(FakeDev((2, 3, 4, 5), strides=(120, 40, 10, 2)), 2), "max_pool2d", "x", "neither dense NCHW"),
+        (lambda: pool.max_pool2d(FakeDev((1, 1, 2, 4)), 3), "max_pool2d", "kernel_size", "kernel 3 larger than padded input height 2"),
+        (lambda: pool.max_pool2d(FakeDev((1, 1, 6, 6)), 3, 1, 2), "max_pool2d", "padding", "more than half"),
+        (lambda: pool.avg_pool2d(FakeDev((1, 1, 4, 4), "int32"), 2), "avg_pool2d", "x", "unsupported dtype int32"),
+        (lambda: pool.avg_pool2d(FakeDev((4, 4)), 2), "avg_pool2d", "x", "expected a 4-D image"),
+        (lambda: pool.max_pool2d_backward(FakeDev((1, 1, 2, 2)), FakeDev((1, 1, 2, 2), "float16"), (1, 1, 4, 4)),
+         "max_pool2d_backward", "argmax", "unsupported dtype float16; expected one of int32, int64"),
+        (lambda: pool.max_pool2d_backward(FakeDev((1, 1, 2, 2)), FakeDev((1, 1, 2, 3), "int32"), (1, 1, 4, 4)),
+         "max_pool2d_backward", "argmax", "expected dy's shape"),
+        (lambda: pool.max_pool2d_backward(FakeDev((1, 1, 2, 2)), FakeDev((1, 1, 2, 2), "int32", device=1), (1, 1, 4, 4)),
+         "max_pool2d_backward", "argmax", "is on cuda:1"),
+        (lambda: pool.max_pool2d_backward(FakeDev((1, 1, 2, 2)), FakeDev((1, 1, 2, 2), "int32"), (1, 2, 4, 4)),
+         "max_pool2d_backward", "input_shape", "differ from dy's"),
+        (lambda: pool.max_pool2d_backward(FakeDev((1, 1, 2, 2)), FakeDev((1, 1, 2, 2), "int32"), (1, 1, 4)),
+         "max_pool2d_backward", "input_shape", "expected 4 positive ints"),
+        (lambda: pool.max_pool2d_backward(FakeDev((1, 1, 2, 2)), FakeDev((1, 1, 2, 2), "int32"), None),
+         "max_pool2d_backward", "input_shape", "expected 4 ints"),
+        (lambda: pool.avg_pool2d_backward(FakeDev((1, 1, 3, 3)), (1, 1, 4, 4), 2), "avg_pool2d_backward", "dy", "expected shape \\(1, 1, 2, 2\\)"),
+        (lambda: pool.avg_pool2d_backward(FakeDev((1, 1, 2, 2)), (1, 1, 4, 4), 2, 2, 3), "avg_pool2d_backward", "padding", "more than half"),
+        (lambda: pool.softmax(FakeDev((3,))), "softmax", "x", "expected a 2-D \\(batch, classes\\) array or a 4-D image"),
+        (lambda: pool.softmax(FakeDev((2, 3, 4))), "softmax", "x", "got rank 3"),
+        (lambda: pool.softmax(FakeDev((4, 3), strides=(1, 4))), "softmax", "x", "dense row-major"),
+        (lambda: pool.softmax(FakeDev((4, 3), "bool")), "softmax", "x", "unsupported dtype bool"),
+        (lambda: pool.softmax(FakeDev((4, 3)), axis=2), "softmax", "axis", "expected an int in \\[-2, 2\\)"),
+        (lambda: pool.log_softmax(FakeDev((1, 2, 3, 3)), axis=1.0), "log_softmax", "axis", "expected an int"),
+        (lambda: pool.softmax_backward(FakeDev((4, 3)), FakeDev((4, 3), "float32")), "softmax_backward", "y", "expected dtype float16 like 'dy'"),
+        (lambda: pool.softmax_backward(FakeDev((4, 3)), FakeDev((3, 4))), "softmax_backward", "y", "expected dy's shape"),
+        (lambda: pool.log_softmax_backward(FakeDev((4, 3), device=1), FakeDev((4, 3))), "log_softmax_backward", "y", "put all operands on one device"),
+        (lambda: pool.log_softmax_backward(FakeDev((4, 3), "float64"), FakeDev((4, 3))), "log_softmax_backward", "dy", "unsupported dtype"),
+    ],
+)
+def test_errors_before_launch(call, pattern, operand, match):
+    with pytest.raises(OperandError, match=match) as ei:
+        call()
+    assert (ei.value.pattern, ei.value.operand) == (pattern, operand)
+
+
+@pytest.mark.usefixtures("fake")
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: pool.max_pool2d(FakeDev((2, 3, 5, 5), "bfloat16", "NHWC"), 3, 2, 1),
+        lambda: pool.max_pool2d(FakeDev((1, 1, 1, 1), "float32", strides=(7, 8, 9, 10)), 1),  # size-1 dims: any stride
+        lambda: pool.max_pool2d_backward(FakeDev((1, 3, 2, 2)), FakeDev((1, 3, 2, 2), "int64", "NHWC"), (1, 3, 4, 4)),
+        lambda: pool.avg_pool2d_backward(FakeDev((1, 1, 2, 2)), (1, 1, 4, 5), 2, count_include_pad=False),
+        lambda: pool.softmax(FakeDev((4, 3), "float32"), axis=-1),
+        lambda: pool.log_softmax_backward(FakeDev((2, 5, 3, 3), layout="NHWC"), FakeDev((2, 5, 3, 3))),
+    ],
+)
+def test_valid_calls_reach_the_launch(call):
+    with pytest.raises(Launched):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------
+# the CUDA kernels themselves, compiled for the host with a CUDA shim (g++, C++20, _Float16)
+# ----------------------------------------------------------------------------------------------
+SHIM = r"""
+#include <cstring>
+#include <math.h>
+#include <barrier>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct u3 { unsigned int x, y, z; };
+static thread_local u3 threadIdx, blockIdx;
+static u3 blockDim, gridDim;
+extern "C" void set_dims(unsigned g, unsigned b) { gridDim = {g, 1, 1}; blockDim = {b, 1, 1}; }
+extern "C" void set_idx(unsigned bi, unsigned ti) { blockIdx = {bi, 0, 0}; threadIdx = {ti, 0, 0}; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static std::barrier<>* warp_barrier = new std::barrier<>(32);
+static float warp_lanes[32];
+inline float __shfl_xor_sync(unsigned, float v, int o) {  // one warp at a time, its 32 lanes as threads
+    int lane = threadIdx.x & 31; warp_lanes[lane] = v; warp_barrier->arrive_and_wait();
+    float r = warp_lanes[lane ^ o]; warp_barrier->arrive_and_wait(); return r;
+}
+inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }  // threads run one by one
+"""
+HOST_F16 = r"""
+typedef unsigned short T;
+inline float ld(const T* p, long long i) { _Float16 h; memcpy(&h, p + i, 2); return (float)h; }
+inline void st(T* p, long long i, float v) { _Float16 h = (_Float16)v; memcpy(p + i, &h, 2); }
+"""
+STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int32": np.int32, "int64": np.int64}
+
+
+def bf16_round(x):
+    """float32 -> bfloat16 bits, round to nearest even."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+class HostArray:
+    """Host memory posing as a device array of a fusekit dtype name (bfloat16 held as uint16 bits)."""
+
+    def __init__(self, a, name):
+        self.a, self.name = a, name
+
+    def values(self):
+        if self.name == "bfloat16":
+            return (self.a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return self.a.astype(np.float64)
+
+
+class HostAdapter(tensors.Adapter):
+    name = "host"
+
+    def describe(self, h):
+        return h.a.shape, tuple(s // h.a.itemsize for s in h.a.strides), h.name, 0
+
+
+def host_array(x64, dtype, layout):
+    """(HostArray of logical ``x64`` in dtype and layout, its exact float64 values)."""
+    base = np.ascontiguousarray(x64.transpose(0, 2, 3, 1) if layout == "NHWC" else x64)
+    store = bf16_round(base) if dtype == "bfloat16" else base.astype(STORAGE[dtype])
+    if layout == "NHWC":
+        store = store.transpose(0, 3, 1, 2)
+    h = HostArray(store, dtype)
+    return h, h.values()
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ to compile the kernels for the host")
+    d = tmp_path_factory.mktemp("pool_kernels")
+    probe = d / "probe.cpp"
+    probe.write_text("#include <barrier>\nint main() { _Float16 h = (_Float16)1.5f; std::barrier<> b(1); return (int)(float)h - 1; }\n")
+    if subprocess.run([cxx, "-std=c++20", "-pthread", str(probe), "-o", str(d / "probe")], capture_output=True).returncode:
+        pytest.skip("g++ lacks C++20 <barrier> or _Float16")
+    libs = {}
+    for dtype in pool.FLOAT_DTYPES:
+        src, so = d / f"pool_{dtype}.cpp", d / f"pool_{dtype}.so"
+        src.write_text(SHIM + (HOST_F16 if dtype == "float16" else pool._PRELUDE[dtype]) + pool._BODY)
+        r = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", str(src), "-o", str(so)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        libs[dtype] = ctypes.CDLL(str(so))
+    libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
+    assert set(libs["signatures"]["float32"]) == {
+        "max_pool_fwd", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
+    }
+    return libs
+
+
+def kernel_signatures(cxx, dtype):
+    """{kernel: [parameter type, ...]} of the extern "C" kernels, from the preprocessed CUDA source."""
+    src = "#define __global__\n#define __device__\n#define __forceinline__ inline\n" + pool.kernel_source(dtype)
+    text = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-"], input=src, capture_output=True, text=True, check=True).stdout
+    sigs = {}
+    for name, params in re.findall(r'extern "C" void (\w+)\s*\(([^)]*)\)', text):
+        sigs[name] = [" ".join(p.split()[:-1]).replace(" *", "*").replace("const ", "") for p in params.split(",")]
+    return sigs
+
+
+# what CuPy packs for each argument must be what the kernel declares (CuPy does not check)
+SCALAR_OF = {np.int32: "int", np.int64: "long long"}
+POINTEE = {"float": np.float32, "int": np.int32, "long long": np.int64}
+
+
+def check_args(sig, args, dtype):
+    assert len(args) == len(sig), (len(args), sig)
+    for a, decl in zip(args, sig, strict=True):
+        if decl.endswith("*"):
+            assert isinstance(a, np.ndarray), (decl, type(a))
+            want = STORAGE[dtype] if decl == "T*" else POINTEE[decl[:-1]]
+            assert a.dtype == want, (decl, a.dtype)
+        else:
+            assert SCALAR_OF[type(a)] == decl, (decl, type(a))
+
+
+@pytest.fixture
+def host_launch(host_kernels, monkeypatch):
+    """pool's GPU side replaced by host memory and the host-compiled kernels (grid of 2 blocks)."""
+
+    class HostLaunch:
+        def __init__(self, pattern, first):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def view(self, op):
+            return op.array.a
+
+        def empty(self, like, shape, layout, dtype=None):
+            name = dtype or like.dtype
+            logical = (shape[0], shape[2], shape[3], shape[1]) if layout == "NHWC" else shape
+            base = np.empty(logical, STORAGE[name])
+            base.view(np.uint8)[...] = 0xFF  # poison: NaN for floats, -1 for ints
+            a = base.transpose(0, 3, 1, 2) if layout == "NHWC" else base
+            return HostArray(a, name), a
+
+        def zeros_f32(self, size):
+            return np.zeros(size, np.float32)
+
+        @staticmethod
+        def zero(view):
+            view.fill(0)
+
+        def run(self, dtype, name, threads, args):
+            check_args(host_kernels["signatures"][dtype][name], args, dtype)
+            lib = host_kernels[dtype]
+            fn = getattr(lib, name)
+            conv = {np.int32: ctypes.c_int, np.int64: ctypes.c_longlong}
+            cargs = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else conv[type(a)](int(a)) for a in args]
+            warp = name in pool.WARP_KERNELS
+            lib.set_dims(2, 32 if warp else 3)
+            for b in range(2):
+                if warp:
+                    def lane(t, b=b):
+                        lib.set_idx(b, t)
+                        fn(*cargs)
+
+                    lanes = [threading.Thread(target=lane, args=(t,)) for t in range(32)]
+                    for t in lanes:
+                        t.start()
+                    for t in lanes:
+                        t.join()
+                else:
+                    for t in range(3):
+                        lib.set_idx(b, t)
+                        fn(*cargs)
+
+    monkeypatch.setitem(tensors._BY_TYPE, HostArray, HostAdapter())
+    monkeypatch.setattr(pool, "_Launch", HostLaunch)
+    yield
+    for table in ("_SIG", "_STREAM"):
+        getattr(tensors, table, {}).pop(HostArray, None)
+
+
+HOST_TOL = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def rel(a, ref):
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def dense_in(h, layout):
+    """``h`` is dense in ``layout`` (NCHW | NHWC | ROW); strides of size-1 dims do not matter."""
+    canon = {"NCHW": tensors.nchw_strides, "NHWC": tensors.nhwc_strides, "ROW": tensors.row_strides}[layout]
+    return tensors._matches(tuple(s // h.a.itemsize for s in h.a.strides), canon(h.a.shape), h.a.shape)
+
+
+HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1), (1, 3, 9, 8, (3, 2), (2, 1), (1, 0)), (1, 257, 3, 5, 2, 1, 1)]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("case", HOST_POOL, ids=lambda c: "x".join(map(str, c[:4])))
+def test_host_compiled_pool_kernels(case, dtype, layout, rng):
+    n, c, h, w, *geom = case
+    x, xv = host_array(rng.standard_normal((n, c, h, w)), dtype, layout)
+    y, am = pool.max_pool2d(x, *geom)
+    yr, amr = pool.max_pool2d_reference(xv, *geom)
+    assert am.name == "int32" and am.a.dtype == np.int32
+    np.testing.assert_array_equal(y.values(), yr)
+    np.testing.assert_array_equal(am.a, amr)
+    assert dense_in(y, layout) and dense_in(am, layout)
+    dy, dyv = host_array(rng.standard_normal(yr.shape), dtype, layout)
+    other = "NCHW" if layout == "NHWC" else "NHWC"
+    am64 = host_array(amr.astype(np.float64), "float32", other)[0]  # int64 argmax in the other layout
+    am64 = HostArray(am64.a.astype(np.int64), "int64")
+    for idx in (am, am64):
+        dx = pool.max_pool2d_backward(dy, idx, (n, c, h, w))
+        assert rel(dx.values(), pool.max_pool2d_backward_reference(dyv, amr, (n, c, h, w))) < HOST_TOL[dtype]
+        assert dense_in(dx, layout)
+    for cip in (True, False):
+        y = pool.avg_pool2d(x, *geom, count_include_pad=cip)
+        assert rel(y.values(), pool.avg_pool2d_reference(xv, *geom, count_include_pad=cip)) < HOST_TOL[dtype]
+        assert dense_in(y, layout)
+        dx = pool.avg_pool2d_backward(dy, (n, c, h, w), *geom, count_include_pad=cip)
+        ref = pool.avg_pool2d_backward_reference(dyv, (n, c, h, w), *geom, count_include_pad=cip)
+        assert rel(dx.values(), ref) < HOST_TOL[dtype]
+        assert np.isfinite(dx.values()).all()
+
+
+HOST_SOFTMAX = [
+    ((2, 3, 5, 7), "NCHW", 1), ((2, 3, 5, 7), "NHWC", 1), ((2, 64, 3, 5), "NHWC", 1), ((1, 257, 3, 3), "NHWC", 1),
+    ((2, 64, 3, 5), "NCHW", 1), ((1, 1, 4, 5), "NHWC", 1), ((7, 10), "ROW", 1), ((5, 1000), "ROW", 1),
+    ((9, 4), "ROW", 0), ((2, 3, 5, 7), "NHWC", 3), ((2, 3, 40, 7), "NHWC", 0),
+]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("shape, layout, axis", HOST_SOFTMAX, ids=lambda v: str(v).replace(" ", ""))
+def test_host_compiled_softmax_kernels(shape, layout, axis, dtype, rng):
+    def make(data, lay):
+        if len(shape) == 2:
+            store = bf16_round(data) if dtype == "bfloat16" else data.astype(STORAGE[dtype])
+            h = HostArray(store, dtype)
+            return h, h.values()
+        return host_array(data, dtype, lay)
+
+    x, xv = make(3 * rng.standard_normal(shape), layout)
+    y, ly = pool.softmax(x, axis), pool.log_softmax(x, axis)
+    assert rel(y.values(), pool.softmax_reference(xv, axis)) < HOST_TOL[dtype]
+    assert rel(ly.values(), pool.log_softmax_reference(xv, axis)) < HOST_TOL[dtype]
+    assert dense_in(y, layout) and dense_in(ly, layout)
+    for dy_layout in {layout, "NCHW" if layout == "NHWC" else layout}:
+        dy, dyv = make(rng.standard_normal(shape), dy_layout)
+        dx = pool.softmax_backward(dy, y, axis)
+        assert rel(dx.values(), pool.softmax_backward_reference(dyv, y.values(), axis)) < 2 * HOST_TOL[dtype]
+        dx = pool.log_softmax_backward(dy, ly, axis)
+        assert rel(dx.values(), pool.log_softmax_backward_reference(dyv, ly.values(), axis)) < 2 * HOST_TOL[dtype]
+        assert dense_in(dx, dy_layout)

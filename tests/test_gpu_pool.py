@@ -1,0 +1,308 @@
+"""GPU: fusekit.pool's CuPy kernels against the NumPy references and torch.nn.functional (forward
+and autograd), on fresh random inputs: float16 / bfloat16 / float32, NCHW and NHWC, C in
+{1, 3, 64, 257}, CuPy arrays and torch tensors (bfloat16 through torch when CuPy has none)."""
+
+import functools
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import fusekit  # noqa: E402
+from fusekit import pool, tensors  # noqa: E402
+from fusekit.errors import OperandError  # noqa: E402
+
+LIBS = ["cupy", "torch"]
+DTYPES = ["float16", "bfloat16", "float32"]
+LAYOUTS = ["NCHW", "NHWC"]
+CHANNELS = [1, 3, 64, 257]
+TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 2e-5}
+# (kernel, stride, padding); stride 1 with kernel 3 overlaps windows; odd 9x11 planes
+GEOMS = [(3, 2, 1), (3, 1, 1), (2, 2, 0), ((3, 2), (2, 1), (1, 0))]
+GEOM_IDS = ["k3s2p1", "k3s1p1", "k2s2p0", "k32s21p10"]
+HW = (9, 11)
+
+
+@functools.cache
+def cupy_has_bf16() -> bool:
+    try:
+        a = cp.zeros(2, dtype=cp.float32).astype(cp.dtype("bfloat16"))
+        return tensors.library("cupy").describe(a)[2] == "bfloat16" and torch.from_dlpack(a).dtype == torch.bfloat16
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def need(lib, dtype):
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16; bfloat16 is tested through torch tensors")
+
+
+def make(lib, shape, dtype, layout, scale=1.0):
+    """Fresh standard-normal data (times scale) rounded to dtype, dense in layout (NCHW | NHWC | ROW)."""
+    if lib == "torch":
+        t = (torch.randn(shape, device="cuda") * scale).to(getattr(torch, dtype))
+        return t.contiguous(memory_format=torch.channels_last) if layout == "NHWC" else t
+    dt = cp.dtype("bfloat16") if dtype == "bfloat16" else cp.dtype(dtype)
+    if layout == "NHWC":
+        n, c, h, w = shape
+        return fusekit.nhwc((cp.random.standard_normal((n, h, w, c), dtype=cp.float32) * scale).astype(dt))
+    return (cp.random.standard_normal(shape, dtype=cp.float32) * scale).astype(dt)
+
+
+def as_torch(a):
+    return a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
+
+
+def to_np(a):
+    return as_torch(a).detach().double().cpu().numpy()
+
+
+def rel(a, ref):
+    a, ref = as_torch(a).detach().double(), as_torch(ref).detach().double()
+    assert torch.isfinite(a).all(), "non-finite result"
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def rel_np(a, ref):
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_result(a, lib, dtype, shape, layout):
+    """Caller's array type, dtype, shape, memory layout, all finite."""
+    assert isinstance(a, torch.Tensor if lib == "torch" else cp.ndarray), type(a)
+    t = as_torch(a)
+    assert t.dtype == (torch.int32 if dtype == "int32" else getattr(torch, dtype))
+    assert tuple(t.shape) == tuple(shape)
+    assert t.is_cuda
+    fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+    assert t.is_contiguous(memory_format=fmt), (layout, t.stride())
+    if t.is_floating_point():
+        assert torch.isfinite(t).all(), "non-finite result"
+
+
+def autograd(fn, inputs, dy):
+    """fn's value and input gradients in float64 on the (rounded) inputs."""
+    leaves = [as_torch(t).detach().double().requires_grad_(True) for t in inputs]
+    y = fn(*leaves)
+    y.backward(as_torch(dy).double())
+    return y.detach(), [t.grad for t in leaves]
+
+
+# ----------------------------------------------------------------------------------------------
+# pooling
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("geom", GEOMS, ids=GEOM_IDS)
+@pytest.mark.parametrize("c", CHANNELS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_max_pool2d(lib, dtype, layout, c, geom):
+    need(lib, dtype)
+    shape = (2, c, *HW)
+    x = make(lib, shape, dtype, layout)
+    xt = as_torch(x)
+    y, am = pool.max_pool2d(x, *geom)
+    ref_y, ref_i = F.max_pool2d(xt, *geom, return_indices=True)
+    check_result(y, lib, dtype, ref_y.shape, layout)
+    check_result(am, lib, "int32", ref_y.shape, layout)
+    # the max is exact, and ties keep the first window position in both
+    assert torch.equal(as_torch(y), ref_y)
+    assert torch.equal(as_torch(am).long(), ref_i)
+    ny, ni = pool.max_pool2d_reference(to_np(x), *geom)
+    np.testing.assert_array_equal(to_np(y), ny)
+    np.testing.assert_array_equal(as_torch(am).cpu().numpy(), ni)
+
+    dy = make(lib, tuple(ref_y.shape), dtype, layout)
+    dx = pool.max_pool2d_backward(dy, am, shape)
+    check_result(dx, lib, dtype, shape, layout)
+    _, (g,) = autograd(lambda a: F.max_pool2d(a, *geom), [x], dy)
+    assert rel(dx, g) < TOL[dtype]
+    assert rel_np(to_np(dx), pool.max_pool2d_backward_reference(to_np(dy), ni, shape)) < TOL[dtype]
+    # PyTorch's int64 indices are accepted as they are
+    idx64 = ref_i if lib == "torch" else cp.from_dlpack(ref_i)
+    assert rel(pool.max_pool2d_backward(dy, idx64, shape), g) < TOL[dtype]
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=GEOM_IDS)
+@pytest.mark.parametrize("c", CHANNELS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_avg_pool2d(lib, dtype, layout, c, geom):
+    need(lib, dtype)
+    shape = (2, c, *HW)
+    x = make(lib, shape, dtype, layout)
+    for cip in (True, False):
+        y = pool.avg_pool2d(x, *geom, count_include_pad=cip)
+        dy = make(lib, tuple(as_torch(y).shape), dtype, layout)
+        ref_y, (g,) = autograd(lambda a, cip=cip: F.avg_pool2d(a, *geom, count_include_pad=cip), [x], dy)
+        check_result(y, lib, dtype, ref_y.shape, layout)
+        assert rel(y, ref_y) < TOL[dtype]
+        assert rel(y, F.avg_pool2d(as_torch(x), *geom, count_include_pad=cip)) < TOL[dtype]  # torch in x's dtype
+        assert rel_np(to_np(y), pool.avg_pool2d_reference(to_np(x), *geom, count_include_pad=cip)) < TOL[dtype]
+        dx = pool.avg_pool2d_backward(dy, shape, *geom, count_include_pad=cip)
+        check_result(dx, lib, dtype, shape, layout)
+        assert rel(dx, g) < TOL[dtype]
+        ref = pool.avg_pool2d_backward_reference(to_np(dy), shape, *geom, count_include_pad=cip)
+        assert rel_np(to_np(dx), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_pool_backward_with_argmax_and_dy_in_different_layouts(lib):
+    x = make(lib, (2, 64, 9, 11), "float32", "NHWC")
+    y, am = pool.max_pool2d(x, 3, 1, 1)
+    am_nchw = as_torch(am).contiguous()
+    am_nchw = am_nchw if lib == "torch" else cp.from_dlpack(am_nchw)
+    dy = make(lib, tuple(as_torch(y).shape), "float32", "NCHW")
+    dx = pool.max_pool2d_backward(dy, am_nchw, (2, 64, 9, 11))
+    check_result(dx, lib, "float32", (2, 64, 9, 11), "NCHW")  # dx follows dy's layout
+    _, (g,) = autograd(lambda a: F.max_pool2d(a, 3, 1, 1), [x], dy)
+    assert rel(dx, g) < TOL["float32"]
+
+
+def test_max_pool2d_large_planes_and_batch():
+    x = make("torch", (8, 64, 57, 55), "float16", "NHWC")
+    y, am = pool.max_pool2d(x, 3, 2, 1)
+    ref_y, ref_i = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+    assert torch.equal(y, ref_y) and torch.equal(am.long(), ref_i)
+    dy = torch.randn_like(y)
+    dx = pool.max_pool2d_backward(dy, am, x.shape)
+    _, (g,) = autograd(lambda a: F.max_pool2d(a, 3, 2, 1), [x], dy)
+    assert rel(dx, g) < TOL["float16"]
+
+
+# ----------------------------------------------------------------------------------------------
+# softmax
+# ----------------------------------------------------------------------------------------------
+SOFTMAX_SHAPES = [((2, c, 5, 7), lay) for c in CHANNELS for lay in LAYOUTS] + [((8, 10), "ROW"), ((4, 1000), "ROW"), ((16, 257), "ROW")]
+SOFTMAX_IDS = [f"{'x'.join(map(str, s))}-{lay}" for s, lay in SOFTMAX_SHAPES]
+
+
+@pytest.mark.parametrize("shape, layout", SOFTMAX_SHAPES, ids=SOFTMAX_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_softmax_and_log_softmax(lib, dtype, shape, layout):
+    need(lib, dtype)
+    out_layout = "NCHW" if layout == "ROW" else layout
+    x = make(lib, shape, dtype, layout, scale=3.0)
+    dy = make(lib, shape, dtype, layout)
+    for fwd, bwd, tfn, ref_fwd, ref_bwd in (
+        (pool.softmax, pool.softmax_backward, F.softmax, pool.softmax_reference, pool.softmax_backward_reference),
+        (pool.log_softmax, pool.log_softmax_backward, F.log_softmax, pool.log_softmax_reference, pool.log_softmax_backward_reference),
+    ):
+        y = fwd(x)
+        ref_y, (g,) = autograd(lambda a, tfn=tfn: tfn(a, dim=1), [x], dy)
+        check_result(y, lib, dtype, shape, out_layout)
+        assert rel(y, ref_y) < TOL[dtype], fwd.__name__
+        assert rel(y, tfn(as_torch(x), dim=1)) < TOL[dtype], fwd.__name__  # torch in x's dtype
+        assert rel_np(to_np(y), ref_fwd(to_np(x), 1)) < TOL[dtype], fwd.__name__
+        dx = bwd(dy, y)
+        check_result(dx, lib, dtype, shape, out_layout)
+        assert rel(dx, g) < TOL[dtype], bwd.__name__
+        assert rel_np(to_np(dx), ref_bwd(to_np(dy), to_np(y), 1)) < TOL[dtype], bwd.__name__
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_softmax_backward_follows_dy_layout(lib):
+    y = pool.softmax(make(lib, (2, 64, 5, 7), "float16", "NHWC"))
+    dy = make(lib, (2, 64, 5, 7), "float16", "NCHW")
+    dx = pool.softmax_backward(dy, y)
+    check_result(dx, lib, "float16", (2, 64, 5, 7), "NCHW")
+    assert rel_np(to_np(dx), pool.softmax_backward_reference(to_np(dy), to_np(y), 1)) < TOL["float16"]
+
+
+@pytest.mark.parametrize("shape, layout, axis", [((2, 3, 5, 40), "NCHW", -1), ((2, 3, 5, 7), "NHWC", 2), ((40, 6), "ROW", 0), ((3, 4096), "ROW", 1)])
+def test_softmax_other_axes(shape, layout, axis):
+    x = make("cupy", shape, "float32", layout, scale=3.0)
+    dy = make("cupy", shape, "float32", layout)
+    y, ly = pool.softmax(x, axis), pool.log_softmax(x, axis)
+    assert rel_np(to_np(y), pool.softmax_reference(to_np(x), axis)) < TOL["float32"]
+    assert rel_np(to_np(ly), pool.log_softmax_reference(to_np(x), axis)) < TOL["float32"]
+    dx = pool.softmax_backward(dy, y, axis)
+    assert rel_np(to_np(dx), pool.softmax_backward_reference(to_np(dy), to_np(y), axis)) < TOL["float32"]
+    dx = pool.log_softmax_backward(dy, ly, axis)
+    assert rel_np(to_np(dx), pool.log_softmax_backward_reference(to_np(dy), to_np(ly), axis)) < TOL["float32"]
+
+
+def test_softmax_is_stable_for_large_logits():
+    x = make("torch", (4, 1000), "float32", "ROW", scale=10.0) + 1e4  # exp(x) overflows without the max shift
+    y, ly = pool.softmax(x), pool.log_softmax(x)
+    assert torch.isfinite(y).all() and torch.isfinite(ly).all()
+    assert rel(y, F.softmax(x.double(), dim=1)) < TOL["float32"]
+    assert rel(ly, F.log_softmax(x.double(), dim=1)) < TOL["float32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# streams, autograd-tracked inputs, errors
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def launch_streams(monkeypatch):
+    """The CuPy current stream at every kernel launch."""
+    seen = []
+    real = pool._kernel
+
+    def spy(dtype, name):
+        k = real(dtype, name)
+
+        def launch(*args, **kwargs):
+            seen.append(cp.cuda.get_current_stream().ptr)
+            return k(*args, **kwargs)
+
+        return launch
+
+    monkeypatch.setattr(pool, "_kernel", spy)
+    return seen
+
+
+def test_torch_inputs_run_on_torchs_current_stream(launch_streams):
+    x = make("torch", (4, 64, 33, 31), "float16", "NHWC")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x2 = x * 2  # queued on the side stream: the kernels must run after it
+        y, am = pool.max_pool2d(x2, 3, 2, 1)
+        dx = pool.max_pool2d_backward(torch.ones_like(y), am, x2.shape)
+        s = pool.softmax(x2)
+    side.synchronize()
+    assert launch_streams and all(p == side.cuda_stream for p in launch_streams)
+    assert torch.equal(y, F.max_pool2d(x2, 3, 2, 1))
+    assert rel(s, F.softmax(x2.double(), dim=1)) < TOL["float16"]
+    assert float(dx.double().sum()) == y.numel()
+
+
+def test_cupy_inputs_run_on_cupys_current_stream(launch_streams):
+    x = make("cupy", (2, 3, 9, 11), "float32", "NHWC")
+    cp.cuda.Device().synchronize()  # x was made on the null stream; the side stream does not wait for it
+    with cp.cuda.Stream(non_blocking=True) as st:
+        y = pool.avg_pool2d(x, 3, 1, 1)
+        st.synchronize()
+    assert launch_streams == [st.ptr]
+    assert rel_np(to_np(y), pool.avg_pool2d_reference(to_np(x), 3, 1, 1)) < TOL["float32"]
+
+
+def test_tensors_that_require_grad_are_read_without_autograd():
+    x = make("torch", (2, 3, 9, 11), "float32", "NCHW").requires_grad_(True)
+    y, _ = pool.max_pool2d(x, 2)
+    assert not y.requires_grad
+    assert torch.equal(y, F.max_pool2d(x.detach(), 2))
+
+
+def test_gpu_operand_errors():
+    x64 = cp.zeros((1, 1, 4, 4), cp.float64)
+    with pytest.raises(OperandError, match="unsupported dtype float64") as ei:
+        pool.max_pool2d(x64, 2)
+    assert ei.value.operand == "x"
+    with pytest.raises(OperandError, match="neither dense NCHW"):
+        pool.avg_pool2d(cp.zeros((1, 2, 8, 8), cp.float32)[:, :, ::2], 2)
+    with pytest.raises(OperandError, match="kernel 5 larger than padded input"):
+        pool.max_pool2d(torch.zeros(1, 1, 3, 3, device="cuda"), 5)
+    with pytest.raises(OperandError, match="dense row-major"):
+        pool.softmax(cp.zeros((4, 3), cp.float32).T)
+    with pytest.raises(OperandError, match="expected a 2-D"):
+        pool.softmax(cp.zeros((2, 3, 4), cp.float32))
+    with pytest.raises(OperandError, match="expected dtype float32 like 'dy'"):
+        pool.softmax_backward(cp.zeros((2, 3), cp.float32), cp.zeros((2, 3), cp.float16))
