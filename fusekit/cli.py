@@ -720,7 +720,7 @@ def run_cmd(
     rng = np.random.default_rng(seed)
     operands, host = [], []
     for o in pat.operands:
-        a, h = _to_device(lib, mod, rng.standard_normal(shapes[o.name]), dtype, layout, o.kind)
+        a, h = _to_device(lib, mod, rng.standard_normal(shapes[o.name]), o.dtype or dtype, layout, o.kind)
         operands.append(a)
         host.append(h)
     refs = oracle.evaluate(pat, *host, **attrs)
