@@ -472,7 +472,7 @@ _IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def _affine_identity(x: Any) -> tuple[Any, Any, Any]:
-    """(ones, zeros, scratch) float32 channel vectors for x's channels, cached per library/device/C.
+    """(ones, zeros, (scratch, scratch)) float32 channel vectors for x's channels, cached per library/device/C.
     cuDNN's batch-norm node always applies gamma and beta; normalize-only runs it with these, and
     its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call)."""
     c = int(x.shape[1])
@@ -481,7 +481,7 @@ def _affine_identity(x: Any) -> tuple[Any, Any, Any]:
     if v is None:
         ad = adapter_for(x)
         spec = TensorSpec.build((1, c, 1, 1), "float32", _device_index(x), "NCHW", view=(c,))
-        ones, zeros, scratch = ad.empty(spec), ad.empty(spec), ad.empty(TensorSpec.build((1, 2 * c, 1, 1), "float32", spec.device, "NCHW", view=(2 * c,)))
+        ones, zeros, scratch = ad.empty(spec), ad.empty(spec), (ad.empty(spec), ad.empty(spec))
         ones[...] = 1.0
         zeros[...] = 0.0
         v = _IDENTITY[key] = (ones, zeros, scratch)
@@ -507,10 +507,9 @@ def bn_normalize(
 
 def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
     """dx of :func:`bn_normalize` (no gamma/beta gradients are produced for the caller)."""
-    ones, _, scratch = _affine_identity(x)
-    c = int(x.shape[1])
+    ones, _, (dg, db) = _affine_identity(x)
     dx = _empty_like(x)
-    call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, scratch[:c], scratch[c:]))
+    call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, dg, db))
     return dx
 
 
