@@ -534,8 +534,14 @@ def batchnorm(
             y, mean, inv = call("batchnorm_stats", x, gamma, beta, epsilon=epsilon)
             return call("relu", y), mean, inv
         return call("batchnorm_stats", x, gamma, beta, epsilon=epsilon)
-    name = "batchnorm_relu" if relu else "batchnorm"
-    return call(name, x, gamma, beta, running_mean, running_var, epsilon=epsilon, momentum=momentum)
+    kw = dict(epsilon=epsilon, momentum=momentum)
+    if not relu:
+        return call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)
+    return _fused_or_split(
+        _tag("batchnorm_relu", x),
+        lambda: call("batchnorm_relu", x, gamma, beta, running_mean, running_var, **kw),
+        lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)),
+    )
 
 
 def batchnorm_backward(
@@ -561,7 +567,13 @@ def inv_std(running_var: Any, epsilon: float = 1e-5) -> Any:
 
 def batchnorm_inference(x: Any, mean: Any, inv_stdev: Any, gamma: Any, beta: Any, *, relu: bool = False) -> Any:
     """Inference batch norm from running statistics (``inv_stdev`` = :func:`inv_std` of the running variance)."""
-    return call("batchnorm_inference_relu" if relu else "batchnorm_inference", x, mean, inv_stdev, gamma, beta)
+    if not relu:
+        return call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)
+    return _fused_or_split(
+        _tag("batchnorm_inference_relu", x),
+        lambda: call("batchnorm_inference_relu", x, mean, inv_stdev, gamma, beta),
+        lambda: call("relu", call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)),
+    )
 
 
 def channel_scale_shift(x: Any, gamma: Any = None, beta: Any = None, *, relu: bool = False) -> Any:
