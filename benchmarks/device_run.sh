@@ -13,13 +13,13 @@ for part in "$@"; do
       timeout 120 python3 benchmarks/probes/probe_norm_api.py > "$OUT/probe_norm.log" 2>&1
       grep -E "^\[|plans|build|serialize|deserialize|equal|err|replay|filtered" "$OUT/probe_norm.log" "$OUT/probe_autotune.log" | cut -c1-220 | head -40 ;;
     tests)
-      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/ > "$OUT/gpu_tests.log" 2>&1
+      timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/ > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -45 ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
     bench-*)
-      timeout 500 python3 "benchmarks/${part//-/_}.py" --out "$OUT" > "$OUT/${part}.log" 2>&1
+      timeout ${BENCH_TIMEOUT:-150} python3 "benchmarks/${part//-/_}.py" --out "$OUT" > "$OUT/${part}.log" 2>&1
       tail -8 "$OUT/${part}.log" | cut -c1-400 ;;
   esac
 done
