@@ -206,12 +206,8 @@ def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tup
     arrays = operands + outs
     c = None
     if cache is None:
-        try:  # _fast_key, inlined: this is the hot path
-            k = [name, names, values, alloc]
-            for a in arrays:
-                k += _SIG[type(a)](a)
-            k.append(_STREAM[type(operands[0])](k[7]))
-            c = _FAST.get(tuple(k))
+        try:
+            c = _FAST.get(_fast_key(name, names, values, operands, arrays, alloc))
         except Exception:  # an array type not seen yet, or not an array: the checked path below
             c = None
     if c is None:
