@@ -234,7 +234,7 @@ def autotune(
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
     outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
     specs, norm, aligns, adapter = ops._check(pat, operands, outs, attrs)
-    return _tune_key(pat, specs, norm, aligns, adapter, options, cache or default_cache())
+    return _tune_key(pat, specs, norm, aligns, adapter, options, (cache if cache is not None else default_cache()))
 
 
 def autotune_shapes(
@@ -272,7 +272,7 @@ def autotune_shapes(
     norm = pat.normalize_attrs(attrs)
     specs.update(ops.output_specs(pat, specs, norm))
     adapter = _library(library) if library else _default_library()
-    return _tune_key(pat, specs, norm, [32] * len(specs), adapter, options, cache or default_cache())
+    return _tune_key(pat, specs, norm, [32] * len(specs), adapter, options, (cache if cache is not None else default_cache()))
 
 
 def _default_library() -> Adapter:

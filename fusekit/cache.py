@@ -358,6 +358,9 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def __bool__(self) -> bool:  # an empty cache is still a cache (``cache or default`` must not skip it)
+        return True
+
     def __contains__(self, key: PlanKey) -> bool:
         return key in self._plans
 

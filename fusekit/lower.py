@@ -61,7 +61,9 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
         i["input"], i["scale"], i["bias"], in_running_mean=i["in_running_mean"], in_running_var=i["in_running_var"],
         epsilon=a["epsilon"], momentum=a["momentum"], name=n,
     ),
-    "batchnorm_stats": lambda g, i, a, n: _first(g.batchnorm(i["input"], i["scale"], i["bias"], epsilon=a["epsilon"], name=n), 3),
+    "batchnorm_stats": lambda g, i, a, n: _first(
+        g.batchnorm(i["input"], i["scale"], i["bias"], in_running_mean=None, in_running_var=None, epsilon=a["epsilon"], momentum=a["momentum"], name=n), 3
+    ),
     "batchnorm_inference": lambda g, i, a, n: g.batchnorm_inference(i["input"], i["mean"], i["inv_variance"], i["scale"], i["bias"], name=n),
     "batchnorm_backward": lambda g, i, a, n: g.batchnorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
     "genstats": lambda g, i, a, n: g.genstats(i["input"], name=n),
@@ -112,10 +114,8 @@ def lower(
     for op in pattern.ops:
         sig = OPS[op.op]
         op_attrs = pattern.op_attrs(op, attrs)
-        for sc in sig.scalars:  # pass-by-value float32 tensors, bound to host values at execute
-            t = g.tensor(name=f"{op.out}_{sc}", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn_dtype("float32"), is_pass_by_value=True)
-            consts.append((t, float(op_attrs[sc])))
-            op_attrs[sc] = t
+        for sc in sig.scalars:  # pass-by-value float32 scalars; the graph holds their values
+            op_attrs[sc] = g.tensor_scalar(float(op_attrs[sc]), cudnn_dtype("float32"), name=f"{op.out}_{sc}")
         res = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, op_attrs, op.out)
         results = tuple(res) if len(op.produces) > 1 else (res,)
         for name, t in zip(op.produces, results):

@@ -227,7 +227,7 @@ def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tup
             except Exception:
                 fkey = None
         if c is None:
-            cache_ = cache or default_cache()
+            cache_ = (cache if cache is not None else default_cache())
             _watch(cache_)
             c = _resolve(pat, operands, outs if not alloc else None, dict(zip(names, values)), cache_)
             if fkey is not None:
@@ -257,7 +257,7 @@ def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: Pla
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
     outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
     operands = tuple(as_device_array(a, pat.name, o.name) for a, o in zip(operands, pat.operands))
-    cache_ = cache or default_cache()
+    cache_ = (cache if cache is not None else default_cache())
     _watch(cache_)
     return _resolve(pat, operands, outs, attrs, cache_).plan
 
@@ -347,6 +347,13 @@ def _output_padding(x_hw: Sequence[int], dy_hw: Sequence[int], k_hw: Sequence[in
     return tuple(int(x_hw[i]) - ((int(dy_hw[i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(k_hw[i]) - 1) + 1) for i in range(2))  # type: ignore[return-value]
 
 
+def _cast(a: Any, like: Any) -> Any:
+    """``a`` in ``like``'s dtype (bias gradients come out of cuDNN reductions in float32)."""
+    if a is None or a.dtype == like.dtype:
+        return a
+    return a.to(like.dtype) if hasattr(a, "get_device") else a.astype(like.dtype)
+
+
 def _tag(name: str, *arrays: Any) -> tuple:
     return (name,) + tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
 
@@ -385,7 +392,7 @@ def conv_bias_relu_backward(
     need_dx, need_dw, need_db = needs
     dz, db = _relu_bias_grad(dy, y, need_db)
     dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
-    return dx, dw, db
+    return dx, dw, _cast(db, dy)
 
 
 def conv_bias_backward(
@@ -396,7 +403,7 @@ def conv_bias_backward(
     need_dx, need_dw, need_db = needs
     db = call("bias_grad", dy) if need_db else None
     dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
-    return dx, dw, db
+    return dx, dw, _cast(db, dy)
 
 
 def conv2d_backward(
@@ -421,7 +428,7 @@ def conv_transpose_bias_relu_backward(
         dz, db = dy, (call("bias_grad", dy) if need_db else None)
     dx = call("conv", dz, w, **conv) if need_dx else None
     dw = call("conv_wgrad", dz, x, kernel=tuple(w.shape[2:]), **conv) if need_dw else None
-    return dx, dw, db
+    return dx, dw, _cast(db, dy)
 
 
 def _relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
@@ -446,13 +453,13 @@ def linear_bias_relu_backward(dy: Any, x: Any, w: Any, y: Any, *, needs: Sequenc
         )
     else:
         dz, db = call("relu_backward", dy, y), None
-    return _linear_grads(dz, x, w, need_dx, need_dw) + (db,)
+    return _linear_grads(dz, x, w, need_dx, need_dw) + (_cast(db, dy),)
 
 
 def linear_bias_backward(dy: Any, x: Any, w: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = x @ w.T + b``; saved: x, w."""
     db = call("row_sum", dy) if needs[2] else None
-    return _linear_grads(dy, x, w, needs[0], needs[1]) + (db,)
+    return _linear_grads(dy, x, w, needs[0], needs[1]) + (_cast(db, dy),)
 
 
 def _linear_grads(dz: Any, x: Any, w: Any, need_dx: bool, need_dw: bool) -> tuple[Any, Any]:

@@ -237,7 +237,9 @@ OPS: dict[str, OpSig] = {
         ("input", "scale", "bias", "in_running_mean", "in_running_var"), ("epsilon", "momentum"), _bn_train_shape,
         outputs=("y", "mean", "inv_var", "next_running_mean", "next_running_var"), scalars=("epsilon", "momentum"),
     ),
-    "batchnorm_stats": OpSig(("input", "scale", "bias"), ("epsilon",), _bn_stats_shape, outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
+    "batchnorm_stats": OpSig(
+        ("input", "scale", "bias"), ("epsilon", "momentum"), _bn_stats_shape, outputs=("y", "mean", "inv_var"), scalars=("epsilon", "momentum")
+    ),
     "batchnorm_inference": OpSig(("input", "mean", "inv_variance", "scale", "bias"), (), _bn_inference_shape),
     "batchnorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _bn_backward_shape, outputs=("dx", "dscale", "dbias")),
     "genstats": OpSig(("input",), (), _genstats_shape, outputs=("sum", "sq_sum")),

@@ -272,3 +272,8 @@ def test_env_cache_size(monkeypatch):
 def test_default_size_without_env(monkeypatch):
     monkeypatch.delenv("FUSEKIT_CACHE_SIZE", raising=False)
     assert PlanCache().maxsize == 512
+
+
+def test_an_empty_cache_is_still_used():
+    """`cache or default_cache()` must not skip an empty PlanCache (it has __len__)."""
+    assert bool(PlanCache(maxsize=1))

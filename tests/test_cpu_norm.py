@@ -114,8 +114,10 @@ def test_batchnorm_relu_graph_structure():
     assert t["mean"]["dtype"] == "data_type.FLOAT" and t["new_running_var"]["dim"] == [1, c, 1, 1]
     relu_in = info["nodes"][1]["inputs"]["IN_0"]
     assert info["nodes"][0]["outputs"]["Y"] == relu_in and t[relu_in]["is_virtual"]  # BN's y feeds the ReLU inside the graph
-    # epsilon and momentum are pass-by-value scalars bound at execute, after operands and outputs
-    assert low.consts == (1e-3, 0.2) and len(low.uids) == len(low.names) + 2
+    # epsilon and momentum are pass-by-value scalars the graph carries (nothing to bind at execute)
+    scalars = {name: t for name, t in low.graph.tensors.items() if t.is_pass_by_value}
+    assert sorted(v.pass_by_value for v in scalars.values()) == [1e-3, 0.2]
+    assert low.consts == () and len(low.uids) == len(low.names)
 
 
 def test_norm_errors():
