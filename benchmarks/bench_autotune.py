@@ -45,23 +45,17 @@ def sweep(plan, x, wt, b, out) -> dict[int, float]:
     g, uids = plan.graph, plan.uids
     ok = [c for c in plan.tuning if c["verdict"] == "ok"]
     ws = torch.empty(max(c["workspace"] for c in ok) + 1, dtype=torch.uint8, device="cuda")
-    handle = fusekit.runtime.RUNTIME.handle(fusekit.tensors.library("torch"), 0, torch.cuda.current_stream().cuda_stream)
     res = {}
+    bufs = [[xi, wt, b, out] for xi in x]
     for c in ok:
-        bufs = [[xi, wt, b, out] for xi in x]
-        for bb in bufs:
-            g.execute_plan_at_index(bb, ws, c["index"], handle, tensor_uids=uids)
-        ts = []
-        for _ in range(SWEEP_REPEATS):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for bb in bufs:
-                g.execute_plan_at_index(bb, ws, c["index"], handle, tensor_uids=uids)
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3 / len(bufs))
-        res[c["index"]] = statistics.median(ts)
+        res[c["index"]] = graph_time_us(lambda i, idx=c["index"]: g.execute_plan_at_index(bufs[i % len(bufs)], ws, idx, _handle(), tensor_uids=uids),
+                                        reps=4 * len(bufs), trials=SWEEP_REPEATS, warm=len(bufs))
     return res
+
+
+def _handle():
+    """The cuDNN handle of the current torch stream (the timer captures on its own stream)."""
+    return fusekit.runtime.RUNTIME.handle(fusekit.tensors.library("torch"), 0, torch.cuda.current_stream().cuda_stream)
 
 
 CHILD = textwrap.dedent(
@@ -112,7 +106,7 @@ def main() -> None:
         outs = [cl(torch.empty(BATCH, k, ho, wo, device="cuda", dtype=torch.float16)) for _ in range(4)]
         hp = fusekit.plan_for("conv_bias_relu", x[0], wt, b, out=outs[0], cache=heur, **attrs)
         res = fusekit.autotune("conv_bias_relu", x[0], wt, b, out=outs[0], cache=tuned,
-                               options=fusekit.TuneOptions(budget_s=args.budget))
+                               options=fusekit.TuneOptions(budget_s=args.budget), **attrs)
         tp = fusekit.plan_for("conv_bias_relu", x[0], wt, b, out=outs[0], cache=tuned, **attrs)
         t_heur = graph_time_us(lambda j: fusekit.call("conv_bias_relu", x[j % 4], wt, b, out=outs[j % 4], cache=heur, **attrs))
         t_tuned = graph_time_us(lambda j: fusekit.call("conv_bias_relu", x[j % 4], wt, b, out=outs[j % 4], cache=tuned, **attrs))

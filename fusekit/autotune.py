@@ -51,8 +51,8 @@ class TuneOptions:
     max_candidates: int = 64
     workspace_limit: int | None = None  # bytes; plans needing more are skipped
     deterministic: bool = False  # drop plans cuDNN marks NONDETERMINISTIC
-    warmup: int = 2
-    repeats: int = 5
+    warmup: int = 3  # passes over the input sets in each captured graph
+    repeats: int = 5  # graph replays timed (median taken)
     rotate: int = 3  # input sets cycled through while timing
     heuristics: tuple[str, ...] = ("A", "B", "FALLBACK")
     #: Test hook: ``corrupt(index, outputs)`` may alter candidate ``index``'s outputs before they are checked.
@@ -138,10 +138,17 @@ def tune(
     runnable = runnable[: opt.max_candidates]
     if not runnable:
         raise UnsupportedError(f"no candidate plan could be built for {key.describe()}")
-    ws_owner, ws_ptr = adapter.bytes(max(c.workspace for c in runnable), specs[names[0]].device)
+    device = specs[names[0]].device
+    ws_owner, ws_ptr = adapter.bytes(max(c.workspace for c in runnable), device)
+    # Candidates are timed as CUDA-graph replays on a stream of their own: back-to-back executes
+    # of a 10 us kernel would time the host's launch cost (~20 us a call), not the plan.
+    from .runtime import RUNTIME
 
-    def run(index: int, s: int) -> None:
-        g.execute_plan_at_index(sets[s], ws_ptr, index, handle, tensor_uids=lowered.uids)
+    tstream, tptr = adapter.new_stream(device)
+    thandle = RUNTIME.handle(adapter, device, tptr)
+
+    def run(index: int, s: int, h: Any = handle) -> None:
+        g.execute_plan_at_index(sets[s], ws_ptr, index, h, tensor_uids=lowered.uids)
 
     reference = None
     done = 0
@@ -168,15 +175,14 @@ def tune(
                 if c.error > tol:
                     c.verdict = f"rejected: differs from the heuristic plan by {c.error:.2e} (> {tol:.0e})"
             if c.verdict == "pending":
-                for _ in range(opt.warmup):
-                    for s in range(len(sets)):
-                        run(c.index, s)
+                per_graph = max(1, opt.warmup) * len(sets)
 
-                def rounds() -> None:
-                    for s in range(len(sets)):
-                        run(c.index, s)
+                def rounds(index: int = c.index) -> None:
+                    for _ in range(max(1, opt.warmup)):
+                        for s in range(len(sets)):
+                            run(index, s, thandle)
 
-                c.times_us = [adapter.time_ms(rounds) * 1e3 / len(sets) for _ in range(opt.repeats)]
+                c.times_us = [t * 1e3 / per_graph for t in adapter.graph_times_ms(tstream, rounds, opt.repeats)]
                 c.time_us = statistics.median(c.times_us)
                 c.verdict = "ok"
         except Exception as e:  # noqa: BLE001 - a candidate that fails to run is reported, not fatal
