@@ -26,8 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fusekit  # noqa: E402
-from bench_conv import BATCH, RESNET50, graph_time_us  # noqa: E402
-from timing import cl  # noqa: E402
+from bench_conv import BATCH, RESNET50  # noqa: E402
+from bench_conv import graph_time_us as bench_graph_time_us  # noqa: E402
+from timing import cl, graph_time_us  # noqa: E402
 from fusekit.cache import DiskStore, PlanCache  # noqa: E402
 
 SWEEP_REPEATS = 15
@@ -108,8 +109,8 @@ def main() -> None:
         res = fusekit.autotune("conv_bias_relu", x[0], wt, b, out=outs[0], cache=tuned,
                                options=fusekit.TuneOptions(budget_s=args.budget), **attrs)
         tp = fusekit.plan_for("conv_bias_relu", x[0], wt, b, out=outs[0], cache=tuned, **attrs)
-        t_heur = graph_time_us(lambda j: fusekit.call("conv_bias_relu", x[j % 4], wt, b, out=outs[j % 4], cache=heur, **attrs))
-        t_tuned = graph_time_us(lambda j: fusekit.call("conv_bias_relu", x[j % 4], wt, b, out=outs[j % 4], cache=tuned, **attrs))
+        t_heur = bench_graph_time_us(lambda j: fusekit.call("conv_bias_relu", x[j % 4], wt, b, out=outs[j % 4], cache=heur, **attrs))
+        t_tuned = bench_graph_time_us(lambda j: fusekit.call("conv_bias_relu", x[j % 4], wt, b, out=outs[j % 4], cache=tuned, **attrs))
         sw = sweep(tp, x, wt, b, outs[0])
         fastest = min(sw.values())
         row = dict(
