@@ -624,7 +624,8 @@ def dense_in(h, layout):
     return tensors._matches(tuple(s // h.a.itemsize for s in h.a.strides), canon(h.a.shape), h.a.shape)
 
 
-HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1), (1, 3, 9, 8, (3, 2), (2, 1), (1, 0)), (1, 257, 3, 5, 2, 1, 1)]
+HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1), (1, 3, 9, 8, (3, 2), (2, 1), (1, 0)), (1, 257, 3, 5, 2, 1, 1),
+             (2, 1, 9, 11, 3, 2, 1), (2, 64, 9, 11, 3, 1, 1)]  # the last two as test_gpu_pool's avg_pool2d cases
 
 
 @pytest.mark.usefixtures("host_launch")

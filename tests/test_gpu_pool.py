@@ -85,10 +85,16 @@ def check_result(a, lib, dtype, shape, layout):
 
 
 def autograd(fn, inputs, dy):
-    """fn's value and input gradients in float64 on the (rounded) inputs."""
-    leaves = [as_torch(t).detach().double().requires_grad_(True) for t in inputs]
+    """fn's value and input gradients in float64 on the (rounded) inputs.
+
+    The float64 copies are NCHW-contiguous whatever the operands' layout: the values do not depend
+    on it, and PyTorch's CUDA channels_last avg_pool2d backward drops the padding offset (input
+    gradients shifted by the padding for padding > 0; pytorch/pytorch#188344, fixed by #188345), so
+    a channels_last reference would be wrong for every padded NHWC case.
+    """
+    leaves = [as_torch(t).detach().double().contiguous().requires_grad_(True) for t in inputs]
     y = fn(*leaves)
-    y.backward(as_torch(dy).double())
+    y.backward(as_torch(dy).double().contiguous())
     return y.detach(), [t.grad for t in leaves]
 
 
