@@ -260,7 +260,6 @@ def autotune_shapes(
     from .cache import default_cache
     from .patterns import get_pattern
     from .tensors import library as _library
-    from .tensors import LAYOUT_STRIDES, logical_shape, make_spec
 
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
     missing = [n for n in pat.operand_names if n not in shapes]
@@ -268,13 +267,7 @@ def autotune_shapes(
         from .errors import OperandError
 
         raise OperandError(pat.name, missing[0], f"needs a shape (operands: {pat.operand_names})")
-    specs = {}
-    for o in pat.operands:
-        view = tuple(int(d) for d in shapes[o.name])
-        shp = logical_shape(pat.name, o.name, o.kind, view)
-        four_d = len(shp) == 4 and o.kind in ("image", "filter", "tensor")
-        strides = LAYOUT_STRIDES[layout](shp) if four_d else LAYOUT_STRIDES["ROW"](view)
-        specs[o.name] = make_spec(pat.name, o.name, o.kind, view, strides, o.dtype or dtype, device)
+    specs = ops.shape_specs(pat, shapes, dtype, layout, device)
     norm = pat.normalize_attrs(attrs)
     specs.update(ops.output_specs(pat, specs, norm))
     adapter = _library(library) if library else _default_library()

@@ -32,10 +32,10 @@ import numpy as np
 import fusekit
 from fusekit import oracle
 from fusekit.errors import FusekitError, NoGPUError, OperandError
-from fusekit.ops import output_specs
+from fusekit.ops import output_specs, shape_specs
 from fusekit.patterns import Pattern, get_pattern, list_patterns, pattern_dirs
 from fusekit.runtime import versions
-from fusekit.tensors import LAYOUT_STRIDES, TensorSpec, logical_shape, make_spec, nchw_strides, nhwc_strides, row_strides
+from fusekit.tensors import TensorSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 Shape = tuple[int, ...]
@@ -251,20 +251,10 @@ def _check_names(pat: Pattern, shapes: Mapping[str, Shape], required: bool) -> N
         raise InputError(f"missing --shape for operand(s) {', '.join(missing)} of {pat.name}; give {_shape_usage(pat)}")
 
 
-def _strides(shape: Shape, kind: str, layout: str) -> Shape:
-    """Strides (in elements) of a dense array of ``shape`` as ``fusekit run`` makes it."""
-    if len(shape) == 4 and kind in LAYOUT_KINDS:
-        return nhwc_strides(shape) if layout == "NHWC" else nchw_strides(shape)
-    return row_strides(shape)
-
-
 def operand_specs(pat: Pattern, shapes: Mapping[str, Shape], dtype: str, layout: str) -> dict[str, TensorSpec]:
     """Checked specs (device 0) for every operand, as cuDNN sees it: a channel (C,) is (1, C, 1, 1)."""
     _check_names(pat, shapes, required=True)
-    return {
-        o.name: make_spec(pat.name, o.name, o.kind, shapes[o.name], _strides(shapes[o.name], o.kind, layout), dtype, 0)
-        for o in pat.operands
-    }
+    return shape_specs(pat, shapes, dtype, layout)
 
 
 def lower_graph(pat: Pattern, specs: Mapping[str, TensorSpec], attrs: Mapping[str, Any]) -> tuple[dict[str, TensorSpec], Any]:
@@ -992,13 +982,7 @@ class SpecLayer:
 def check_tune_input(pat: Pattern, shapes: Mapping[str, Shape], attrs: Mapping[str, Any], dtype: str, layout: str) -> dict[str, TensorSpec]:
     """Every check :func:`fusekit.autotune_shapes` makes before it needs a GPU: the operand and
     output specs (device 0), or OperandError naming the operand or attribute."""
-    specs: dict[str, TensorSpec] = {}
-    for o in pat.operands:
-        view = tuple(int(d) for d in shapes[o.name])
-        shp = logical_shape(pat.name, o.name, o.kind, view)
-        four_d = len(shp) == 4 and o.kind in LAYOUT_KINDS
-        strides = LAYOUT_STRIDES[layout](shp) if four_d else LAYOUT_STRIDES["ROW"](view)
-        specs[o.name] = make_spec(pat.name, o.name, o.kind, view, strides, o.dtype or dtype, 0)
+    specs = shape_specs(pat, shapes, dtype, layout)
     norm = pat.normalize_attrs(attrs)
     specs.update(output_specs(pat, specs, norm))
     return specs

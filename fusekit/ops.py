@@ -17,7 +17,7 @@ from .cache import Plan, PlanCache, PlanKey, default_cache
 from .errors import OperandError, UnsupportedError
 from .patterns import Pattern, get_pattern
 from .runtime import RUNTIME, versions
-from .tensors import _SIG, _STREAM, Adapter, TensorSpec, adapter_for, as_device_array, make_spec, view_shape
+from .tensors import _SIG, _STREAM, LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, as_device_array, logical_shape, make_spec, view_shape
 
 
 class _Call:
@@ -121,6 +121,19 @@ def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple)
             layout = "NCHW" if kind == "channel" else "ROW"
         out[oname] = TensorSpec.build(shape, ls.dtype, ls.device, layout, view=view_shape(kind, shape))
     return out
+
+
+def shape_specs(pattern: Pattern, shapes: Mapping[str, Sequence[int]], dtype: str, layout: str, device: int = 0) -> dict[str, TensorSpec]:
+    """Checked operand specs from shapes alone (no arrays): each operand dense in ``layout`` if it is
+    4-D, row-major otherwise, in its fixed dtype or ``dtype``. What tuning ahead of time and the CLI use."""
+    specs = {}
+    for o in pattern.operands:
+        view = tuple(int(d) for d in shapes[o.name])
+        shp = logical_shape(pattern.name, o.name, o.kind, view)
+        four_d = len(shp) == 4 and o.kind in ("image", "filter", "tensor")
+        strides = LAYOUT_STRIDES[layout](shp) if four_d else LAYOUT_STRIDES["ROW"](view)
+        specs[o.name] = make_spec(pattern.name, o.name, o.kind, view, strides, o.dtype or dtype, device)
+    return specs
 
 
 def make_key(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple, aligns: Sequence[int], adapter: Adapter) -> PlanKey:
