@@ -110,8 +110,7 @@ def tune(
     names = list(pattern.operand_names) + list(pattern.outputs)
     operands = [[adapter.randn(specs[n]) for n in pattern.operand_names] for _ in range(max(1, opt.rotate))]
     outputs = [[adapter.empty(specs[n]) for n in pattern.outputs] for _ in operands]
-    scalars = list(_lower.host_scalars(lowered.consts))
-    sets = [ops_ + outs + scalars for ops_, outs in zip(operands, outputs)]
+    sets = [ops_ + outs for ops_, outs in zip(operands, outputs)]
     assert len(sets[0]) == len(lowered.uids)
 
     cands: list[Candidate] = []
@@ -211,7 +210,6 @@ def tune(
         engine_id=best.engine_id,
         knobs=best.knobs,
         tuning=[c.to_json() for c in cands],
-        consts=lowered.consts,
     )
     return plan, result
 

@@ -91,7 +91,6 @@ class Plan:
     engine_id: int | None = None
     knobs: dict[str, int] = field(default_factory=dict)
     tuning: list[dict] | None = field(default=None, repr=False)  # per-candidate timings and verdicts
-    consts: tuple[float, ...] = ()  # values of the pass-by-value scalars (the last uids)
     evicted: bool = field(default=False, repr=False)
 
     def meta(self) -> dict:
@@ -106,7 +105,6 @@ class Plan:
             "build_ms": self.build_ms,
             "source": "tuned" if self.source == "tuned" or self.tuning else self.source,
             "tuning": self.tuning,
-            "consts": list(self.consts),
         }
 
 

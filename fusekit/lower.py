@@ -83,8 +83,7 @@ class Lowered:
 
     graph: Any
     names: tuple[str, ...]  # operands then outputs
-    uids: tuple[int, ...]  # operands, outputs, then the pass-by-value scalars
-    consts: tuple[float, ...] = ()  # the scalars' values, bound as host float32 arrays
+    uids: tuple[int, ...]
 
 
 def lower(
@@ -110,7 +109,6 @@ def lower(
         env[o.name] = g.tensor(name=o.name, dim=list(s.shape), stride=list(s.strides), data_type=cudnn_dtype(s.dtype))
     shapes = pattern.infer_shapes({o.name: specs[o.name].shape for o in pattern.operands}, attrs)
     nhwc = any(specs[o.name].layout == "NHWC" for o in pattern.operands)
-    consts: list[tuple[Any, float]] = []
     for op in pattern.ops:
         sig = OPS[op.op]
         op_attrs = pattern.op_attrs(op, attrs)
@@ -129,7 +127,7 @@ def lower(
         t = env[name]
         t.set_output(True).set_name(name).set_data_type(cudnn_dtype(s.dtype)).set_dim(list(s.shape)).set_stride(list(s.strides))
     names = pattern.operand_names + tuple(pattern.outputs)
-    return Lowered(g, names, tuple(env[n].uid for n in names) + tuple(t.uid for t, _ in consts), tuple(v for _, v in consts))
+    return Lowered(g, names, tuple(env[n].uid for n in names))
 
 
 @dataclass
@@ -142,14 +140,6 @@ class Built:
     build_ms: float
     engine_id: int | None = None
     knobs: dict | None = None
-    consts: tuple[float, ...] = ()
-
-
-def host_scalars(values: Sequence[float]) -> tuple[Any, ...]:
-    """The host float32 buffers bound to a graph's pass-by-value scalars."""
-    import numpy as np
-
-    return tuple(np.full((1, 1, 1, 1), v, dtype=np.float32) for v in values)
 
 
 def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "") -> Built:
@@ -180,7 +170,7 @@ def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where
         engine_id, knobs = int(eid), {getattr(k, "name", str(k)): int(v) for k, v in (kn or {}).items()}
     except Exception:  # noqa: BLE001 - replay information is optional
         pass
-    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3, engine_id, knobs, lowered.consts)
+    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3, engine_id, knobs)
 
 
 def deserialize(blob: bytes, handle: Any) -> Any:

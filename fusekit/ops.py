@@ -23,12 +23,11 @@ from .tensors import _SIG, _STREAM, LAYOUT_STRIDES, Adapter, TensorSpec, adapter
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
-    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter", "consts")
+    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter")
 
     def __init__(self, plan: Plan, handle: Any, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
         self.handle, self.workspace, self.outs, self.out_adapter = handle, workspace, outs, out_adapter
-        self.consts = _lower.host_scalars(plan.consts)  # host buffers of pass-by-value scalars
 
 
 _FAST: dict[tuple, _Call] = {}
@@ -169,7 +168,7 @@ def _planner(pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cach
                 return plan
             lowered = _lower.lower(pattern, specs, attrs, handle=handle)
             b = _lower.build(lowered, cache.heuristics, where=key.describe())
-        return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs, consts=b.consts)
+        return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
 
     def load(entry: Any) -> Plan:
         meta = entry.header["plan"]
@@ -180,7 +179,6 @@ def _planner(pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cach
         return Plan(
             key, g, tuple(meta["uids"]), int(meta["workspace_size"]), meta["engine"], int(meta.get("candidates", 0)), ms,
             source="disk", engine_id=meta.get("engine_id"), knobs=meta.get("knobs") or {}, tuning=meta.get("tuning"),
-            consts=tuple(meta.get("consts", ())),
         )
 
     return build, load
@@ -249,7 +247,7 @@ def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tup
     if alloc:
         outs = tuple([c.out_adapter.empty(s) for s in c.outs])
         arrays = operands + outs
-    c.graph.execute(arrays + c.consts if c.consts else arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    c.graph.execute(arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
     return outs[0] if len(outs) == 1 else outs
 
 

@@ -423,7 +423,7 @@ class FakeTuner:
             cands.append(c)
             options.progress(i + 1, len(self.TIMES), c)
         meta = {"engine": "eng1_k1=1", "engine_id": 1, "knobs": {"k1": 1}, "uids": [1, 2, 3], "workspace_size": 1024,
-                "candidates": len(cands), "build_ms": 5.0, "source": "tuned", "tuning": [c.to_json() for c in cands], "consts": []}
+                "candidates": len(cands), "build_ms": 5.0, "source": "tuned", "tuning": [c.to_json() for c in cands]}
         cache.store.write(key, meta, b"not a real cuDNN plan")
         return TuneResult(key, cands, 1, 20.0, 8.0, 0.25)
 

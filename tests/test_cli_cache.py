@@ -37,7 +37,6 @@ def meta(tuned: bool) -> dict:
         "build_ms": 12.5,
         "source": "tuned" if tuned else "built",
         "tuning": TUNING if tuned else None,
-        "consts": [],
     }
 
 
