@@ -362,7 +362,8 @@ def _cast(a: Any, like: Any) -> Any:
     """``a`` in ``like``'s dtype (bias gradients come out of cuDNN reductions in float32)."""
     if a is None or a.dtype == like.dtype:
         return a
-    return a.to(like.dtype) if hasattr(a, "get_device") else a.astype(like.dtype)
+    ad = adapter_for(a)
+    return ad.astype(a, ad.describe(like)[2])
 
 
 def _tag(name: str, *arrays: Any) -> tuple:
@@ -503,7 +504,7 @@ def _affine_identity(x: Any) -> tuple[Any, Any, Any]:
 
 
 def _device_index(x: Any) -> int:
-    return int(x.get_device()) if hasattr(x, "get_device") else int(x.data.device_id)
+    return int(adapter_for(x).describe(x)[3])
 
 
 def bn_normalize(
@@ -528,13 +529,9 @@ def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
 
 
 def _empty_like(x: Any) -> Any:
-    if hasattr(x, "get_device"):
-        import torch
-
-        return torch.empty_like(x)  # keeps channels-last
-    import cupy
-
-    return cupy.empty_like(x)  # order="K" keeps the strides' order
+    """An uninitialised 4-D array like ``x``: same library, dtype, device and layout (NCHW / NHWC)."""
+    ad = adapter_for(x)
+    return ad.empty(make_spec("fusekit", "x", "image", *ad.describe(x)))
 
 
 def batchnorm(
@@ -623,7 +620,9 @@ def fold_batchnorm(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, e
     scale = gamma * (var + epsilon) ** -0.5  # float32, one per output channel
     w2 = _empty_like(w)
     w2[...] = w * scale.reshape(-1, 1, 1, 1)  # computed in float32, stored in w's dtype and layout
-    b2 = w.new_empty((w.shape[0],)) if hasattr(w, "new_empty") else __import__("cupy").empty((w.shape[0],), w.dtype)
+    ad, k = adapter_for(w), int(w.shape[0])
+    _, _, dtype, device = ad.describe(w)
+    b2 = ad.empty(TensorSpec.build((1, k, 1, 1), dtype, device, "NCHW", view=(k,)))
     b2[...] = beta - mean * scale if b is None else (b - mean) * scale + beta
     return w2, b2
 

@@ -206,6 +206,10 @@ class Adapter:
         """Host float64 copy of ``a`` (synchronizes)."""
         raise NotImplementedError
 
+    def astype(self, a: Any, dtype: str) -> Any:
+        """``a`` converted to ``dtype`` (a dtype name, as in TensorSpec)."""
+        raise NotImplementedError
+
     def time_ms(self, fn: Any) -> float:
         """Device time of the work ``fn()`` queues on the current stream, by CUDA events."""
         raise NotImplementedError
@@ -286,6 +290,9 @@ class CupyAdapter(Adapter):
         import numpy as np
 
         return self.cp.asnumpy(a).astype(np.float64)
+
+    def astype(self, a, dtype):
+        return a.astype(self._dtypes[dtype])
 
     def time_ms(self, fn):
         cp = self.cp
@@ -378,6 +385,9 @@ class TorchAdapter(Adapter):
 
     def to_numpy(self, a):
         return a.detach().double().cpu().numpy()
+
+    def astype(self, a, dtype):
+        return a.to(self._dtypes[dtype])
 
     def time_ms(self, fn):
         cuda = self.torch.cuda
