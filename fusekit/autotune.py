@@ -236,7 +236,7 @@ def autotune(
     from .patterns import get_pattern
 
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
-    outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    outs = None if out is None else ops.as_outs(out)
     specs, norm, aligns, adapter = ops._check(pat, operands, outs, attrs)
     return _tune_key(pat, specs, norm, aligns, adapter, options, (cache if cache is not None else default_cache()))
 

@@ -199,6 +199,11 @@ def _resolve(
     return _Call(plan, handle, ws, tuple(specs[n] for n in pattern.outputs), adapter)
 
 
+def as_outs(out: Any) -> tuple:
+    """``out=`` as a tuple of arrays (one array, or a tuple/list for several outputs)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
 def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any], arrays: Sequence[Any], alloc: bool) -> tuple:
     """Dispatch key of a call: attributes, each array's (shape, strides, dtype, device, ptr % 32)
     and the current stream. Raises (KeyError, TypeError, ...) when an array type is not known yet."""
@@ -213,7 +218,7 @@ def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tup
     """The one place pointers are bound: look the call up, else resolve it; then execute."""
     name = pattern if isinstance(pattern, str) else pattern.name
     alloc = out is None
-    outs = () if alloc else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    outs = () if alloc else as_outs(out)
     arrays = operands + outs
     c = None
     if cache is None:
@@ -266,7 +271,7 @@ def call(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCac
 def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCache | None = None, **attrs: Any) -> Plan:
     """The plan :func:`call` would run for these operands (built if needed), without executing it."""
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
-    outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    outs = None if out is None else as_outs(out)
     operands = tuple(as_device_array(a, pat.name, o.name) for a, o in zip(operands, pat.operands))
     cache_ = (cache if cache is not None else default_cache())
     _watch(cache_)
