@@ -75,6 +75,9 @@ class TuneResult:
         return self.heuristic_us / self.best_us if self.best_us > 0 else float("nan")
 
 
+_TUNE_STREAMS: dict[tuple[str, int], tuple[Any, int]] = {}
+
+
 def _knobs(raw: Mapping[Any, Any]) -> dict[str, int]:
     return {getattr(k, "name", str(k)): int(v) for k, v in (raw or {}).items()}
 
@@ -143,7 +146,10 @@ def tune(
     # of a 10 us kernel would time the host's launch cost (~20 us a call), not the plan.
     from .runtime import RUNTIME
 
-    tstream, tptr = adapter.new_stream(device)
+    key = (adapter.name, device)
+    if key not in _TUNE_STREAMS:  # one side stream (and so one cuDNN handle) per device, not one per key
+        _TUNE_STREAMS[key] = adapter.new_stream(device)
+    tstream, tptr = _TUNE_STREAMS[key]
     thandle = RUNTIME.handle(adapter, device, tptr)
 
     def run(index: int, s: int, h: Any = handle) -> None:
