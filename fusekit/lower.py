@@ -113,7 +113,7 @@ def lower(
         sig = OPS[op.op]
         op_attrs = pattern.op_attrs(op, attrs)
         for sc in sig.scalars:  # pass-by-value float32 scalars; the graph holds their values
-            op_attrs[sc] = g.tensor_scalar(float(op_attrs[sc]), cudnn_dtype("float32"), name=f"{op.out}_{sc}")
+            op_attrs[sc] = g.tensor_scalar(float(op_attrs[sc]), cudnn.scalar_type.COMPILE_TIME_CONST, name=f"{op.out}_{sc}")
         res = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, op_attrs, op.out)
         results = tuple(res) if len(op.produces) > 1 else (res,)
         for name, t in zip(op.produces, results):

@@ -117,6 +117,10 @@ def test_batchnorm_relu_graph_structure():
     # epsilon and momentum are pass-by-value scalars the graph carries (nothing to bind at execute)
     scalars = {name: t for name, t in low.graph.tensors.items() if t.is_pass_by_value}
     assert sorted(v.pass_by_value for v in scalars.values()) == [1e-3, 0.2]
+    # the backend takes a scalar_type (compile-time constant vs runtime parameter), not a data_type
+    import cudnn
+
+    assert all(v.scalar_type == cudnn.scalar_type.COMPILE_TIME_CONST for v in scalars.values())
     assert len(low.uids) == len(low.names)
 
 
