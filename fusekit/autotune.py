@@ -146,10 +146,10 @@ def tune(
     # of a 10 us kernel would time the host's launch cost (~20 us a call), not the plan.
     from .runtime import RUNTIME
 
-    key = (adapter.name, device)
-    if key not in _TUNE_STREAMS:  # one side stream (and so one cuDNN handle) per device, not one per key
-        _TUNE_STREAMS[key] = adapter.new_stream(device)
-    tstream, tptr = _TUNE_STREAMS[key]
+    where = (adapter.name, device)
+    if where not in _TUNE_STREAMS:  # one side stream (and so one cuDNN handle) per device, not one per key
+        _TUNE_STREAMS[where] = adapter.new_stream(device)
+    tstream, tptr = _TUNE_STREAMS[where]
     thandle = RUNTIME.handle(adapter, device, tptr)
 
     def run(index: int, s: int, h: Any = handle) -> None:
