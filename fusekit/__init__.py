@@ -9,6 +9,7 @@ from .cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
 from .errors import FusekitError, NoGPUError, OperandError, PatternError, UnsupportedError
 from .ops import (
     FusionWarning,
+    LayoutWarning,
     call,
     conv2d,
     conv2d_backward,
@@ -36,7 +37,7 @@ __all__ = [
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
     "autotune", "autotune_shapes", "configure",
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
-    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache", "FusionWarning",
+    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache", "FusionWarning", "LayoutWarning",
     "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
     "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",
     "linear_bias", "linear_bias_relu", "linear_bias_backward", "linear_bias_relu_backward",

@@ -64,7 +64,6 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "batchnorm_stats": lambda g, i, a, n: _first(
         g.batchnorm(i["input"], i["scale"], i["bias"], in_running_mean=None, in_running_var=None, epsilon=a["epsilon"], momentum=a["momentum"], name=n), 3
     ),
-    "batchnorm_inference": lambda g, i, a, n: g.batchnorm_inference(i["input"], i["mean"], i["inv_variance"], i["scale"], i["bias"], name=n),
     "batchnorm_backward": lambda g, i, a, n: g.batchnorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
     "genstats": lambda g, i, a, n: g.genstats(i["input"], name=n),
     "layernorm": lambda g, i, a, n: _first(g.layernorm(i["input"], i["scale"], i["bias"], a["epsilon"], norm_forward_phase=_training(), name=n), 3),
@@ -73,6 +72,7 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "instancenorm_backward": lambda g, i, a, n: g.instancenorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
     "add": lambda g, i, a, n: g.add(i["a"], i["b"], name=n),
     "mul": lambda g, i, a, n: g.mul(i["a"], i["b"], name=n),
+    "sub": lambda g, i, a, n: g.sub(i["a"], i["b"], name=n),
 }
 assert set(LOWER) == set(OPS), "every op needs a lowering"
 

@@ -23,11 +23,14 @@ from .tensors import _SIG, _STREAM, LAYOUT_STRIDES, Adapter, TensorSpec, adapter
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
-    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter")
+    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter", "relayout")
 
-    def __init__(self, plan: Plan, handle: Any, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter):
+    def __init__(
+        self, plan: Plan, handle: Any, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter, relayout: frozenset = frozenset()
+    ):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
         self.handle, self.workspace, self.outs, self.out_adapter = handle, workspace, outs, out_adapter
+        self.relayout = relayout  # positions (operands, then outputs) run through channels-last copies
 
 
 _FAST: dict[tuple, _Call] = {}
@@ -193,10 +196,65 @@ def _resolve(
     device = specs[pattern.operand_names[0]].device
     stream = adapter.stream(device)
     handle = RUNTIME.handle(adapter, device, stream)
-    plan = cache.get_or_build(key, *_planner(pattern, key, adapter, handle, cache))
+    relayout: frozenset = frozenset()
+    try:
+        if key in _NO_ENGINE:
+            raise UnsupportedError(str(_NO_ENGINE[key]))
+        plan = cache.get_or_build(key, *_planner(pattern, key, adapter, handle, cache))
+    except UnsupportedError as e:
+        _NO_ENGINE[key] = e
+        names = pattern.operand_names + tuple(pattern.outputs)
+        kinds = [o.kind for o in pattern.operands] + [pattern.output_kinds[n] for n in pattern.outputs]
+        relayout = frozenset(
+            i for i, (n, k) in enumerate(zip(names, kinds)) if specs[n].layout == "NCHW" and k in ("image", "filter", "tensor") and len(specs[n].shape) == 4
+        )
+        if not relayout:
+            raise
+        # cuDNN's pointwise, reduction and fused engines want channels-last: run the NHWC plan on copies.
+        for i in relayout:
+            s = specs[names[i]]
+            specs[names[i]] = TensorSpec.build(s.shape, s.dtype, s.device, "NHWC")
+            aligns[i] = 32  # fresh copies
+        key = make_key(pattern, specs, norm, aligns, adapter)
+        try:
+            plan = cache.get_or_build(key, *_planner(pattern, key, adapter, handle, cache))
+        except UnsupportedError:
+            raise e from None
+        if pattern.name not in _RELAYOUT_WARNED:
+            _RELAYOUT_WARNED.add(pattern.name)
+            warnings.warn(
+                f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({e}); running it on channels-last copies "
+                "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
+            )
     ws = RUNTIME.workspace(adapter, device, stream)
     ws.ensure(plan.workspace_size)
-    return _Call(plan, handle, ws, tuple(specs[n] for n in pattern.outputs), adapter)
+    return _Call(plan, handle, ws, tuple(specs[n] for n in pattern.outputs), adapter, relayout)
+
+
+class LayoutWarning(UserWarning):
+    """A pattern has no cuDNN engine for NCHW operands; fusekit runs it on channels-last copies."""
+
+
+_NO_ENGINE: dict[PlanKey, UnsupportedError] = {}  # keys cuDNN refused (not retried in this process)
+_RELAYOUT_WARNED: set[str] = set()
+
+
+def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
+    """Execute ``c`` on channels-last copies of its NCHW arrays; results go back in the caller's layout."""
+    ad, n_in = c.out_adapter, len(operands)
+    ins = tuple(ad.relayout(a, "NHWC") if i in c.relayout else a for i, a in enumerate(operands))
+    tmp = tuple(ad.empty(s) if (alloc or n_in + j in c.relayout) else outs[j] for j, s in enumerate(c.outs))
+    c.graph.execute(ins + tmp, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    res = []
+    for j, t in enumerate(tmp):
+        if n_in + j in c.relayout:
+            if alloc:
+                t = ad.relayout(t, "NCHW")
+            else:
+                ad.copy_into(outs[j], t)
+                t = outs[j]
+        res.append(t)
+    return tuple(res)
 
 
 def as_outs(out: Any) -> tuple:
@@ -249,6 +307,9 @@ def _dispatch(pattern: str | Pattern, names: tuple, values: tuple, operands: tup
             if fkey is not None:
                 with _FAST_LOCK:
                     _FAST[fkey] = c
+    if c.relayout:
+        outs = _execute_relayout(c, operands, outs, alloc)
+        return outs[0] if len(outs) == 1 else outs
     if alloc:
         outs = tuple([c.out_adapter.empty(s) for s in c.outs])
         arrays = operands + outs
@@ -459,23 +520,22 @@ def _relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
 
 
 
+def _as_image(m: Any) -> Any:
+    """A (rows, features) matrix as a (rows, features, 1, 1) image view (channels-last: no copy). cuDNN
+    reduces only 4-D channels-last tensors, so a Linear layer's bias gradient runs as a conv's does."""
+    return m.reshape(int(m.shape[0]), int(m.shape[1]), 1, 1)
+
+
 def linear_bias_relu_backward(dy: Any, x: Any, w: Any, y: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = relu(x @ w.T + b)``; saved: x, w, y."""
     need_dx, need_dw, need_db = needs
-    if need_db:
-        dz, db = _fused_or_split(
-            _tag("linear_relu_grad", dy, y),
-            lambda: call("linear_relu_grad", dy, y),
-            lambda: (lambda d: (d, call("row_sum", d)))(call("relu_backward", dy, y)),
-        )
-    else:
-        dz, db = call("relu_backward", dy, y), None
-    return _linear_grads(dz, x, w, need_dx, need_dw) + (_cast(db, dy),)
+    dz, db = _relu_bias_grad(_as_image(dy), _as_image(y), need_db)
+    return _linear_grads(dz.reshape(dy.shape), x, w, need_dx, need_dw) + (_cast(db, dy),)
 
 
 def linear_bias_backward(dy: Any, x: Any, w: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = x @ w.T + b``; saved: x, w."""
-    db = call("row_sum", dy) if needs[2] else None
+    db = call("bias_grad", _as_image(dy)) if needs[2] else None
     return _linear_grads(dy, x, w, needs[0], needs[1]) + (_cast(db, dy),)
 
 

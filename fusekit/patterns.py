@@ -181,12 +181,6 @@ def _bn_stats_shape(c: _Ctx) -> tuple:
     return (x, st, st)
 
 
-def _bn_inference_shape(c: _Ctx) -> Shape:
-    x = c.shapes["input"]
-    _stat_check(c, x, "mean", "inv_variance", "scale", "bias")
-    return x
-
-
 def _bn_backward_shape(c: _Ctx) -> tuple:
     dy, x = c.shapes["loss"], c.shapes["input"]
     if dy != x:
@@ -240,7 +234,6 @@ OPS: dict[str, OpSig] = {
     "batchnorm_stats": OpSig(
         ("input", "scale", "bias"), ("epsilon", "momentum"), _bn_stats_shape, outputs=("y", "mean", "inv_var"), scalars=("epsilon", "momentum")
     ),
-    "batchnorm_inference": OpSig(("input", "mean", "inv_variance", "scale", "bias"), (), _bn_inference_shape),
     "batchnorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _bn_backward_shape, outputs=("dx", "dscale", "dbias")),
     "genstats": OpSig(("input",), (), _genstats_shape, outputs=("sum", "sq_sum")),
     "layernorm": OpSig(("input", "scale", "bias"), ("epsilon",), _norm_shape((0,), (1, 2, 3)), outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
@@ -257,6 +250,7 @@ OPS: dict[str, OpSig] = {
     "channel_sum": OpSig(("input",), (), _channel_sum_shape, True),
     "add": OpSig(("a", "b"), (), _broadcast_shape),
     "mul": OpSig(("a", "b"), (), _broadcast_shape),
+    "sub": OpSig(("a", "b"), (), _broadcast_shape),
 }
 
 

@@ -144,7 +144,11 @@ def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, de
             raise OperandError(pattern, name, f"expected a dense row-major matrix, got strides {strides}; pass a contiguous copy")
         return TensorSpec.build(shape, dtype, device, "ROW" if kind == "matrix" else "COL", view=given)
     nchw, nhwc = nchw_strides(shape), nhwc_strides(shape)
-    if _matches(strides, nchw, shape):
+    # With H = W = 1 both layouts describe the same memory: call it channels-last, which cuDNN's
+    # pointwise and reduction engines require (a Linear layer's (N, C) viewed as (N, C, 1, 1)).
+    if _matches(strides, nhwc, shape) and shape[2] * shape[3] == 1:
+        layout = "NHWC"
+    elif _matches(strides, nchw, shape):
         layout = "NCHW"
     elif _matches(strides, nhwc, shape):
         layout = "NHWC"
@@ -208,6 +212,14 @@ class Adapter:
 
     def astype(self, a: Any, dtype: str) -> Any:
         """``a`` converted to ``dtype`` (a dtype name, as in TensorSpec)."""
+        raise NotImplementedError
+
+    def relayout(self, a: Any, layout: str) -> Any:
+        """A dense copy of the 4-D array ``a`` in ``layout`` ("NCHW" or "NHWC"), same logical shape."""
+        raise NotImplementedError
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        """``dst[...] = src`` on the current stream, whatever the two layouts."""
         raise NotImplementedError
 
     def time_ms(self, fn: Any) -> float:
@@ -293,6 +305,16 @@ class CupyAdapter(Adapter):
 
     def astype(self, a, dtype):
         return a.astype(self._dtypes[dtype])
+
+    def relayout(self, a, layout):
+        cp = self.cp
+        with cp.cuda.Device(a.data.device_id):
+            if layout == "NHWC":
+                return cp.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+            return cp.ascontiguousarray(a)
+
+    def copy_into(self, dst, src):
+        dst[...] = src
 
     def time_ms(self, fn):
         cp = self.cp
@@ -388,6 +410,12 @@ class TorchAdapter(Adapter):
 
     def astype(self, a, dtype):
         return a.to(self._dtypes[dtype])
+
+    def relayout(self, a, layout):
+        return a.contiguous(memory_format=self.torch.channels_last if layout == "NHWC" else self.torch.contiguous_format)
+
+    def copy_into(self, dst, src):
+        dst.copy_(src)
 
     def time_ms(self, fn):
         cuda = self.torch.cuda

@@ -52,9 +52,10 @@ def test_nchw_and_nhwc_specs_differ():
         ((1, 3, 4, 5), (999, 20, 5, 1), "NCHW"),  # batch 1: its stride is meaningless
         ((1, 3, 4, 5), (7, 1, 15, 3), "NHWC"),
         ((2, 1, 4, 5), (20, 123, 5, 1), "NCHW"),  # one channel
-        ((2, 3, 1, 1), (3, 1, 42, 42), "NCHW"),  # 1x1 spatial: NCHW and NHWC coincide
+        ((2, 3, 1, 1), (3, 1, 42, 42), "NHWC"),  # 1x1 spatial: NCHW and NHWC coincide; channels-last for cuDNN
+        ((2, 3, 1, 1), (3, 1, 1, 1), "NHWC"),
         ((2, 3, 1, 5), (15, 1, 77, 3), "NHWC"),
-        ((1, 1, 1, 1), (5, 6, 7, 8), "NCHW"),
+        ((1, 1, 1, 1), (5, 6, 7, 8), "NHWC"),
     ],
 )
 def test_make_spec_ignores_strides_of_size_one_dims(shape, strides, layout):
