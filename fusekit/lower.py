@@ -107,7 +107,7 @@ def lower(
     for o in pattern.operands:
         s = specs[o.name]
         env[o.name] = g.tensor(name=o.name, dim=list(s.shape), stride=list(s.strides), data_type=cudnn_dtype(s.dtype))
-    shapes = pattern.infer_shapes({o.name: specs[o.name].shape for o in pattern.operands}, attrs)
+    shapes = None  # inferred only for virtual tensors cuDNN cannot size
     nhwc = any(specs[o.name].layout == "NHWC" for o in pattern.operands)
     for op in pattern.ops:
         sig = OPS[op.op]
@@ -118,6 +118,8 @@ def lower(
         results = tuple(res) if len(op.produces) > 1 else (res,)
         for name, t in zip(op.produces, results):
             if sig.explicit_dims and name not in pattern.outputs:  # a virtual tensor cuDNN cannot size
+                if shapes is None:
+                    shapes = pattern.infer_shapes({o.name: specs[o.name].shape for o in pattern.operands}, attrs)
                 shape = shapes[name]
                 layout = ("NHWC" if nhwc else "NCHW") if len(shape) == 4 else "ROW"
                 t.set_dim(list(shape)).set_stride(list(LAYOUT_STRIDES[layout](shape)))

@@ -197,38 +197,35 @@ def _resolve(
     stream = adapter.stream(device)
     handle = RUNTIME.handle(adapter, device, stream)
     relayout: frozenset = frozenset()
+    outs = tuple(specs[n] for n in pattern.outputs)
     try:
         if key in _NO_ENGINE:
             raise UnsupportedError(str(_NO_ENGINE[key]))
         plan = cache.get_or_build(key, *_planner(pattern, key, adapter, handle, cache))
     except UnsupportedError as e:
         _NO_ENGINE[key] = e
-        names = pattern.operand_names + tuple(pattern.outputs)
-        kinds = [o.kind for o in pattern.operands] + [pattern.output_kinds[n] for n in pattern.outputs]
-        relayout = frozenset(
-            i for i, (n, k) in enumerate(zip(names, kinds)) if specs[n].layout == "NCHW" and k in ("image", "filter", "tensor") and len(specs[n].shape) == 4
-        )
-        if not relayout:
-            raise
-        # cuDNN's pointwise, reduction and fused engines want channels-last: run the NHWC plan on copies.
-        for i in relayout:
-            s = specs[names[i]]
-            specs[names[i]] = TensorSpec.build(s.shape, s.dtype, s.device, "NHWC")
-            aligns[i] = 32  # fresh copies
-        key = make_key(pattern, specs, norm, aligns, adapter)
-        try:
-            plan = cache.get_or_build(key, *_planner(pattern, key, adapter, handle, cache))
-        except UnsupportedError:
-            raise e from None
-        if pattern.name not in _RELAYOUT_WARNED:
-            _RELAYOUT_WARNED.add(pattern.name)
-            warnings.warn(
-                f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({e}); running it on channels-last copies "
-                "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
-            )
+        for specs2, relayout in _alternatives(pattern, specs):
+            key2 = make_key(pattern, specs2, norm, [32 if i in relayout else a for i, a in enumerate(aligns)], adapter)
+            try:
+                if key2 in _NO_ENGINE:
+                    continue
+                plan = cache.get_or_build(key2, *_planner(pattern, key2, adapter, handle, cache))
+                break
+            except UnsupportedError as e2:
+                _NO_ENGINE[key2] = e2
+        else:
+            raise UnsupportedError(str(e)) from None
+        if relayout:
+            outs = tuple(specs2[n] for n in pattern.outputs)  # channels-last temporaries
+            if pattern.name not in _RELAYOUT_WARNED:
+                _RELAYOUT_WARNED.add(pattern.name)
+                warnings.warn(
+                    f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({e}); running it on channels-last copies "
+                    "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
+                )
     ws = RUNTIME.workspace(adapter, device, stream)
     ws.ensure(plan.workspace_size)
-    return _Call(plan, handle, ws, tuple(specs[n] for n in pattern.outputs), adapter, relayout)
+    return _Call(plan, handle, ws, outs, adapter, relayout)
 
 
 class LayoutWarning(UserWarning):
@@ -237,6 +234,39 @@ class LayoutWarning(UserWarning):
 
 _NO_ENGINE: dict[PlanKey, UnsupportedError] = {}  # keys cuDNN refused (not retried in this process)
 _RELAYOUT_WARNED: set[str] = set()
+_ELEMENTWISE = frozenset({"add", "mul", "sub", "bias", "relu", "relu_backward", "channel_sum"})
+
+
+def _alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tuple[dict[str, TensorSpec], frozenset]]:
+    """Other descriptions of the same call to offer cuDNN when it refuses one: (specs, positions to copy).
+
+    - One channel: cuDNN's pointwise and reduction engines refuse C = 1. For elementwise patterns
+      whose channel vectors are single values, an (N, 1, H, W) tensor is the same memory as a
+      channels-last (N, W, H, 1) one: same pointers, no copies.
+    - NCHW: most pointwise, reduction and fused engines take channels-last only: run on NHWC copies.
+    """
+    names = pattern.operand_names + tuple(pattern.outputs)
+    kinds = [o.kind for o in pattern.operands] + [pattern.output_kinds[n] for n in pattern.outputs]
+    images = [n for n, k in zip(names, kinds) if k in ("image", "filter", "tensor") and len(specs[n].shape) == 4]
+    alts: list[tuple[dict[str, TensorSpec], frozenset]] = []
+    if (
+        images and all(specs[n].shape[1] == 1 for n in images)
+        and all(op.op in _ELEMENTWISE for op in pattern.ops)
+        and all(k not in ("channel",) or max(specs[n].shape) == 1 for n, k in zip(names, kinds))
+    ):
+        alt = dict(specs)
+        for n in images:
+            s = specs[n]
+            alt[n] = TensorSpec.build((s.shape[0], s.shape[3], s.shape[2], 1), s.dtype, s.device, "NHWC")
+        alts.append((alt, frozenset()))
+    relayout = frozenset(i for i, n in enumerate(names) if n in images and specs[n].layout == "NCHW")
+    if relayout:
+        alt = dict(specs)
+        for i in relayout:
+            s = specs[names[i]]
+            alt[names[i]] = TensorSpec.build(s.shape, s.dtype, s.device, "NHWC")
+        alts.append((alt, relayout))
+    return alts
 
 
 def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
