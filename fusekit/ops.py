@@ -397,14 +397,27 @@ def conv_transpose_bias_relu(
     x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
 ) -> Any:
     """``relu(conv_transpose2d(x, w) + b)``: cuDNN dgrad as the forward op. w: (C_in, C_out, R, S)."""
-    return _dispatch("conv_transpose_bias_relu", _CONVT_ATTRS, (padding, stride, dilation, output_padding), (x, w, b), out, None)
+    return _conv_transpose(True, x, w, b, (padding, stride, dilation, output_padding), out)
 
 
 def conv_transpose_bias(
     x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
 ) -> Any:
     """``conv_transpose2d(x, w) + b`` as one cuDNN graph. w: (C_in, C_out, R, S)."""
-    return _dispatch("conv_transpose_bias", _CONVT_ATTRS, (padding, stride, dilation, output_padding), (x, w, b), out, None)
+    return _conv_transpose(False, x, w, b, (padding, stride, dilation, output_padding), out)
+
+
+def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any) -> Any:
+    name = "conv_transpose_bias_relu" if relu else "conv_transpose_bias"
+
+    def split() -> Any:  # dgrad alone, then bias (and ReLU) as a pointwise graph
+        y = call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values)))
+        b32 = adapter_for(b).astype(b, "float32")
+        if relu:
+            return call("channel_scale_shift_relu", y, _affine_identity(y)[0], b32, out=out)
+        return call("channel_shift", y, b32, out=out)
+
+    return _fused_or_split(_tag(name, x, w), lambda: _dispatch(name, _CONVT_ATTRS, values, (x, w, b), out, None), split)
 
 
 def linear_bias_relu(x: Any, w: Any, b: Any, *, out: Any = None) -> Any:
