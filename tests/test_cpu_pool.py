@@ -625,7 +625,9 @@ def dense_in(h, layout):
 
 
 HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1), (1, 3, 9, 8, (3, 2), (2, 1), (1, 0)), (1, 257, 3, 5, 2, 1, 1),
-             (2, 1, 9, 11, 3, 2, 1), (2, 64, 9, 11, 3, 1, 1)]  # the last two as test_gpu_pool's avg_pool2d cases
+             (2, 1, 9, 11, 3, 2, 1), (2, 64, 9, 11, 3, 1, 1),  # these two as test_gpu_pool's avg_pool2d cases
+             # other size-1 dims: H = 1, W = 1, a 1x1 plane (NHWC strides then match NCHW too)
+             (2, 3, 1, 7, (1, 3), (1, 2), (0, 1)), (2, 3, 6, 1, (3, 1), (2, 1), (1, 0)), (2, 5, 1, 1, 1, 1, 0)]
 
 
 @pytest.mark.usefixtures("host_launch")
@@ -663,6 +665,8 @@ HOST_SOFTMAX = [
     ((2, 3, 5, 7), "NCHW", 1), ((2, 3, 5, 7), "NHWC", 1), ((2, 64, 3, 5), "NHWC", 1), ((1, 257, 3, 3), "NHWC", 1),
     ((2, 64, 3, 5), "NCHW", 1), ((1, 1, 4, 5), "NHWC", 1), ((7, 10), "ROW", 1), ((5, 1000), "ROW", 1),
     ((9, 4), "ROW", 0), ((2, 3, 5, 7), "NHWC", 3), ((2, 3, 40, 7), "NHWC", 0),
+    ((2, 1, 4, 5), "NHWC", 1), ((2, 4, 1, 5), "NHWC", 1), ((2, 4, 5, 1), "NHWC", 1), ((2, 40, 1, 1), "NHWC", 1),
+    ((2, 4, 1, 5), "NHWC", 3),
 ]
 
 
@@ -689,3 +693,31 @@ def test_host_compiled_softmax_kernels(shape, layout, axis, dtype, rng):
         dx = pool.log_softmax_backward(dy, ly, axis)
         assert rel(dx.values(), pool.log_softmax_backward_reference(dyv, ly.values(), axis)) < 2 * HOST_TOL[dtype]
         assert dense_in(dx, dy_layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPU tests' float64 reference copies (tests/torchref.py), on CuPy's strides for size-1 dims
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(2, 1, 9, 11), (2, 3, 1, 1), (1, 1, 9, 11), (1, 3, 9, 11), (2, 3, 1, 11), (2, 3, 9, 1)])
+def test_reference_copies_are_nchw_whatever_the_strides_of_size1_dims(shape, rng):
+    """fusekit.nhwc of a CuPy (N, H, W, C) buffer has stride 1 on C, also when C = 1: torch calls
+    that tensor contiguous (``.contiguous()`` returns it unchanged) but runs it as channels-last.
+    test_gpu_pool's references were then computed by torch's CUDA channels-last avg_pool2d
+    backward (shifted by the padding, pytorch#188344): every cupy-NHWC-C=1 padded case failed."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    from torchref import float64_nchw
+
+    n, c, h, w = shape
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    t = torch.from_numpy(x).permute(0, 3, 1, 2)  # the strides of fusekit.nhwc(cupy array)
+    assert t.stride() == tensors.nhwc_strides(shape)
+    ref = float64_nchw(t)
+    assert ref.dtype == torch.float64 and ref.stride() == tensors.nchw_strides(shape)
+    np.testing.assert_array_equal(ref.numpy(), x.transpose(0, 3, 1, 2))
+    # torch computes on it in its contiguous format: NCHW results and gradients
+    leaf = ref.requires_grad_(True)
+    y = F.avg_pool2d(leaf, 1)
+    assert y.stride() == tensors.nchw_strides(tuple(y.shape))
+    y.backward(float64_nchw(torch.ones_like(y)))
+    assert leaf.grad.stride() == tensors.nchw_strides(shape)

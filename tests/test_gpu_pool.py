@@ -15,6 +15,7 @@ F = torch.nn.functional
 import fusekit  # noqa: E402
 from fusekit import pool, tensors  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
+from torchref import float64_nchw  # noqa: E402
 
 LIBS = ["cupy", "torch"]
 DTYPES = ["float16", "bfloat16", "float32"]
@@ -90,11 +91,13 @@ def autograd(fn, inputs, dy):
     The float64 copies are NCHW-contiguous whatever the operands' layout: the values do not depend
     on it, and PyTorch's CUDA channels_last avg_pool2d backward drops the padding offset (input
     gradients shifted by the padding for padding > 0; pytorch/pytorch#188344, fixed by #188345), so
-    a channels_last reference would be wrong for every padded NHWC case.
+    a channels_last reference would be wrong for every padded NHWC case. The copies get NCHW
+    strides on every dim (torchref.float64_nchw): ``.double().contiguous()`` kept a CuPy NHWC
+    array's stride 1 on C = 1, which torch still runs as channels_last (the cupy-NHWC-C=1 cases).
     """
-    leaves = [as_torch(t).detach().double().contiguous().requires_grad_(True) for t in inputs]
+    leaves = [float64_nchw(as_torch(t)).requires_grad_(True) for t in inputs]
     y = fn(*leaves)
-    y.backward(as_torch(dy).double().contiguous())
+    y.backward(float64_nchw(as_torch(dy)))
     return y.detach(), [t.grad for t in leaves]
 
 
