@@ -61,9 +61,6 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
         i["input"], i["scale"], i["bias"], in_running_mean=i["in_running_mean"], in_running_var=i["in_running_var"],
         epsilon=a["epsilon"], momentum=a["momentum"], name=n,
     ),
-    "batchnorm_stats": lambda g, i, a, n: _first(
-        g.batchnorm(i["input"], i["scale"], i["bias"], in_running_mean=None, in_running_var=None, epsilon=a["epsilon"], momentum=a["momentum"], name=n), 3
-    ),
     "batchnorm_backward": lambda g, i, a, n: g.batchnorm_backward(i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"], name=n),
     "genstats": lambda g, i, a, n: g.genstats(i["input"], name=n),
     "layernorm": lambda g, i, a, n: _first(g.layernorm(i["input"], i["scale"], i["bias"], a["epsilon"], norm_forward_phase=_training(), name=n), 3),
@@ -112,8 +109,9 @@ def lower(
     for op in pattern.ops:
         sig = OPS[op.op]
         op_attrs = pattern.op_attrs(op, attrs)
-        for sc in sig.scalars:  # pass-by-value float32 scalars; the graph holds their values
-            op_attrs[sc] = g.tensor_scalar(float(op_attrs[sc]), cudnn.scalar_type.COMPILE_TIME_CONST, name=f"{op.out}_{sc}")
+        for sc in sig.scalars:  # pass-by-value float32 scalars; the graph holds their values and binds them
+            # (RUNTIME_PARAM: COMPILE_TIME_CONST needs cuDNN >= 9.22)
+            op_attrs[sc] = g.tensor_scalar(float(op_attrs[sc]), cudnn.scalar_type.RUNTIME_PARAM, name=f"{op.out}_{sc}")
         res = LOWER[op.op](g, {p: env[v] for p, v in op.inputs.items()}, op_attrs, op.out)
         results = tuple(res) if len(op.produces) > 1 else (res,)
         for name, t in zip(op.produces, results):

@@ -623,9 +623,7 @@ def bn_normalize(
     Returns (y, mean, inv_var), plus (new_running_mean, new_running_var) when running stats are
     given (updated with ``momentum``, unbiased variance, as PyTorch). Statistics are float32 (C,)."""
     ones, zeros, _ = _affine_identity(x)
-    if running_mean is None:
-        return call("batchnorm_stats", x, ones, zeros, epsilon=epsilon)
-    return call("batchnorm", x, ones, zeros, running_mean, running_var, epsilon=epsilon, momentum=momentum)
+    return batchnorm(x, ones, zeros, running_mean, running_var, epsilon=epsilon, momentum=momentum)
 
 
 def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
@@ -648,19 +646,20 @@ def batchnorm(
 ) -> tuple[Any, ...]:
     """Training batch norm (normalize, scale, shift fused; + ReLU with ``relu``): (y, mean, inv_var
     [, new_running_mean, new_running_var])."""
-    if running_mean is None:
-        if relu:
-            y, mean, inv = call("batchnorm_stats", x, gamma, beta, epsilon=epsilon)
-            return call("relu", y), mean, inv
-        return call("batchnorm_stats", x, gamma, beta, epsilon=epsilon)
+    stats_only = running_mean is None
+    if stats_only:  # the frontend's batchnorm node cannot drop its running-stat ports: feed it (0, 1), momentum 0
+        ones, zeros, _ = _affine_identity(x)
+        running_mean, running_var, momentum = zeros, ones, 0.0
     kw = dict(epsilon=epsilon, momentum=momentum)
     if not relu:
-        return call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)
-    return _fused_or_split(
-        _tag("batchnorm_relu", x),
-        lambda: call("batchnorm_relu", x, gamma, beta, running_mean, running_var, **kw),
-        lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)),
-    )
+        res = call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)
+    else:
+        res = _fused_or_split(
+            _tag("batchnorm_relu", x),
+            lambda: call("batchnorm_relu", x, gamma, beta, running_mean, running_var, **kw),
+            lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)),
+        )
+    return tuple(res[:3]) if stats_only else tuple(res)
 
 
 def batchnorm_backward(

@@ -71,12 +71,10 @@ def _bn_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.nda
     return mean, var, 1.0 / np.sqrt(var + eps)
 
 
-def _batchnorm(i: Mapping[str, np.ndarray], a: Mapping[str, Any], running: bool) -> tuple:
+def _batchnorm(i: Mapping[str, np.ndarray], a: Mapping[str, Any]) -> tuple:
     x = i["input"]
     mean, var, inv = _bn_stats(x, a["epsilon"])
     y = (x - mean) * inv * i["scale"] + i["bias"]
-    if not running:
-        return y, mean, inv
     m, count = a["momentum"], x.size // x.shape[1]
     unbiased = var * count / max(count - 1, 1)
     return y, mean, inv, (1 - m) * i["in_running_mean"] + m * mean, (1 - m) * i["in_running_var"] + m * unbiased
@@ -116,8 +114,7 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
     "matmul": lambda i, a: np.matmul(i["a"], i["b"]),
     "relu_backward": lambda i, a: i["loss"] * (i["input"] > 0),
     "channel_sum": lambda i, a: _channel_sum(i["input"]),
-    "batchnorm": lambda i, a: _batchnorm(i, a, True),
-    "batchnorm_stats": lambda i, a: _batchnorm(i, a, False),
+    "batchnorm": lambda i, a: _batchnorm(i, a),
     "batchnorm_backward": lambda i, a: _batchnorm_backward(i),
     "layernorm": lambda i, a: _norm(i, a, (1, 2, 3)),
     "layernorm_backward": lambda i, a: _norm_backward(i, (1, 2, 3), (0,)),

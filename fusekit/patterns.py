@@ -174,11 +174,6 @@ def _bn_train_shape(c: _Ctx) -> tuple:
     return (x, st, st, st, st)
 
 
-def _bn_stats_shape(c: _Ctx) -> tuple:
-    x = c.shapes["input"]
-    _eps_check(c)
-    st = _stat_check(c, x, "scale", "bias")
-    return (x, st, st)
 
 
 def _bn_backward_shape(c: _Ctx) -> tuple:
@@ -230,9 +225,6 @@ OPS: dict[str, OpSig] = {
     "batchnorm": OpSig(
         ("input", "scale", "bias", "in_running_mean", "in_running_var"), ("epsilon", "momentum"), _bn_train_shape,
         outputs=("y", "mean", "inv_var", "next_running_mean", "next_running_var"), scalars=("epsilon", "momentum"),
-    ),
-    "batchnorm_stats": OpSig(
-        ("input", "scale", "bias"), ("epsilon", "momentum"), _bn_stats_shape, outputs=("y", "mean", "inv_var"), scalars=("epsilon", "momentum")
     ),
     "batchnorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _bn_backward_shape, outputs=("dx", "dscale", "dbias")),
     "genstats": OpSig(("input",), (), _genstats_shape, outputs=("sum", "sq_sum")),

@@ -51,5 +51,5 @@ def test_one_channel_elementwise_patterns_are_redescribed_without_copies():
 
 
 def test_one_channel_batch_norm_node_has_no_redescription():
-    pat, specs = specs_for("batchnorm_stats", {"x": (2, 1, 6, 5), "gamma": (1,), "beta": (1,)})
+    pat, specs = specs_for("batchnorm", {"x": (2, 1, 6, 5), "gamma": (1,), "beta": (1,), "running_mean": (1,), "running_var": (1,)})
     assert all(copies for _, copies in ops._alternatives(pat, specs))  # only the layout copy is offered

@@ -188,3 +188,24 @@ def test_layernorm_and_instancenorm(dtype, layout):
     yr.backward(dy.double())
     dx, dg, db = ops.instancenorm_backward(dy, x, gi, mean, inv)
     assert rel(dx, xr.grad) < 2 * TOL[dtype] and rel(dg, gr.grad) < 2 * TOL[dtype] and rel(db, br.grad) < 2 * TOL[dtype]
+
+
+def test_batchnorm_plan_loaded_from_disk_keeps_its_scalars(tmp_path):
+    """epsilon and momentum live in the graph (pass-by-value): a plan deserialized from the disk
+    cache must give the same outputs as the freshly built one, bit for bit."""
+    x = img(4, 64, 9, 7, "float16", "NHWC")
+    gamma, beta, rm, rv = vec(64), torch.randn(64, device="cuda"), torch.randn(64, device="cuda"), vec(64)
+    args, kw = (x, gamma, beta, rm, rv), dict(epsilon=1e-3, momentum=0.3)
+    built = fusekit.PlanCache(store=fusekit.DiskStore(tmp_path))
+    first = ops.call("batchnorm", *args, cache=built, **kw)
+    fresh = fusekit.PlanCache(store=fusekit.DiskStore(tmp_path))
+    again = ops.call("batchnorm", *args, cache=fresh, **kw)
+    assert fresh.stats.builds == 0 and fresh.stats.disk_hits == 1
+    assert ops.plan_for("batchnorm", *args, cache=fresh, **kw).source == "disk"
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    # and the values are the ones asked for (epsilon 1e-3, momentum 0.3), not defaults
+    var = x.double().var((0, 2, 3), unbiased=False)
+    assert rel(again[2], 1 / torch.sqrt(var + 1e-3)) < STAT_TOL
+    n = x.numel() // 64
+    assert rel(again[4], 0.7 * rv.double() + 0.3 * var * n / (n - 1)) < STAT_TOL
