@@ -1,10 +1,16 @@
 """The seed network, trained on fused cuDNN graphs: a small image autoencoder.
 
-    64x64x3 -> Conv(3->16, 3x3, stride 2) + ReLU -> ConvTranspose(16->3, 3x3, stride 2) + ReLU -> 64x64x3
+    64x64x3 -> Conv(3->16, 3x3, stride 2) + ReLU -> ConvTranspose(16->3, 3x3, stride 2) -> 64x64x3
 
-trained with MSE on a synthetic image set (smooth colored blobs), once with fusekit's fused layers
-(forward: one cuDNN graph per layer; backward: fused dReLU + bias-gradient graphs, dgrad/fprop and
-wgrad graphs) and once in PyTorch eager from the same initial weights.
+trained with MSE (Adam, lr 3e-3, batch 16) on a synthetic image set (256 images of smooth colored
+blobs in [0, 1]), once with fusekit's fused layers (forward: one cuDNN graph per layer; backward:
+fused dReLU + bias-gradient graphs, dgrad/fprop and wgrad graphs) and once in PyTorch eager from the
+same initial weights and the same batches.
+
+The output layer is linear (no activation): a ReLU there zeroes the gradient of every output pixel
+whose pre-activation is negative (95% of them at init with seed 0), so those pixels barely learn and
+the loss stalls near 0.015 (only 5x below the initial loss after 300 steps). Linear, it falls ~500x
+in 300 steps (PyTorch eager on the CPU, seed 0: 0.135 -> 0.00027 at step 299).
 
     python examples/autoencoder.py [--steps 300] [--plot loss.png]
 """
@@ -34,8 +40,7 @@ def eager_model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, stride=2, padding=1),
         torch.nn.ReLU(),
-        torch.nn.ConvTranspose2d(16, 3, 3, stride=2, padding=1, output_padding=1),
-        torch.nn.ReLU(),
+        torch.nn.ConvTranspose2d(16, 3, 3, stride=2, padding=1, output_padding=1),  # linear output
     )
 
 
@@ -44,12 +49,12 @@ def fused_model() -> torch.nn.Module:
 
     return torch.nn.Sequential(
         ft.Conv2d(3, 16, 3, stride=2, padding=1, activation="relu"),
-        ft.ConvTranspose2d(16, 3, 3, stride=2, padding=1, output_padding=1, activation="relu"),
+        ft.ConvTranspose2d(16, 3, 3, stride=2, padding=1, output_padding=1),  # linear output
     )
 
 
 def load_from_eager(fused: torch.nn.Module, eager: torch.nn.Module) -> None:
-    """Copy the eager model's weights into the fused one (layers 0 and 2 of eager -> 0 and 1)."""
+    """Copy the eager model's weights into the fused one (layers 0 and 2 of eager -> 0 and 1; eager's 1 is the ReLU)."""
     fused[0].load_state_dict(eager[0].state_dict())
     fused[1].load_state_dict(eager[2].state_dict())
 
