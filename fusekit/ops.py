@@ -629,9 +629,13 @@ def bn_normalize(
 def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
     """dx of :func:`bn_normalize` (no gamma/beta gradients are produced for the caller)."""
     ones, _, (dg, db) = _affine_identity(x)
-    dx = _empty_like(x)
-    call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, dg, db))
-    return dx
+
+    def node() -> Any:
+        dx = _empty_like(x)
+        call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, dg, db))
+        return dx
+
+    return _fused_or_split(_tag("batchnorm_backward_node", dy, x), node, lambda: _bn_split_backward(dy, x, ones, mean, inv_var)[0])
 
 
 def _empty_like(x: Any) -> Any:
@@ -651,15 +655,55 @@ def batchnorm(
         ones, zeros, _ = _affine_identity(x)
         running_mean, running_var, momentum = zeros, ones, 0.0
     kw = dict(epsilon=epsilon, momentum=momentum)
-    if not relu:
-        res = call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)
-    else:
-        res = _fused_or_split(
-            _tag("batchnorm_relu", x),
-            lambda: call("batchnorm_relu", x, gamma, beta, running_mean, running_var, **kw),
-            lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, running_mean, running_var, **kw)),
-        )
+    res = _fused_or_split(
+        _tag("batchnorm_node", x),
+        lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw),
+        lambda: _bn_split_forward(x, gamma, beta, running_mean, running_var, relu, epsilon, momentum),
+    )
     return tuple(res[:3]) if stats_only else tuple(res)
+
+
+def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, kw: dict) -> tuple:
+    if not relu:
+        return call("batchnorm", x, gamma, beta, rm, rv, **kw)
+    return _fused_or_split(
+        _tag("batchnorm_relu", x),
+        lambda: call("batchnorm_relu", x, gamma, beta, rm, rv, **kw),
+        lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, rm, rv, **kw)),
+    )
+
+
+def _count(x: Any) -> int:
+    n, c, h, w = (int(d) for d in x.shape)
+    return n * h * w
+
+
+def _bn_split_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, epsilon: float, momentum: float) -> tuple:
+    """Training batch norm from reductions and one pointwise graph, for keys cuDNN's batch-norm node
+    refuses (its engines want C a multiple of their vector width): mean = sum(x) / M, then the
+    two-pass variance sum((x - mean)^2) / M, the C-length statistics in array math, and
+    (x - mean) * inv_std * gamma + beta [+ ReLU] as one graph."""
+    m = _count(x)
+    gamma, beta, rm, rv = (v.reshape(-1) for v in (gamma, beta, rm, rv))
+    mean = call("bias_grad", x) / m
+    var = call("centered_sq_sum", x, mean) / m
+    inv = (var + epsilon) ** -0.5
+    y = batchnorm_inference(x, mean, inv, gamma, beta, relu=relu)
+    new_rm = rm * (1 - momentum) + mean * momentum
+    new_rv = rv * (1 - momentum) + var * (momentum * m / max(m - 1, 1))
+    return y, mean, inv, new_rm, new_rv
+
+
+def _bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tuple[Any, Any, Any]:
+    """Batch-norm backward from two reductions (sum dy, sum dy * x) and one pointwise graph for dx."""
+    m = _count(x)
+    gamma, mean, inv = (v.reshape(-1) for v in (gamma, mean, inv))
+    dbeta = call("bias_grad", dy)
+    dgamma = (call("scale_grad", dy, x) - mean * dbeta) * inv
+    a = gamma * inv
+    b = -a * inv * dgamma / m
+    c = -a * dbeta / m - b * mean
+    return call("bn_dx", dy, x, a, b, c), dgamma, dbeta
 
 
 def batchnorm_backward(
@@ -667,14 +711,19 @@ def batchnorm_backward(
 ) -> tuple[Any, Any, Any]:
     """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True))
     the ReLU backward is fused in front (the dReLU + BN backward graph)."""
-    if y is None:
-        res = call("batchnorm_backward", dy, x, gamma, mean, inv_var)
-    else:
-        res = _fused_or_split(
+    def node() -> tuple:
+        if y is None:
+            return call("batchnorm_backward", dy, x, gamma, mean, inv_var)
+        return _fused_or_split(
             _tag("batchnorm_relu_backward", dy, x),
             lambda: call("batchnorm_relu_backward", dy, y, x, gamma, mean, inv_var),
             lambda: call("batchnorm_backward", call("relu_backward", dy, y), x, gamma, mean, inv_var),
         )
+
+    res = _fused_or_split(
+        _tag("batchnorm_backward_node", dy, x), node,
+        lambda: _bn_split_backward(dy if y is None else call("relu_backward", dy, y), x, gamma, mean, inv_var),
+    )
     return tuple(r if n else None for r, n in zip(res, needs))  # type: ignore[return-value]
 
 

@@ -136,3 +136,31 @@ def test_norm_errors():
         fusekit.ops.channel_scale_shift(x, np.ones(4), None, relu=True)
     with pytest.raises(fusekit.OperandError, match="'gamma'.*give gamma, beta or both"):
         fusekit.ops.channel_scale_shift(x)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_batchnorm_from_reductions_matches_the_node(monkeypatch, relu):
+    """The split batch norm (for keys cuDNN's node refuses, e.g. C not a multiple of its vector
+    width) gives the node's forward and backward: ops' own code, with each graph evaluated by the oracle."""
+    from fusekit import ops
+
+    def call(name, *a, out=None, **kw):  # the oracle in place of the GPU; channel outputs as (C,) like fusekit's
+        res = tuple(r.reshape(-1) if r.ndim == 4 and r.shape[0] == 1 and r.shape[2:] == (1, 1) else r for r in oracle.evaluate(name, *a, **kw))
+        return res[0] if len(res) == 1 else res
+
+    monkeypatch.setattr(ops, "call", call)
+    rng = np.random.default_rng(3)
+    c = 3
+    x = rng.standard_normal((4, c, 5, 6)) * 2 + 0.5
+    g, b, rm, rv = rng.random(c) + 0.5, rng.standard_normal(c), rng.standard_normal(c), rng.random(c) + 0.5
+    got = ops._bn_split_forward(x, g, b, rm, rv, relu, 1e-3, 0.25)
+    want = oracle.evaluate("batchnorm_relu" if relu else "batchnorm", x, g, b, rm, rv, epsilon=1e-3, momentum=0.25)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(np.reshape(a, np.shape(w)), w, rtol=1e-12, atol=1e-12)
+    y, mean, inv = got[:3]
+    dy = rng.standard_normal(x.shape)
+    dz = dy * (y > 0) if relu else dy
+    got_b = ops._bn_split_backward(dz, x, g, mean, inv)
+    want_b = oracle.evaluate("batchnorm_backward", dz, x, g, np.reshape(mean, (c,)), np.reshape(inv, (c,)))
+    for a, w in zip(got_b, want_b):
+        np.testing.assert_allclose(np.reshape(a, np.shape(w)), w, rtol=1e-10, atol=1e-12)
