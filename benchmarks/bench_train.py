@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py [--out benchmarks/results]
 
 Cases: a conv+bias+relu block (ResNet-like shapes, fp16 channels-last) and the seed autoencoder
-(examples/autoencoder.py, fp32). Each step computes the loss, and the gradients of every parameter
+(examples/autoencoder.py, fp32 and fp16). Each step computes the loss, and the gradients of every parameter
 and of the input, with torch.autograd; the fusekit side runs fusekit.torch modules (forward: one
 cuDNN graph per layer; backward: the fused dReLU+bias-gradient graph, dgrad and wgrad graphs).
 Median of CUDA-graph replays timed with events. The loss is sum(y * g) for a fixed random g, so the
@@ -101,13 +101,13 @@ def block_case(n, c, h, k, r, stride, dtype=torch.float16):
     return f"conv+bias+relu block N={n} C={c} {h}x{h} K={k} {r}x{r}/s{stride} fp16", fused, eager, x
 
 
-def autoencoder_case(batch=16):
+def autoencoder_case(batch=16, dtype=torch.float32):
     torch.manual_seed(0)
-    eager = autoencoder.eager_model().cuda().to(memory_format=torch.channels_last)
-    fused = autoencoder.fused_model().cuda().to(memory_format=torch.channels_last)
+    eager = autoencoder.eager_model().cuda().to(dtype).to(memory_format=torch.channels_last)
+    fused = autoencoder.fused_model().cuda().to(dtype).to(memory_format=torch.channels_last)
     autoencoder.load_from_eager(fused, eager)
-    x = autoencoder.synthetic_images(batch).requires_grad_(True)
-    return f"autoencoder 64x64x3 (batch {batch}) fp32", fused, eager, x
+    x = autoencoder.synthetic_images(batch).to(dtype).requires_grad_(True)
+    return f"autoencoder 64x64x3 (batch {batch}) {'fp16' if dtype == torch.float16 else 'fp32'}", fused, eager, x
 
 
 def main() -> None:
@@ -122,6 +122,8 @@ def main() -> None:
         block_case(32, 256, 14, 256, 3, 1),
         autoencoder_case(16),
         autoencoder_case(64),
+        autoencoder_case(64, torch.float16),
+        autoencoder_case(256, torch.float16),
     ]
     rows = []
     for name, fused, eager, x in cases:
