@@ -95,20 +95,28 @@ def tune(
     opt = options or TuneOptions()
     cudnn = _lower._cudnn()
     t_start = time.perf_counter()
-    lowered = _lower.lower(pattern, specs, attrs, handle=handle)
-    g = lowered.graph
-    try:
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([getattr(cudnn.heur_mode, h) for h in opt.heuristics])
-        if opt.deterministic:
-            g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
-        if opt.workspace_limit is not None:
-            g.deselect_workspace_greater_than(int(opt.workspace_limit))
-        g.check_support()
-        g.build_plans(cudnn.build_plan_policy.ALL)
-    except Exception as e:
-        raise UnsupportedError(f"cuDNN cannot run {key.describe()}: {type(e).__name__}: {e}") from e
+    precision = _lower.precision_notes(pattern, specs)
+    for notes in (precision, ()) if precision else ((),):  # float32: IEEE plans first, TF32 only if none
+        lowered = _lower.lower(pattern, specs, attrs, handle=handle)
+        g = lowered.graph
+        try:
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([getattr(cudnn.heur_mode, h) for h in opt.heuristics])
+            excluded = [getattr(cudnn.numerical_note, n) for n in notes]
+            if opt.deterministic:
+                excluded.append(cudnn.numerical_note.NONDETERMINISTIC)
+            if excluded:
+                g.deselect_numeric_notes(excluded)
+            if opt.workspace_limit is not None:
+                g.deselect_workspace_greater_than(int(opt.workspace_limit))
+            g.check_support()
+            g.build_plans(cudnn.build_plan_policy.ALL)
+            break
+        except Exception as e:
+            if notes:
+                continue
+            raise UnsupportedError(f"cuDNN cannot run {key.describe()}: {type(e).__name__}: {e}") from e
     count = g.get_execution_plan_count()
     names = list(pattern.operand_names) + list(pattern.outputs)
     operands = [[adapter.randn(specs[n]) for n in pattern.operand_names] for _ in range(max(1, opt.rotate))]

@@ -142,8 +142,19 @@ class Built:
     knobs: dict | None = None
 
 
-def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "") -> Built:
-    """Validate, query the heuristics in order, and build the first plan cuDNN supports."""
+#: Numerical notes of plans kept out of float32 graphs, so float32 means IEEE float32 (as PyTorch's
+#: cuDNN convolutions by default): TF32 tensor cores round inputs to 10 mantissa bits.
+FP32_EXCLUDED_NOTES = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+
+
+def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> tuple[str, ...]:
+    """The notes to exclude for this call: FP32_EXCLUDED_NOTES when its I/O is float32."""
+    return FP32_EXCLUDED_NOTES if specs[pattern.operands[0].name].dtype == "float32" else ()
+
+
+def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "", exclude_notes: Sequence[str] = ()) -> Built:
+    """Validate, query the heuristics in order, and build the first plan cuDNN supports (among plans
+    without ``exclude_notes``)."""
     cudnn = _cudnn()
     g = lowered.graph
     t0 = time.perf_counter()
@@ -152,6 +163,8 @@ def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans(modes)
+        if exclude_notes:
+            g.deselect_numeric_notes([getattr(cudnn.numerical_note, n) for n in exclude_notes])
         g.check_support()
         g.build_plans()
     except Exception as e:

@@ -169,8 +169,14 @@ def _planner(pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cach
 
                 plan, _ = tune(pattern, specs, attrs, key, adapter, handle, tune_options)
                 return plan
-            lowered = _lower.lower(pattern, specs, attrs, handle=handle)
-            b = _lower.build(lowered, cache.heuristics, where=key.describe())
+            notes = _lower.precision_notes(pattern, specs)
+            try:
+                b = _lower.build(_lower.lower(pattern, specs, attrs, handle=handle), cache.heuristics, key.describe(), notes)
+            except UnsupportedError:
+                if not notes:
+                    raise
+                # no IEEE float32 plan for this key: let cuDNN use TF32 tensor cores rather than fail
+                b = _lower.build(_lower.lower(pattern, specs, attrs, handle=handle), cache.heuristics, key.describe())
         return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
 
     def load(entry: Any) -> Plan:
