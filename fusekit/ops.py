@@ -569,22 +569,25 @@ def _relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
 
 
 
-def _as_image(m: Any) -> Any:
+def _as_image(m: Any, op: str, name: str) -> Any:
     """A (rows, features) matrix as a (rows, features, 1, 1) image view (channels-last: no copy). cuDNN
     reduces only 4-D channels-last tensors, so a Linear layer's bias gradient runs as a conv's does."""
+    if len(getattr(m, "shape", ())) != 2:
+        raise OperandError(op, name, f"expected a (rows, features) matrix, got shape {tuple(getattr(m, 'shape', ()))}")
     return m.reshape(int(m.shape[0]), int(m.shape[1]), 1, 1)
 
 
 def linear_bias_relu_backward(dy: Any, x: Any, w: Any, y: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = relu(x @ w.T + b)``; saved: x, w, y."""
     need_dx, need_dw, need_db = needs
-    dz, db = _relu_bias_grad(_as_image(dy), _as_image(y), need_db)
+    op = "linear_bias_relu_backward"
+    dz, db = _relu_bias_grad(_as_image(dy, op, "dy"), _as_image(y, op, "y"), need_db)
     return _linear_grads(dz.reshape(dy.shape), x, w, need_dx, need_dw) + (_cast(db, dy),)
 
 
 def linear_bias_backward(dy: Any, x: Any, w: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = x @ w.T + b``; saved: x, w."""
-    db = call("bias_grad", _as_image(dy)) if needs[2] else None
+    db = call("bias_grad", _as_image(dy, "linear_bias_backward", "dy")) if needs[2] else None
     return _linear_grads(dy, x, w, needs[0], needs[1]) + (_cast(db, dy),)
 
 

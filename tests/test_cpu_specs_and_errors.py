@@ -373,3 +373,13 @@ def test_same_error_twice(fake):
     for _ in range(2):
         with raises_operand("b", r"expected length 16"):
             fusekit.conv_bias_relu(x, w, FakeArray((15,)), padding=1)
+
+
+def test_linear_backward_names_a_gradient_that_is_not_a_matrix():
+    """The Linear bias gradient runs on a (rows, features, 1, 1) view of dy: a dy or y of another rank
+    is reported as a fusekit error naming it, before any view or cuDNN call."""
+    x, w = np.zeros((4, 3), np.float32), np.zeros((5, 3), np.float32)
+    with pytest.raises(OperandError, match=r"^linear_bias_backward: operand 'dy': expected a \(rows, features\) matrix, got shape \(4, 5, 2\)"):
+        fusekit.linear_bias_backward(np.zeros((4, 5, 2), np.float32), x, w)
+    with pytest.raises(OperandError, match=r"^linear_bias_relu_backward: operand 'y': expected a \(rows, features\) matrix, got shape \(20,\)"):
+        fusekit.linear_bias_relu_backward(np.zeros((4, 5), np.float32), x, w, np.zeros(20, np.float32))
