@@ -174,8 +174,6 @@ def _bn_train_shape(c: _Ctx) -> tuple:
     return (x, st, st, st, st)
 
 
-
-
 def _bn_backward_shape(c: _Ctx) -> tuple:
     dy, x = c.shapes["loss"], c.shapes["input"]
     if dy != x:
