@@ -803,9 +803,9 @@ def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation
     return _dispatch("conv_genstats", _CONV_ATTRS, (padding, stride, dilation), (x, w), None, None)
 
 
-def _channels_last(x: Any) -> bool:
-    ad = adapter_for(x)
-    return make_spec("fusekit", "x", "image", *ad.describe(x)).layout == "NHWC"
+def _channels_last(x: Any, op: str, name: str) -> bool:
+    ad = adapter_for(x, op, name)
+    return make_spec(op, name, "image", *ad.describe(x)).layout == "NHWC"
 
 
 def layernorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[Any, Any, Any]:
@@ -813,7 +813,7 @@ def layernorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[
 
     cuDNN 9.19's layer norm gave wrong values for channels-last x on the device (its (1, C, H, W)
     affine is not read in x's order), so channels-last x runs on an NCHW copy; y comes back channels-last."""
-    if _channels_last(x):
+    if _channels_last(x, "layernorm", "x"):
         ad = adapter_for(x)
         y, mean, inv = call("layernorm", ad.relayout(x, "NCHW"), gamma, beta, epsilon=epsilon)
         return ad.relayout(y, "NHWC"), mean, inv
@@ -822,7 +822,7 @@ def layernorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[
 
 def layernorm_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any) -> tuple[Any, Any, Any]:
     """(dx, dgamma, dbeta) of :func:`layernorm` (channels-last arrays run on NCHW copies, as the forward)."""
-    if _channels_last(x) or _channels_last(dy):
+    if _channels_last(x, "layernorm_backward", "x") or _channels_last(dy, "layernorm_backward", "dy"):
         ad = adapter_for(x)
         dx, dg, db = call("layernorm_backward", ad.relayout(dy, "NCHW"), ad.relayout(x, "NCHW"), gamma, mean, inv_var)
         return ad.relayout(dx, "NHWC"), dg, db

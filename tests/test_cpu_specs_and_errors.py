@@ -383,3 +383,13 @@ def test_linear_backward_names_a_gradient_that_is_not_a_matrix():
         fusekit.linear_bias_backward(np.zeros((4, 5, 2), np.float32), x, w)
     with pytest.raises(OperandError, match=r"^linear_bias_relu_backward: operand 'y': expected a \(rows, features\) matrix, got shape \(20,\)"):
         fusekit.linear_bias_relu_backward(np.zeros((4, 5), np.float32), x, w, np.zeros(20, np.float32))
+
+
+def test_layer_norm_names_its_operands_before_choosing_a_layout():
+    """layernorm looks at x's layout first (channels-last runs on an NCHW copy): bad operands are
+    reported under layernorm's name, not a generic one."""
+    g = np.ones((1, 3, 4, 4), np.float32)
+    with pytest.raises(OperandError, match=r"^layernorm: operand 'x': expected a CUDA device array"):
+        fusekit.ops.layernorm(np.zeros((2, 3, 4, 4), np.float32), g, g)
+    with pytest.raises(OperandError, match=r"^layernorm_backward: operand 'x': expected a CUDA device array"):
+        fusekit.ops.layernorm_backward(np.zeros((2, 3, 4, 4), np.float32), np.zeros((2, 3, 4, 4), np.float32), g, g, g)
