@@ -1717,6 +1717,5 @@ def bench_cmd(name: str, shapes: dict[str, Shape], dtype: str, layout: str, attr
         console.print(f"fusekit is {verdict} PyTorch (medians)")
 
 
-
 if __name__ == "__main__":
     main(prog_name="fusekit")

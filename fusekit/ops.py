@@ -568,7 +568,6 @@ def _relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
     )
 
 
-
 def _as_image(m: Any, op: str, name: str) -> Any:
     """A (rows, features) matrix as a (rows, features, 1, 1) image view (channels-last: no copy). cuDNN
     reduces only 4-D channels-last tensors, so a Linear layer's bias gradient runs as a conv's does."""
