@@ -142,14 +142,18 @@ class Built:
     knobs: dict | None = None
 
 
-#: Numerical notes of plans kept out of float32 graphs, so float32 means IEEE float32 (as PyTorch's
-#: cuDNN convolutions by default): TF32 tensor cores round inputs to 10 mantissa bits.
+#: Numerical notes of plans kept out of float32 convolution and matmul graphs, so float32 means IEEE
+#: float32 (as PyTorch's cuDNN convolutions by default): TF32 tensor cores round inputs to 10 mantissa bits.
 FP32_EXCLUDED_NOTES = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+_TENSOR_CORE_OPS = frozenset({"conv_fprop", "conv_dgrad", "conv_wgrad", "matmul"})
 
 
 def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> tuple[str, ...]:
-    """The notes to exclude for this call: FP32_EXCLUDED_NOTES when its I/O is float32."""
-    return FP32_EXCLUDED_NOTES if specs[pattern.operands[0].name].dtype == "float32" else ()
+    """The notes to exclude for this call: FP32_EXCLUDED_NOTES when its I/O is float32 and it has a
+    convolution or matmul (the ops with TF32 engines); none otherwise."""
+    if specs[pattern.operands[0].name].dtype != "float32" or not any(op.op in _TENSOR_CORE_OPS for op in pattern.ops):
+        return ()
+    return FP32_EXCLUDED_NOTES
 
 
 def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "", exclude_notes: Sequence[str] = ()) -> Built:

@@ -200,3 +200,18 @@ def test_cudnn_dtype_mapping():
     assert lower_mod.cudnn_dtype("float32") == cudnn.data_type.FLOAT
     with pytest.raises(KeyError):
         lower_mod.cudnn_dtype("float64")
+
+
+def test_float32_convolutions_and_matmuls_exclude_tf32_plans_and_nothing_else_does():
+    from fusekit import lower as lo
+    from fusekit import ops
+
+    def notes(name, shapes, dtype):
+        pat = fusekit.get_pattern(name)
+        return lo.precision_notes(pat, ops.shape_specs(pat, shapes, dtype, "NHWC"))
+
+    conv = {"x": (2, 8, 6, 6), "w": (4, 8, 3, 3), "b": (4,)}
+    assert notes("conv_bias_relu", conv, "float32") == ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+    assert notes("linear_bias", {"x": (4, 8), "w": (3, 8), "b": (3,)}, "float32") == ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+    assert notes("conv_bias_relu", conv, "float16") == ()
+    assert notes("batchnorm", {"x": (2, 8, 6, 6), **{k: (8,) for k in ("gamma", "beta", "running_mean", "running_var")}}, "float32") == ()
