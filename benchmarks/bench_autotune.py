@@ -29,7 +29,7 @@ import fusekit  # noqa: E402
 from bench_conv import BATCH, RESNET50  # noqa: E402
 from bench_conv import graph_time_us as bench_graph_time_us  # noqa: E402
 from timing import cl, graph_time_us  # noqa: E402
-from fusekit.cache import DiskStore, PlanCache  # noqa: E402
+from fusekit.engine.cache import DiskStore, PlanCache  # noqa: E402
 
 SWEEP_REPEATS = 15
 
@@ -56,7 +56,7 @@ def sweep(plan, x, wt, b, out) -> dict[int, float]:
 
 def _handle():
     """The cuDNN handle of the current torch stream (the timer captures on its own stream)."""
-    return fusekit.runtime.RUNTIME.handle(fusekit.tensors.library("torch"), 0, torch.cuda.current_stream().cuda_stream)
+    return fusekit.engine.runtime.RUNTIME.handle(fusekit.tensors.library("torch"), 0, torch.cuda.current_stream().cuda_stream)
 
 
 CHILD = textwrap.dedent(
@@ -132,7 +132,7 @@ def main() -> None:
     warm = first_calls(shapes, tmp)  # the tuned plans written above
     for row, c_, w_ in zip(rows, cold, warm):
         row.update(cold_first_ms=c_["ms"], warm_first_ms=w_["ms"], warm_source=w_["source"])
-    v = fusekit.runtime.versions()
+    v = fusekit.engine.runtime.versions()
     props = torch.cuda.get_device_properties(0)
     sps = [r_["speedup"] for r_ in rows]
     meta = dict(

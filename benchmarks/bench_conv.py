@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fusekit  # noqa: E402
 from timing import cl  # noqa: E402
 from timing import graph_time_us as _graph_time_us  # noqa: E402
+from fusekit import dispatch  # noqa: E402
 from fusekit import ops as fops  # noqa: E402
 
 PEAK_FLOPS = 790e12
@@ -121,7 +122,7 @@ def bench_shape(c, h, w, k, r, stride, quick: bool) -> dict:
     # host cost per call on a cache hit
     g, uids = plan.graph, plan.uids
     x0, o0 = xs[0], outs[0]
-    call = fops._FAST[next(k_ for k_, v in fops._FAST.items() if v.plan is plan)]
+    call = dispatch._FAST[next(k_ for k_, v in dispatch._FAST.items() if v.plan is plan)]
     ws = call.workspace
     handle = call.handle
     ptrs = [x0.data_ptr(), wt.data_ptr(), b.data_ptr(), o0.data_ptr()]
@@ -231,7 +232,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    from fusekit.runtime import versions
+    from fusekit.engine.runtime import versions
 
     shapes = RESNET50[:4] if args.quick else RESNET50
     rows = []

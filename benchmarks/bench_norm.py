@@ -103,7 +103,7 @@ def main() -> None:
     for r in rows:
         r["speedup"] = r["eager_us"] / r["fusekit_us"]
     props = torch.cuda.get_device_properties(0)
-    v = fusekit.runtime.versions()
+    v = fusekit.engine.runtime.versions()
     by_case: dict[str, list[float]] = {}
     for r in rows:
         by_case.setdefault(r["case"], []).append(r["speedup"])

@@ -136,7 +136,7 @@ def main() -> None:
         print(f"{name}: fusekit {tf:.1f} us (again {tf2:.1f}), eager {te:.1f} us (again {te2:.1f}) -> {te / tf:.2f}x; "
               f"grad err vs float64: fusekit {err:.1e}, eager {err_eager:.1e}", flush=True)
     props = torch.cuda.get_device_properties(0)
-    v = fusekit.runtime.versions()
+    v = fusekit.engine.runtime.versions()
     sps = [r["speedup"] for r in rows]
     meta = dict(gpu=props.name, cudnn_backend=v.cudnn_backend, frontend=v.frontend, torch=torch.__version__,
                 date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

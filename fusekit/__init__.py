@@ -2,15 +2,24 @@
 
     import fusekit
     y = fusekit.conv_bias_relu(x, w, b, padding=1)   # x, w, b: CuPy arrays or torch CUDA tensors
+
+Layers, each importing only from the ones below it:
+  integrations   fusekit.torch, fusekit.nn (and the CLI)
+  ops            fusekit.ops: conv, linear, norm, pool (pooling and softmax)
+  dispatch       fusekit.dispatch: operands -> key -> plan -> execute, with the fallbacks
+  engine         fusekit.engine: patterns, oracle, lower, keys, cache, autotune, planner, runtime
+  base           fusekit.tensors (specs, adapters), fusekit.errors, fusekit.config
 """
 
-from .autotune import TuneOptions, TuneResult, autotune, autotune_shapes
-from .cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
-from .errors import FusekitError, NoGPUError, OperandError, PatternError, UnsupportedError
+import sys as _sys
+
+from .config import __version__
+from .dispatch import call, plan_for
+from .engine.autotune import TuneOptions, TuneResult, autotune, autotune_shapes
+from .engine.cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
+from .engine.patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
+from .errors import CacheWarning, FusekitError, FusionWarning, LayoutWarning, NoGPUError, OperandError, PatternError, UnsupportedError
 from .ops import (
-    FusionWarning,
-    LayoutWarning,
-    call,
     conv2d,
     conv2d_backward,
     conv_bias,
@@ -24,22 +33,22 @@ from .ops import (
     linear_bias_backward,
     linear_bias_relu,
     linear_bias_relu_backward,
-    plan_for,
+    pool,
     relu_backward,
 )
-from .patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
 from .tensors import TensorSpec, nhwc
-from . import pool  # noqa: E402  (CuPy pooling and softmax kernels)
 
-__version__ = "0.1.0"
+_sys.modules[__name__ + ".pool"] = pool  # ``import fusekit.pool`` as before the ops package
 
 __all__ = [
+    "__version__",
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
     "autotune", "autotune_shapes", "configure",
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
-    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache", "FusionWarning", "LayoutWarning",
+    "CacheWarning", "FusionWarning", "LayoutWarning",
+    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache",
     "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
     "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",
     "linear_bias", "linear_bias_relu", "linear_bias_backward", "linear_bias_relu_backward",
-    "get_pattern", "list_patterns", "load_pattern", "parse_pattern", "nhwc",
+    "get_pattern", "list_patterns", "load_pattern", "parse_pattern", "nhwc", "pool",
 ]

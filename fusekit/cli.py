@@ -30,11 +30,11 @@ import click
 import numpy as np
 
 import fusekit
-from fusekit import oracle
+from fusekit.engine import oracle
 from fusekit.errors import FusekitError, NoGPUError, OperandError
-from fusekit.ops import output_specs, shape_specs
-from fusekit.patterns import Pattern, get_pattern, list_patterns, pattern_dirs
-from fusekit.runtime import versions
+from fusekit.engine.keys import output_specs, shape_specs
+from fusekit.engine.patterns import Pattern, get_pattern, list_patterns, pattern_dirs
+from fusekit.engine.runtime import versions
 from fusekit.tensors import TensorSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,7 +45,7 @@ LAYOUTS = ("NHWC", "NCHW")
 #: Normwise relative error allowed against the float64 oracle (as the GPU tests): fp16 / bf16 round
 #: the output once; fp32 may run on TF32 tensor cores.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 2e-3}
-#: How --shape gives each operand kind (the user's view; see fusekit.patterns.KINDS).
+#: How --shape gives each operand kind (the user's view; see fusekit.engine.patterns.KINDS).
 SHAPE_HINT = {
     "image": "N,C,H,W",
     "filter": "K,C,R,S",
@@ -259,7 +259,7 @@ def operand_specs(pat: Pattern, shapes: Mapping[str, Shape], dtype: str, layout:
 
 def lower_graph(pat: Pattern, specs: Mapping[str, TensorSpec], attrs: Mapping[str, Any]) -> tuple[dict[str, TensorSpec], Any]:
     """(output specs, the cuDNN graph's ``inspect()`` as JSON data); needs the cuDNN frontend, not a GPU."""
-    from fusekit.lower import lower
+    from fusekit.engine.lower import lower
 
     norm = pat.normalize_attrs(attrs)
     outs = output_specs(pat, specs, norm)
@@ -460,7 +460,7 @@ def _driver() -> str:
 
 def _cache_info() -> str:
     """Where the default plan cache keeps plans on disk and how it picks them (creates nothing)."""
-    from fusekit.cache import default_cache_dir
+    from fusekit.engine.cache import default_cache_dir
 
     mode = os.environ.get("FUSEKIT_MODE", "heuristic")
     if os.environ.get("FUSEKIT_CACHE_DIR", "").lower() in ("off", "none", "0"):
@@ -1190,8 +1190,8 @@ def autotune_cmd(
 
     lib, _ = _require_gpu("autotune")
 
-    from fusekit.autotune import TuneOptions
-    from fusekit.cache import DiskStore, PlanCache
+    from fusekit.engine.autotune import TuneOptions
+    from fusekit.engine.cache import DiskStore, PlanCache
 
     store = DiskStore(cache_dir) if cache_dir is not None else (None if _cache_disabled() else DiskStore())
     cache = PlanCache(maxsize=len(jobs) + 1, store=store, mode="autotune")  # not from $FUSEKIT_CACHE_SIZE / $FUSEKIT_MODE
@@ -1220,7 +1220,7 @@ def _run_autotune(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from fusekit.autotune import autotune_shapes  # looked up per call: tests replace it
+    from fusekit.engine.autotune import autotune_shapes  # looked up per call: tests replace it
 
     results: list[tuple[SpecLayer, Any]] = []
     seen: dict[tuple, int] = {}
@@ -1286,7 +1286,7 @@ def _tune_summary(result: Any) -> str:
 # cache
 # ----------------------------------------------------------------------------------------------
 def _store(cache_dir: Path | None) -> Any:
-    from fusekit.cache import DiskStore
+    from fusekit.engine.cache import DiskStore
 
     if cache_dir is not None:
         return DiskStore(cache_dir)
@@ -1338,7 +1338,7 @@ def _entry_shapes(key: Any) -> tuple[str, str]:
 
 def _scan(store: Any) -> tuple[list[Any], list[tuple[Path, str]]]:
     """(valid entries, [(path, problem)]) of a store."""
-    from fusekit.cache import EntryError
+    from fusekit.engine.cache import EntryError
 
     good, bad = [], []
     for p in store.entries():
@@ -1409,7 +1409,7 @@ def _find_entry(store: Any, prefix: str) -> Path:
 @_friendly
 def cache_show(key: str, cache_dir: Path | None, as_json: bool) -> None:
     """Print the stored plan whose key starts with KEY: its header, and its candidate table if it was tuned."""
-    from fusekit.cache import EntryError
+    from fusekit.engine.cache import EntryError
 
     store = _store(cache_dir)
     path = _find_entry(store, key)

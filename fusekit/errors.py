@@ -30,3 +30,15 @@ class UnsupportedError(FusekitError):
 
 class NoGPUError(FusekitError):
     """The operation needs a CUDA GPU, an array library (CuPy or PyTorch) or cuDNN, and none is usable."""
+
+
+class FusionWarning(UserWarning):
+    """A fused graph has no cuDNN engine for a key; fusekit runs it as separate graphs."""
+
+
+class LayoutWarning(UserWarning):
+    """A pattern has no cuDNN engine for NCHW operands; fusekit runs it on channels-last copies."""
+
+
+class CacheWarning(UserWarning):
+    """A plan-cache entry was ignored (corrupt, foreign versions or GPU) and rebuilt."""

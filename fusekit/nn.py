@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import cupy as cp
 
-from . import ops, pool
+from . import ops
+from .ops import pool
 from .errors import OperandError
 from .tensors import nhwc
 
@@ -372,7 +373,7 @@ class BatchNorm2d(Module):
     def _affine(self, x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         if self.affine:
             return self.weight.data, self.bias.data
-        ones, zeros, _ = ops._affine_identity(x)
+        ones, zeros, _ = ops.affine_identity(x)
         return ones, zeros
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:

@@ -14,7 +14,6 @@ from typing import Any
 from .errors import NoGPUError, OperandError
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def alignment(ptr: int) -> int:
@@ -50,7 +49,7 @@ def col_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 LAYOUT_STRIDES = {"NCHW": nchw_strides, "NHWC": nhwc_strides, "ROW": row_strides, "COL": col_strides}
 
 
-def _matches(strides: tuple[int, ...], canon: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+def matches(strides: tuple[int, ...], canon: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return all(s == c for s, c, d in zip(strides, canon, shape) if d != 1)
 
 
@@ -74,7 +73,6 @@ class TensorSpec:
 
 
 #: Operand kinds: how a user's array maps to the tensor cuDNN sees.
-KIND_RANK = {"image": 4, "filter": 4, "channel": 1, "matrix": 2, "matrix_t": 2, "row": 1, "tensor": 0}
 
 
 def logical_shape(pattern: str, name: str, kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -140,17 +138,17 @@ def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, de
             raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")
         return TensorSpec.build(shape, dtype, device, "NCHW" if kind == "channel" else "ROW", view=given if len(given) == 1 else None)
     if kind in ("matrix", "matrix_t"):
-        if not _matches(strides, row_strides(given), given):
+        if not matches(strides, row_strides(given), given):
             raise OperandError(pattern, name, f"expected a dense row-major matrix, got strides {strides}; pass a contiguous copy")
         return TensorSpec.build(shape, dtype, device, "ROW" if kind == "matrix" else "COL", view=given)
     nchw, nhwc = nchw_strides(shape), nhwc_strides(shape)
     # With H = W = 1 both layouts describe the same memory: call it channels-last, which cuDNN's
     # pointwise and reduction engines require (a Linear layer's (N, C) viewed as (N, C, 1, 1)).
-    if _matches(strides, nhwc, shape) and shape[2] * shape[3] == 1:
+    if matches(strides, nhwc, shape) and shape[2] * shape[3] == 1:
         layout = "NHWC"
-    elif _matches(strides, nchw, shape):
+    elif matches(strides, nchw, shape):
         layout = "NCHW"
-    elif _matches(strides, nhwc, shape):
+    elif matches(strides, nhwc, shape):
         layout = "NHWC"
     else:
         raise OperandError(
@@ -220,10 +218,6 @@ class Adapter:
 
     def copy_into(self, dst: Any, src: Any) -> None:
         """``dst[...] = src`` on the current stream, whatever the two layouts."""
-        raise NotImplementedError
-
-    def time_ms(self, fn: Any) -> float:
-        """Device time of the work ``fn()`` queues on the current stream, by CUDA events."""
         raise NotImplementedError
 
     def new_stream(self, device: int) -> tuple[Any, int]:
@@ -315,15 +309,6 @@ class CupyAdapter(Adapter):
 
     def copy_into(self, dst, src):
         dst[...] = src
-
-    def time_ms(self, fn):
-        cp = self.cp
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(cp.cuda.get_elapsed_time(start, end))
 
     def new_stream(self, device):
         with self.cp.cuda.Device(device):
@@ -417,15 +402,6 @@ class TorchAdapter(Adapter):
     def copy_into(self, dst, src):
         dst.copy_(src)
 
-    def time_ms(self, fn):
-        cuda = self.torch.cuda
-        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end))
-
     def new_stream(self, device):
         s = self.torch.cuda.Stream(device=device)
         return s, s.cuda_stream
@@ -454,14 +430,14 @@ class TorchAdapter(Adapter):
 _BY_TYPE: dict[type, Adapter] = {}
 _BY_NAME: dict[str, Adapter] = {}
 # The hot path's per-type views of the adapters (filled as array types are first seen).
-_SIG: dict[type, Any] = {}
-_STREAM: dict[type, Any] = {}
+SIGNATURES: dict[type, Any] = {}
+STREAMS: dict[type, Any] = {}
 
 
 def _register(t: type, ad: Adapter) -> Adapter:
     _BY_TYPE[t] = ad
-    _SIG[t] = ad.sig
-    _STREAM[t] = ad.stream
+    SIGNATURES[t] = ad.sig
+    STREAMS[t] = ad.stream
     return ad
 
 
@@ -481,7 +457,7 @@ def adapter_for(a: Any, pattern: str = "fusekit", name: str = "array") -> Adapte
     """The adapter that reads ``a``; raises OperandError for anything fusekit cannot take."""
     ad = _BY_TYPE.get(type(a))
     if ad is not None:
-        if type(a) not in _SIG:  # registered directly in _BY_TYPE (tests, plug-ins)
+        if type(a) not in SIGNATURES:  # registered directly in _BY_TYPE (tests, plug-ins)
             _register(type(a), ad)
         return ad
     mod = type(a).__module__.split(".")[0]

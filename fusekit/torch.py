@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import ops
+from .ops import pool
 from .errors import OperandError
 
 
@@ -174,7 +175,7 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
         self.activation = _check_act(activation)
 
     def _identity(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ones, zeros, _ = ops._affine_identity(x)
+        ones, zeros, _ = ops.affine_identity(x)
         return ones, zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -226,8 +227,6 @@ class ChannelScaleShift(torch.nn.Module):
 class _MaxPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, kernel_size, stride, padding):  # type: ignore[override]
-        from . import pool
-
         y, argmax = pool.max_pool2d(x, kernel_size, stride, padding)
         ctx.save_for_backward(argmax)
         ctx.shape = tuple(x.shape)
@@ -235,8 +234,6 @@ class _MaxPool(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
-        from . import pool
-
         (argmax,) = ctx.saved_tensors
         return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None
 
@@ -255,15 +252,11 @@ class MaxPool2d(torch.nn.Module):
 class _AvgPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad):  # type: ignore[override]
-        from . import pool
-
         ctx.args, ctx.shape, ctx.cip = (kernel_size, stride, padding), tuple(x.shape), count_include_pad
         return pool.avg_pool2d(x, kernel_size, stride, padding, count_include_pad)
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
-        from . import pool
-
         return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, count_include_pad=ctx.cip), None, None, None, None
 
 
@@ -281,8 +274,6 @@ class AvgPool2d(torch.nn.Module):
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, axis, log):  # type: ignore[override]
-        from . import pool
-
         y = (pool.log_softmax if log else pool.softmax)(x, axis)
         ctx.save_for_backward(y)
         ctx.axis, ctx.log = axis, log
@@ -290,8 +281,6 @@ class _Softmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
-        from . import pool
-
         (y,) = ctx.saved_tensors
         f = pool.log_softmax_backward if ctx.log else pool.softmax_backward
         return f(_like(dy, y), y, ctx.axis), None, None

@@ -1,6 +1,6 @@
 """A plan key for tests that need one without a GPU (shared by the cache, store and CLI tests)."""
 
-from fusekit.cache import PlanKey
+from fusekit.engine.cache import PlanKey
 from fusekit.tensors import TensorSpec
 
 

@@ -402,10 +402,10 @@ class FakeTuner:
         self.fail_dtype = fail_dtype
 
     def __call__(self, pattern, shapes, *, dtype="float16", layout="NHWC", device=0, library=None, options=None, cache=None, **attrs):
-        from fusekit.autotune import Candidate, TuneResult
-        from fusekit.cache import PlanKey
+        from fusekit.engine.autotune import Candidate, TuneResult
+        from fusekit.engine.cache import PlanKey
         from fusekit.errors import UnsupportedError
-        from fusekit.patterns import get_pattern
+        from fusekit.engine.patterns import get_pattern
 
         self.calls.append(dict(pattern=pattern, shapes=shapes, dtype=dtype, layout=layout, library=library, options=options, attrs=attrs))
         if dtype == self.fail_dtype:
@@ -433,7 +433,7 @@ def fake_tuner(monkeypatch):
     import importlib
 
     tuner = FakeTuner()
-    monkeypatch.setattr(importlib.import_module("fusekit.autotune"), "autotune_shapes", tuner)
+    monkeypatch.setattr(importlib.import_module("fusekit.engine.autotune"), "autotune_shapes", tuner)
     monkeypatch.setattr(cli, "_require_gpu", lambda command: ("torch", None))
     return tuner
 
@@ -558,8 +558,8 @@ REF_CASES = [
 def test_bench_torch_references_match_the_oracle(name, shapes, attrs):
     """The PyTorch side of `fusekit bench` computes what the pattern does (float64, on the CPU)."""
     torch = pytest.importorskip("torch")
-    from fusekit import oracle
-    from fusekit.patterns import get_pattern
+    from fusekit.engine import oracle
+    from fusekit.engine.patterns import get_pattern
 
     ref = cli.torch_references()[name]
     pat = get_pattern(name)

@@ -9,7 +9,7 @@ import tarfile
 import pytest
 from click.testing import CliRunner
 
-from fusekit.cache import DiskStore
+from fusekit.engine.cache import DiskStore
 from fusekit.cli import main
 
 

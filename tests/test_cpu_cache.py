@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fusekit.cache import DEFAULT_HEURISTICS, Plan, PlanCache, PlanKey
+from fusekit.engine.cache import DEFAULT_HEURISTICS, Plan, PlanCache, PlanKey
 
 
 from plankeys import BASE, key  # noqa: E402

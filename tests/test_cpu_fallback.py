@@ -1,21 +1,22 @@
 """What fusekit offers cuDNN when it refuses a description of a call (no GPU needed)."""
 
 import fusekit
-from fusekit import ops
+from fusekit import dispatch
+from fusekit.engine import keys
 from fusekit.tensors import TensorSpec
 
 
 def specs_for(pattern, shapes, layout="NCHW", dtype="float16"):
     pat = fusekit.get_pattern(pattern)
-    specs = ops.shape_specs(pat, shapes, dtype, layout)
+    specs = keys.shape_specs(pat, shapes, dtype, layout)
     norm = pat.normalize_attrs({})
-    specs.update(ops.output_specs(pat, specs, norm))
+    specs.update(keys.output_specs(pat, specs, norm))
     return pat, specs
 
 
 def test_nchw_backward_pieces_fall_back_to_channels_last_copies():
     pat, specs = specs_for("relu_bias_grad", {"dy": (2, 8, 5, 5), "y": (2, 8, 5, 5)})
-    (alt, copies), = ops._alternatives(pat, specs)
+    (alt, copies), = dispatch.alternatives(pat, specs)
     names = pat.operand_names + tuple(pat.outputs)
     assert {names[i] for i in copies} == {"dy", "y", "dz"}  # db is a channel vector: layout-free
     assert all(alt[n].layout == "NHWC" and alt[n].shape == specs[n].shape for n in ("dy", "y", "dz"))
@@ -24,19 +25,19 @@ def test_nchw_backward_pieces_fall_back_to_channels_last_copies():
 
 def test_channels_last_calls_have_no_layout_fallback():
     pat, specs = specs_for("relu_bias_grad", {"dy": (2, 8, 5, 5), "y": (2, 8, 5, 5)}, layout="NHWC")
-    assert ops._alternatives(pat, specs) == []
+    assert dispatch.alternatives(pat, specs) == []
 
 
 def test_filters_are_copied_too_for_transposed_convolution():
     pat, specs = specs_for("conv_transpose_bias", {"x": (4, 8, 8, 8), "w": (8, 4, 3, 3), "b": (4,)}, dtype="float32")
-    (alt, copies), = ops._alternatives(pat, specs)
+    (alt, copies), = dispatch.alternatives(pat, specs)
     names = pat.operand_names + tuple(pat.outputs)
     assert {names[i] for i in copies} == {"x", "w", "y"}
 
 
 def test_one_channel_elementwise_patterns_are_redescribed_without_copies():
     pat, specs = specs_for("channel_scale_shift_relu", {"x": (2, 1, 6, 5), "gamma": (1,), "beta": (1,)})
-    alts = ops._alternatives(pat, specs)
+    alts = dispatch.alternatives(pat, specs)
     alt, copies = alts[0]
     assert copies == frozenset()
     # (N, 1, H, W) dense is the same memory as channels-last (N, W, H, 1): element (n, w, h, 0) is x[n, 0, h, w]
@@ -44,7 +45,7 @@ def test_one_channel_elementwise_patterns_are_redescribed_without_copies():
     assert alt["x"].strides == (30, 1, 5, 5) and alt["y"] == alt["x"]
     assert alt["gamma"] == specs["gamma"]
     # the lowering accepts the new description (channel vectors broadcast as single values)
-    from fusekit import lower
+    from fusekit.engine import lower
 
     low = lower.lower(pat, alt, dict(pat.normalize_attrs({})))
     assert low.graph.inspect()["tensors"]["x"]["dim"] == [2, 5, 6, 1]
@@ -52,4 +53,4 @@ def test_one_channel_elementwise_patterns_are_redescribed_without_copies():
 
 def test_one_channel_batch_norm_node_has_no_redescription():
     pat, specs = specs_for("batchnorm", {"x": (2, 1, 6, 5), "gamma": (1,), "beta": (1,), "running_mean": (1,), "running_var": (1,)})
-    assert all(copies for _, copies in ops._alternatives(pat, specs))  # only the layout copy is offered
+    assert all(copies for _, copies in dispatch.alternatives(pat, specs))  # only the layout copy is offered

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import lower as lower_mod
-from fusekit import oracle, patterns
-from fusekit.lower import lower
-from fusekit.patterns import parse_pattern
+from fusekit.engine import lower as lower_mod
+from fusekit.engine import oracle, patterns
+from fusekit.engine.lower import lower
+from fusekit.engine.patterns import parse_pattern
 from fusekit.tensors import TensorSpec
 
 cudnn = pytest.importorskip("cudnn")
@@ -203,12 +203,12 @@ def test_cudnn_dtype_mapping():
 
 
 def test_float32_convolutions_and_matmuls_exclude_tf32_plans_and_nothing_else_does():
-    from fusekit import lower as lo
-    from fusekit import ops
+    from fusekit.engine import lower as lo
+    from fusekit.engine import keys
 
     def notes(name, shapes, dtype):
         pat = fusekit.get_pattern(name)
-        return lo.precision_notes(pat, ops.shape_specs(pat, shapes, dtype, "NHWC"))
+        return lo.precision_notes(pat, keys.shape_specs(pat, shapes, dtype, "NHWC"))
 
     conv = {"x": (2, 8, 6, 6), "w": (4, 8, 3, 3), "b": (4,)}
     assert notes("conv_bias_relu", conv, "float32") == ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")

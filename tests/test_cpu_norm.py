@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import lower, oracle
+from fusekit.engine import lower
+from fusekit.engine import oracle
 from fusekit.tensors import TensorSpec
 
 
@@ -103,7 +104,7 @@ def test_batchnorm_relu_graph_structure():
     c = 8
     specs = _specs(pat, {"x": (2, c, 5, 5), **{n: (1, c, 1, 1) for n in ("gamma", "beta", "running_mean", "running_var")}})
     norm = dict(pat.normalize_attrs({"epsilon": 1e-3, "momentum": 0.2}))
-    from fusekit.ops import output_specs
+    from fusekit.engine.keys import output_specs
 
     specs.update(output_specs(pat, specs, tuple(norm.items())))
     low = lower.lower(pat, specs, norm)
@@ -142,25 +143,25 @@ def test_norm_errors():
 def test_batchnorm_from_reductions_matches_the_node(monkeypatch, relu):
     """The split batch norm (for keys cuDNN's node refuses, e.g. C not a multiple of its vector
     width) gives the node's forward and backward: ops' own code, with each graph evaluated by the oracle."""
-    from fusekit import ops
+    from fusekit.ops import norm
 
     def call(name, *a, out=None, **kw):  # the oracle in place of the GPU; channel outputs as (C,) like fusekit's
         res = tuple(r.reshape(-1) if r.ndim == 4 and r.shape[0] == 1 and r.shape[2:] == (1, 1) else r for r in oracle.evaluate(name, *a, **kw))
         return res[0] if len(res) == 1 else res
 
-    monkeypatch.setattr(ops, "call", call)
+    monkeypatch.setattr(norm, "call", call)
     rng = np.random.default_rng(3)
     c = 3
     x = rng.standard_normal((4, c, 5, 6)) * 2 + 0.5
     g, b, rm, rv = rng.random(c) + 0.5, rng.standard_normal(c), rng.standard_normal(c), rng.random(c) + 0.5
-    got = ops._bn_split_forward(x, g, b, rm, rv, relu, 1e-3, 0.25)
+    got = norm._bn_split_forward(x, g, b, rm, rv, relu, 1e-3, 0.25)
     want = oracle.evaluate("batchnorm_relu" if relu else "batchnorm", x, g, b, rm, rv, epsilon=1e-3, momentum=0.25)
     for a, w in zip(got, want):
         np.testing.assert_allclose(np.reshape(a, np.shape(w)), w, rtol=1e-12, atol=1e-12)
     y, mean, inv = got[:3]
     dy = rng.standard_normal(x.shape)
     dz = dy * (y > 0) if relu else dy
-    got_b = ops._bn_split_backward(dz, x, g, mean, inv)
+    got_b = norm._bn_split_backward(dz, x, g, mean, inv)
     want_b = oracle.evaluate("batchnorm_backward", dz, x, g, np.reshape(mean, (c,)), np.reshape(inv, (c,)))
     for a, w in zip(got_b, want_b):
         np.testing.assert_allclose(np.reshape(a, np.shape(w)), w, rtol=1e-10, atol=1e-12)

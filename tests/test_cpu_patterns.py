@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import oracle, patterns
+from fusekit.engine import oracle, patterns
 from fusekit.errors import OperandError, PatternError
-from fusekit.patterns import OPS, get_pattern, list_patterns, load_pattern, parse_pattern
+from fusekit.engine.patterns import OPS, get_pattern, list_patterns, load_pattern, parse_pattern
 
-SHIPPED_DIR = Path(patterns.__file__).resolve().parent.parent / "patterns"
+SHIPPED_DIR = Path(patterns.__file__).resolve().parents[2] / "patterns"
 SHIPPED = sorted(p.stem for p in SHIPPED_DIR.glob("*.toml"))
 
 # A small valid pattern; the malformed cases below each break one thing in it.

@@ -366,7 +366,7 @@ def fake(monkeypatch):
     monkeypatch.setitem(tensors._BY_TYPE, FakeDev, FakeDevAdapter())
     monkeypatch.setattr(pool, "_Launch", Tripwire)
     yield
-    for table in ("_SIG", "_STREAM"):
+    for table in ("SIGNATURES", "STREAMS"):
         getattr(tensors, table, {}).pop(FakeDev, None)
 
 
@@ -607,7 +607,7 @@ def host_launch(host_kernels, monkeypatch):
     monkeypatch.setitem(tensors._BY_TYPE, HostArray, HostAdapter())
     monkeypatch.setattr(pool, "_Launch", HostLaunch)
     yield
-    for table in ("_SIG", "_STREAM"):
+    for table in ("SIGNATURES", "STREAMS"):
         getattr(tensors, table, {}).pop(HostArray, None)
 
 
@@ -621,7 +621,7 @@ def rel(a, ref):
 def dense_in(h, layout):
     """``h`` is dense in ``layout`` (NCHW | NHWC | ROW); strides of size-1 dims do not matter."""
     canon = {"NCHW": tensors.nchw_strides, "NHWC": tensors.nhwc_strides, "ROW": tensors.row_strides}[layout]
-    return tensors._matches(tuple(s // h.a.itemsize for s in h.a.strides), canon(h.a.shape), h.a.shape)
+    return tensors.matches(tuple(s // h.a.itemsize for s in h.a.strides), canon(h.a.shape), h.a.shape)
 
 
 HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1), (1, 3, 9, 8, (3, 2), (2, 1), (1, 0)), (1, 257, 3, 5, 2, 1, 1),

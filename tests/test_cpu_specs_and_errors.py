@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import ops, runtime, tensors
-from fusekit import lower as lower_mod
+from fusekit import dispatch, ops, tensors
+from fusekit.engine import keys, runtime
+from fusekit.engine import lower as lower_mod
 from fusekit.errors import FusekitError, OperandError
 from fusekit.tensors import TensorSpec, alignment, make_spec
 
@@ -184,21 +185,21 @@ def _tripwire(*args, **kwargs):
 def fake(monkeypatch):
     monkeypatch.setitem(tensors._BY_TYPE, FakeArray, FakeAdapter())
     monkeypatch.setattr(runtime, "versions", _tripwire)
-    monkeypatch.setattr(ops, "versions", _tripwire)  # ops imported the name
-    monkeypatch.setattr(runtime, "cudnn_module", _tripwire)
+    monkeypatch.setattr(keys, "versions", _tripwire)  # keys imported the name
+    monkeypatch.setattr(runtime, "load_cudnn", _tripwire)
     monkeypatch.setattr(runtime.Runtime, "handle", _tripwire)
     monkeypatch.setattr(runtime.Runtime, "workspace", _tripwire)
     monkeypatch.setattr(lower_mod, "build", _tripwire)
     monkeypatch.setattr(lower_mod, "lower", _tripwire)
-    monkeypatch.setattr(lower_mod, "_cudnn", _tripwire)
-    monkeypatch.setattr(ops, "_FAST", {})
+    monkeypatch.setattr(lower_mod, "load_cudnn", _tripwire)
+    monkeypatch.setattr(dispatch, "_FAST", {})
     cache = fusekit.default_cache()
     before = (len(cache), cache.stats.builds, cache.stats.misses)
     yield
     # adapter_for copies a type registered only in _BY_TYPE into the hot path's tables: undo that
-    for table in ("_SIG", "_STREAM"):
+    for table in ("SIGNATURES", "STREAMS"):
         getattr(tensors, table, {}).pop(FakeArray, None)
-    assert ops._FAST == {}, "a failed call left a dispatch entry"
+    assert dispatch._FAST == {}, "a failed call left a dispatch entry"
     assert (len(cache), cache.stats.builds, cache.stats.misses) == before, "a failed call touched the plan cache"
 
 

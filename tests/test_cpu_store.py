@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fusekit import cache as cache_mod
-from fusekit.cache import (
+from fusekit.engine import cache as cache_mod
+from fusekit.engine.cache import (
     ENTRY_FORMAT,
     CacheWarning,
     DiskStore,

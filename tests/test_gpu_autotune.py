@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import oracle
-from fusekit.autotune import TuneOptions
-from fusekit.cache import CacheWarning, DiskStore, PlanCache
+from fusekit.engine import oracle
+from fusekit.engine.autotune import TuneOptions
+from fusekit.engine.cache import CacheWarning, DiskStore, PlanCache
 
 pytestmark = pytest.mark.gpu
 

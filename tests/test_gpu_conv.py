@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import oracle
+from fusekit.engine import oracle
 
 pytestmark = pytest.mark.gpu
 

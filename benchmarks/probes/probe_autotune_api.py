@@ -2,8 +2,9 @@
 import time, statistics, traceback
 import torch, cudnn
 import fusekit
-from fusekit import lower, tensors
-from fusekit.runtime import RUNTIME
+from fusekit.engine import lower
+from fusekit import tensors
+from fusekit.engine.runtime import RUNTIME
 
 def cl(t): return t.contiguous(memory_format=torch.channels_last)
 x = cl(torch.randn(32, 64, 56, 56, device="cuda", dtype=torch.float16))

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import fusekit
-from fusekit import lower, ops, tensors
-from fusekit.runtime import RUNTIME
+from fusekit import ops, tensors
+from fusekit.engine import lower
+from fusekit.engine.runtime import RUNTIME
 
 torch.manual_seed(0)
 ad = tensors.library("torch")

@@ -7,13 +7,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .tensors import Adapter
-
-
-def cudnn_module() -> Any:
-    from .lower import _cudnn
-
-    return _cudnn()
+from ..errors import NoGPUError
+from ..tensors import Adapter
+from .lower import load_cudnn
 
 
 @dataclass(frozen=True)
@@ -35,12 +31,10 @@ def versions() -> Versions:
     """cuDNN backend version (as ``cudnnGetVersion``) and the frontend's version; needs libcudnn."""
     global _versions
     if _versions is None:
-        cudnn = cudnn_module()
+        cudnn = load_cudnn()
         try:
             backend = int(cudnn.backend_version())
         except Exception as e:  # libcudnn missing or not loadable
-            from .errors import NoGPUError
-
             raise NoGPUError(f"the cuDNN library cannot be loaded ({e}); install fusekit[cu12] or fusekit[cu13]") from None
         _versions = Versions(backend, str(cudnn.__version__))
     return _versions
@@ -78,7 +72,7 @@ class Runtime:
             handles = self._local.handles = {}
         h = handles.get((device, stream))
         if h is None:
-            cudnn = cudnn_module()
+            cudnn = load_cudnn()
             with adapter.use_device(device):
                 h = cudnn.create_handle()
                 cudnn.set_stream(h, stream)
@@ -100,9 +94,6 @@ class Runtime:
             name, cc = adapter.device_properties(device)
             f = self._facts[key] = DeviceFacts(name, cc)
         return f
-
-    def workspace_bytes(self) -> int:
-        return sum(ws.size for ws in self._workspaces.values())
 
 
 RUNTIME = Runtime()

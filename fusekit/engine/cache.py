@@ -21,18 +21,15 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
-from .errors import FusekitError
-from .tensors import TensorSpec
+from .. import config
+from ..errors import CacheWarning, FusekitError
+from ..tensors import TensorSpec
 
 DEFAULT_HEURISTICS: tuple[str, ...] = ("A", "FALLBACK")
-MODES = ("heuristic", "autotune")
+MODES = config.MODES
 ENTRY_FORMAT = "fusekit-plan/1"
-
-
-class CacheWarning(UserWarning):
-    """A plan-cache entry was ignored (corrupt, foreign versions or GPU) and rebuilt."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +90,14 @@ class Plan:
     tuning: list[dict] | None = field(default=None, repr=False)  # per-candidate timings and verdicts
     evicted: bool = field(default=False, repr=False)
 
+    @classmethod
+    def from_entry(cls, key: PlanKey, graph: Any, meta: Mapping[str, Any], load_ms: float) -> "Plan":
+        """A plan deserialized from a store entry whose header ``plan`` section is ``meta``."""
+        return cls(
+            key, graph, tuple(meta["uids"]), int(meta["workspace_size"]), meta["engine"], int(meta.get("candidates", 0)),
+            load_ms, source="disk", engine_id=meta.get("engine_id"), knobs=meta.get("knobs") or {}, tuning=meta.get("tuning"),
+        )
+
     def meta(self) -> dict:
         """What the disk store records about the plan (beside the serialized graph)."""
         return {
@@ -121,12 +126,7 @@ class CacheStats:
 
 def default_cache_dir() -> Path:
     """$FUSEKIT_CACHE_DIR, else the user cache directory (platformdirs) / fusekit."""
-    env = os.environ.get("FUSEKIT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fusekit", appauthor=False))
+    return config.cache_dir()
 
 
 @dataclass
@@ -156,9 +156,7 @@ def _encode(key: PlanKey, meta: dict, blob: bytes) -> bytes:
         "blob_sha256": hashlib.sha256(blob).hexdigest(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    from . import __version__
-
-    header["fusekit"] = __version__
+    header["fusekit"] = config.__version__
     return json.dumps(header, separators=(",", ":")).encode() + b"\n" + blob
 
 
@@ -274,9 +272,6 @@ class DiskStore:
                     os.replace(p, p.with_name(f"{p.name}.{int(time.time() * 1e3)}.bad"))
         return bad
 
-    def remove(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-
     def clear(self) -> int:
         """Delete every entry (and moved-aside files); returns how many entries were removed."""
         n = 0
@@ -340,10 +335,10 @@ class PlanCache:
         store: DiskStore | None = None,
         mode: str | None = None,
     ) -> None:
-        self.maxsize = int(maxsize if maxsize is not None else os.environ.get("FUSEKIT_CACHE_SIZE", 512))
+        self.maxsize = int(maxsize if maxsize is not None else config.cache_size())
         if self.maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {self.maxsize}")
-        self.mode = mode or os.environ.get("FUSEKIT_MODE", "heuristic")
+        self.mode = mode or config.mode()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.heuristics = tuple(heuristics)
@@ -460,8 +455,7 @@ def default_cache() -> PlanCache:
     """The process-wide cache: on-disk store unless $FUSEKIT_CACHE_DIR is "off"/"none"."""
     global _default
     if _default is None:
-        off = os.environ.get("FUSEKIT_CACHE_DIR", "").lower() in ("off", "none", "0")
-        _default = PlanCache(store=None if off else DiskStore())
+        _default = PlanCache(store=None if config.disk_cache_off() else DiskStore())
     return _default
 
 

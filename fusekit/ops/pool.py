@@ -19,8 +19,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import NoGPUError, OperandError
-from .tensors import _matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
+from ..errors import NoGPUError, OperandError
+from ..tensors import matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64")
@@ -516,16 +516,16 @@ def _operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tu
     if dtype not in dtypes:
         raise OperandError(pattern, name, f"unsupported dtype {dtype}; expected one of {', '.join(dtypes)}")
     if len(shape) == 4:
-        if _matches(strides, nchw_strides(shape), shape):
+        if matches(strides, nchw_strides(shape), shape):
             layout = "NCHW"
-        elif _matches(strides, nhwc_strides(shape), shape):
+        elif matches(strides, nhwc_strides(shape), shape):
             layout = "NHWC"
         else:
             raise OperandError(
                 pattern, name, f"strides {strides} are neither dense NCHW {nchw_strides(shape)} nor dense NHWC "
                 f"(channels-last) {nhwc_strides(shape)}; pass a contiguous or channels-last copy",
             )
-    elif _matches(strides, row_strides(shape), shape):
+    elif matches(strides, row_strides(shape), shape):
         layout = "ROW"
     else:
         raise OperandError(pattern, name, f"expected a dense row-major array, got strides {strides}; pass a contiguous copy")

@@ -10,12 +10,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .errors import NoGPUError, UnsupportedError
+from ..errors import NoGPUError, UnsupportedError
 from .patterns import OPS, Pattern
-from .tensors import LAYOUT_STRIDES, TensorSpec
+from ..tensors import LAYOUT_STRIDES, TensorSpec
 
 
-def _cudnn():
+def load_cudnn() -> Any:
+    """The cuDNN frontend module (``import cudnn``), or NoGPUError saying how to install it."""
     try:
         import cudnn
     except Exception as e:  # ImportError, or a broken install failing at import
@@ -24,7 +25,7 @@ def _cudnn():
 
 
 def cudnn_dtype(name: str) -> Any:
-    dt = _cudnn().data_type
+    dt = load_cudnn().data_type
     return {"float16": dt.HALF, "bfloat16": dt.BFLOAT16, "float32": dt.FLOAT}[name]
 
 
@@ -40,11 +41,11 @@ def _first(res: Any, k: int) -> tuple:
 
 
 def _training() -> Any:
-    return _cudnn().norm_forward_phase.TRAINING
+    return load_cudnn().norm_forward_phase.TRAINING
 
 
 def _reduce_add(g: Any, x: Any, name: str) -> Any:
-    return g.reduction(x, mode=_cudnn().reduction_mode.ADD, name=name)
+    return g.reduction(x, mode=load_cudnn().reduction_mode.ADD, name=name)
 
 
 # op name -> (graph, {port: tensor}, {attr: value}, node name) -> tensor
@@ -90,7 +91,7 @@ def lower(
     handle: Any = None,
 ) -> Lowered:
     """Lower ``pattern`` for operand and output ``specs`` (output specs included) into a pygraph."""
-    cudnn = _cudnn()
+    cudnn = load_cudnn()
     io = specs[pattern.operands[0].name].dtype
     kw = {"handle": handle} if handle is not None else {}
     g = cudnn.pygraph(
@@ -156,43 +157,88 @@ def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> tuple[
     return FP32_EXCLUDED_NOTES
 
 
-def build(lowered: Lowered, heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "", exclude_notes: Sequence[str] = ()) -> Built:
-    """Validate, query the heuristics in order, and build the first plan cuDNN supports (among plans
-    without ``exclude_notes``)."""
-    cudnn = _cudnn()
-    g = lowered.graph
-    t0 = time.perf_counter()
-    modes = [getattr(cudnn.heur_mode, h) for h in heuristics]
-    try:
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans(modes)
-        if exclude_notes:
-            g.deselect_numeric_notes([getattr(cudnn.numerical_note, n) for n in exclude_notes])
-        g.check_support()
-        g.build_plans()
-    except Exception as e:
-        if isinstance(e, (NoGPUError, UnsupportedError)):
-            raise
-        raise UnsupportedError(f"cuDNN cannot run {where or 'this graph'}: {type(e).__name__}: {e}") from e
-    count = g.get_execution_plan_count()
-    index = int(getattr(g, "_plan_index", 0))  # the walk's selection; the frontend has no public getter
-    try:
-        engine = g.get_plan_name_at_index(index)
-    except Exception:  # noqa: BLE001 - the name is informative only
-        engine = f"plan {index}"
-    engine_id, knobs = None, {}
+def build_plans(
+    pattern: Pattern,
+    specs: Mapping[str, TensorSpec],
+    attrs: Mapping[str, Any],
+    handle: Any,
+    heuristics: Sequence[str],
+    *,
+    where: str = "",
+    deterministic: bool = False,
+    workspace_limit: int | None = None,
+    every_plan: bool = False,
+) -> Lowered:
+    """The one build sequence: lower, validate, query ``heuristics`` in order, filter (float32
+    convolutions/matmuls: IEEE plans only, then TF32 when a key has none; NONDETERMINISTIC with
+    ``deterministic``; workspaces over ``workspace_limit``), check support, and build the first plan
+    that builds (``every_plan``: all of them, for the autotuner). Raises UnsupportedError when cuDNN
+    offers nothing for the key."""
+    cudnn = load_cudnn()
+    precision = precision_notes(pattern, specs)
+    for notes in (precision, ()) if precision else ((),):
+        lowered = lower(pattern, specs, attrs, handle=handle)
+        g = lowered.graph
+        try:
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([getattr(cudnn.heur_mode, h) for h in heuristics])
+            excluded = [getattr(cudnn.numerical_note, n) for n in notes]
+            if deterministic:
+                excluded.append(cudnn.numerical_note.NONDETERMINISTIC)
+            if excluded:
+                g.deselect_numeric_notes(excluded)
+            if workspace_limit is not None:
+                g.deselect_workspace_greater_than(int(workspace_limit))
+            g.check_support()
+            if every_plan:
+                g.build_plans(cudnn.build_plan_policy.ALL)
+            else:
+                g.build_plans()
+            return lowered
+        except Exception as e:
+            if notes:
+                continue  # no IEEE float32 plan for this key: let cuDNN use TF32 tensor cores rather than fail
+            if isinstance(e, (NoGPUError, UnsupportedError)):
+                raise
+            raise UnsupportedError(f"cuDNN cannot run {where or pattern.name}: {type(e).__name__}: {e}") from e
+    raise AssertionError("unreachable")
+
+
+def engine_and_knobs(g: Any, index: int) -> tuple[int | None, dict[str, int]]:
+    """(engine id, knobs by name) of plan ``index``: what replays a tuned choice (None, {} if unknown)."""
     try:
         eid, kn = g.get_engine_and_knobs_at_index(index)
-        engine_id, knobs = int(eid), {getattr(k, "name", str(k)): int(v) for k, v in (kn or {}).items()}
+        return int(eid), {getattr(k, "name", str(k)): int(v) for k, v in (kn or {}).items()}
     except Exception:  # noqa: BLE001 - replay information is optional
-        pass
-    return Built(g, lowered.uids, int(g.get_workspace_size()), engine, count, (time.perf_counter() - t0) * 1e3, engine_id, knobs)
+        return None, {}
+
+
+def plan_name(g: Any, index: int) -> str:
+    try:
+        return str(g.get_plan_name_at_index(index))
+    except Exception:  # noqa: BLE001 - the name is informative only
+        return f"plan {index}"
+
+
+def build(
+    pattern: Pattern, specs: Mapping[str, TensorSpec], attrs: Mapping[str, Any], handle: Any,
+    heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "",
+) -> Built:
+    """The heuristics' choice for a key (:func:`build_plans`), with what the plan cache records of it."""
+    t0 = time.perf_counter()
+    g = (lowered := build_plans(pattern, specs, attrs, handle, heuristics, where=where)).graph
+    index = int(getattr(g, "_plan_index", 0))  # the walk's selection; the frontend has no public getter
+    engine_id, knobs = engine_and_knobs(g, index)
+    return Built(
+        g, lowered.uids, int(g.get_workspace_size()), plan_name(g, index), g.get_execution_plan_count(),
+        (time.perf_counter() - t0) * 1e3, engine_id, knobs,
+    )
 
 
 def deserialize(blob: bytes, handle: Any) -> Any:
     """A graph from ``serialize(as_bytes=True)`` bytes, ready to execute (no heuristics, no build)."""
-    cudnn = _cudnn()
+    cudnn = load_cudnn()
     g = cudnn.pygraph(handle=handle)
     g.deserialize(handle, blob)
     return g

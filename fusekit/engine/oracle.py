@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .patterns import OPS, Pattern, get_pattern
-from .tensors import logical_shape, view_shape
+from ..tensors import logical_shape, view_shape
 
 
 def conv2d_nchw(x: np.ndarray, w: np.ndarray, padding=(0, 0), stride=(1, 1), dilation=(1, 1)) -> np.ndarray:

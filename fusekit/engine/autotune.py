@@ -17,11 +17,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import lower as _lower
-from .cache import Plan, PlanKey
-from .errors import UnsupportedError
-from .patterns import Pattern
-from .tensors import Adapter, TensorSpec
+from ..errors import OperandError, UnsupportedError
+from ..tensors import Adapter, TensorSpec, library
+from . import keys, lower
+from .cache import Plan, PlanCache, PlanKey, default_cache
+from .patterns import Pattern, get_pattern
+from .runtime import RUNTIME
 
 #: Normwise relative difference allowed between two plans' outputs (both rounded to the dtype).
 TOLERANCE = {"float16": 4e-3, "bfloat16": 2e-2, "float32": 4e-3}
@@ -78,10 +79,6 @@ class TuneResult:
 _TUNE_STREAMS: dict[tuple[str, int], tuple[Any, int]] = {}
 
 
-def _knobs(raw: Mapping[Any, Any]) -> dict[str, int]:
-    return {getattr(k, "name", str(k)): int(v) for k, v in (raw or {}).items()}
-
-
 def tune(
     pattern: Pattern,
     specs: Mapping[str, TensorSpec],
@@ -93,30 +90,12 @@ def tune(
 ) -> tuple[Plan, TuneResult]:
     """Tune one key; returns the plan (its graph has the best candidate selected) and the record."""
     opt = options or TuneOptions()
-    cudnn = _lower._cudnn()
     t_start = time.perf_counter()
-    precision = _lower.precision_notes(pattern, specs)
-    for notes in (precision, ()) if precision else ((),):  # float32: IEEE plans first, TF32 only if none
-        lowered = _lower.lower(pattern, specs, attrs, handle=handle)
-        g = lowered.graph
-        try:
-            g.validate()
-            g.build_operation_graph()
-            g.create_execution_plans([getattr(cudnn.heur_mode, h) for h in opt.heuristics])
-            excluded = [getattr(cudnn.numerical_note, n) for n in notes]
-            if opt.deterministic:
-                excluded.append(cudnn.numerical_note.NONDETERMINISTIC)
-            if excluded:
-                g.deselect_numeric_notes(excluded)
-            if opt.workspace_limit is not None:
-                g.deselect_workspace_greater_than(int(opt.workspace_limit))
-            g.check_support()
-            g.build_plans(cudnn.build_plan_policy.ALL)
-            break
-        except Exception as e:
-            if notes:
-                continue
-            raise UnsupportedError(f"cuDNN cannot run {key.describe()}: {type(e).__name__}: {e}") from e
+    lowered = lower.build_plans(
+        pattern, specs, attrs, handle, opt.heuristics, where=key.describe(),
+        deterministic=opt.deterministic, workspace_limit=opt.workspace_limit, every_plan=True,
+    )
+    g = lowered.graph
     count = g.get_execution_plan_count()
     names = list(pattern.operand_names) + list(pattern.outputs)
     operands = [[adapter.randn(specs[n]) for n in pattern.operand_names] for _ in range(max(1, opt.rotate))]
@@ -126,12 +105,8 @@ def tune(
 
     cands: list[Candidate] = []
     for i in range(count):
-        c = Candidate(i, _safe(lambda: g.get_plan_name_at_index(i), f"plan {i}"))
-        try:
-            eid, kn = g.get_engine_and_knobs_at_index(i)
-            c.engine_id, c.knobs = int(eid), _knobs(kn)
-        except Exception:  # noqa: BLE001 - replay info is optional
-            pass
+        c = Candidate(i, lower.plan_name(g, i))
+        c.engine_id, c.knobs = lower.engine_and_knobs(g, i)
         try:
             c.workspace = int(g.get_workspace_size_plan_at_index(i))
         except Exception as e:  # noqa: BLE001 - not built (declined by the backend)
@@ -152,8 +127,6 @@ def tune(
     ws_owner, ws_ptr = adapter.bytes(max(c.workspace for c in runnable), device)
     # Candidates are timed as CUDA-graph replays on a stream of their own: back-to-back executes
     # of a 10 us kernel would time the host's launch cost (~20 us a call), not the plan.
-    from .runtime import RUNTIME
-
     where = (adapter.name, device)
     if where not in _TUNE_STREAMS:  # one side stream (and so one cuDNN handle) per device, not one per key
         _TUNE_STREAMS[where] = adapter.new_stream(device)
@@ -228,13 +201,6 @@ def tune(
     return plan, result
 
 
-def _safe(fn: Callable[[], Any], default: Any) -> Any:
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001
-        return default
-
-
 def autotune(
     pattern: str | Pattern,
     *operands: Any,
@@ -245,13 +211,9 @@ def autotune(
 ) -> TuneResult:
     """Tune the key of ``pattern`` on these operands now (ahead of time) and keep the result in
     the plan cache, in memory and on disk; later calls with the same key run the tuned plan."""
-    from . import ops
-    from .cache import default_cache
-    from .patterns import get_pattern
-
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
-    outs = None if out is None else ops.as_outs(out)
-    specs, norm, aligns, adapter = ops._check(pat, operands, outs, attrs)
+    outs = None if out is None else keys.as_outs(out)
+    specs, norm, aligns, adapter = keys.check_operands(pat, operands, outs, attrs)
     return _tune_key(pat, specs, norm, aligns, adapter, options, (cache if cache is not None else default_cache()))
 
 
@@ -268,38 +230,31 @@ def autotune_shapes(
     **attrs: Any,
 ) -> TuneResult:
     """Tune ``pattern`` for operand shapes alone (no arrays needed): the CLI's and spec files' entry."""
-    from . import ops
-    from .cache import default_cache
-    from .patterns import get_pattern
-    from .tensors import library as _library
-
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
     missing = [n for n in pat.operand_names if n not in shapes]
     if missing:
-        from .errors import OperandError
-
         raise OperandError(pat.name, missing[0], f"needs a shape (operands: {pat.operand_names})")
-    specs = ops.shape_specs(pat, shapes, dtype, layout, device)
+    specs = keys.shape_specs(pat, shapes, dtype, layout, device)
     norm = pat.normalize_attrs(attrs)
-    specs.update(ops.output_specs(pat, specs, norm))
-    adapter = _library(library) if library else _default_library()
+    specs.update(keys.output_specs(pat, specs, norm))
+    adapter = _adapter(library)
     return _tune_key(pat, specs, norm, [32] * len(specs), adapter, options, (cache if cache is not None else default_cache()))
 
 
-def _default_library() -> Adapter:
-    from .tensors import library
-
+def _adapter(name: str | None) -> Adapter:
+    """The named array library's adapter; by default PyTorch's, else CuPy's."""
+    if name:
+        return library(name)
     try:
         return library("torch")
     except Exception:  # noqa: BLE001
         return library("cupy")
 
 
-def _tune_key(pat, specs, norm, aligns, adapter, options, cache) -> TuneResult:
-    from . import ops
-    from .runtime import RUNTIME
-
-    key = ops.make_key(pat, specs, norm, aligns, adapter)
+def _tune_key(
+    pat: Pattern, specs: dict, norm: tuple, aligns: list, adapter: Adapter, options: TuneOptions | None, cache: PlanCache
+) -> TuneResult:
+    key = keys.make_key(pat, specs, norm, aligns, adapter)
     device = specs[pat.operand_names[0]].device
     handle = RUNTIME.handle(adapter, device, adapter.stream(device))
     with adapter.use_device(device):

@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from .errors import OperandError, PatternError
+from ..config import pattern_dirs_from_env
+from ..errors import OperandError, PatternError
 
 Shape = tuple[int, ...]
 
@@ -496,9 +497,9 @@ def load_pattern(path: str | os.PathLike[str]) -> Pattern:
 
 def pattern_dirs() -> list[Path]:
     """Where patterns are looked up: $FUSEKIT_PATTERNS (os.pathsep-separated), then the shipped set."""
-    dirs = [Path(d) for d in os.environ.get("FUSEKIT_PATTERNS", "").split(os.pathsep) if d]
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "patterns", Path(sys.prefix) / "share" / "fusekit" / "patterns"):
+    dirs = pattern_dirs_from_env()
+    root = Path(__file__).resolve().parents[2]  # the repository (editable install)
+    for cand in (root / "patterns", Path(sys.prefix) / "share" / "fusekit" / "patterns"):
         if cand.is_dir():
             dirs.append(cand)
             break

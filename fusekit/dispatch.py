@@ -1,0 +1,273 @@
+"""Dispatch: operands -> key -> plan -> execute, the path every fused call takes.
+
+    run(pattern, attr names, attr values, operands, out)
+      1. fast path: the call's signature (each array's shape, strides, dtype, device, pointer % 32,
+         the attributes and the current stream) in the dispatch table -> bind pointers, execute.
+      2. resolve (first call of a signature): check operands (engine.keys), make the PlanKey, get
+         the plan from the plan cache (memory -> disk -> build or tune), then the named fallbacks:
+         - ``alternatives``: other descriptions of the same call when cuDNN refuses one (one-channel
+           views, channels-last copies: LayoutWarning once per pattern);
+         - ``fused_or_split``: an op family's fused graph, else its split graphs (FusionWarning once).
+      3. execute: ``graph.execute`` with the ordered buffers (or through channels-last copies).
+
+``run`` is the one place that binds pointers.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+from .engine.cache import Plan, PlanCache, PlanKey, default_cache
+from .engine.keys import as_outs, check_operands, make_key
+from .engine.patterns import Pattern, get_pattern
+from .engine.planner import planner
+from .engine.runtime import RUNTIME
+from .errors import FusionWarning, LayoutWarning, OperandError, UnsupportedError
+from .tensors import SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
+
+__all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
+
+
+class _Call:
+    """Everything a cache hit needs, resolved once."""
+
+    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter", "relayout")
+
+    def __init__(
+        self, plan: Plan, handle: Any, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter, relayout: frozenset = frozenset()
+    ):
+        self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
+        self.handle, self.workspace, self.outs, self.out_adapter = handle, workspace, outs, out_adapter
+        self.relayout = relayout  # positions (operands, then outputs) run through channels-last copies
+
+
+_FAST: dict[tuple, _Call] = {}
+_FAST_LOCK = threading.Lock()
+_WATCHED: set[int] = set()
+
+
+def _drop_plan(plan: Plan) -> None:
+    with _FAST_LOCK:
+        for k in [k for k, c in _FAST.items() if c.plan is plan]:
+            del _FAST[k]
+
+
+def _watch(cache: PlanCache) -> None:
+    if id(cache) not in _WATCHED:
+        cache.on_evict(_drop_plan)
+        _WATCHED.add(id(cache))
+
+
+def clear_dispatch() -> None:
+    """Forget every resolved call (plans stay in their cache)."""
+    with _FAST_LOCK:
+        _FAST.clear()
+
+
+def _resolve(
+    pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: Mapping[str, Any], cache: PlanCache
+) -> _Call:
+    """Everything a first call does: check every operand, make the key, find or build the plan
+    (or one for another description of the call), and the handle and workspace it runs with."""
+    specs, norm, aligns, adapter = check_operands(pattern, operands, outs_given, attrs)
+    device = specs[pattern.operand_names[0]].device
+    stream = adapter.stream(device)
+    handle = RUNTIME.handle(adapter, device, stream)
+
+    def attempt(specs_: Mapping[str, TensorSpec], aligns_: Sequence[int]) -> Plan | UnsupportedError:
+        key = make_key(pattern, specs_, norm, aligns_, adapter)
+        if key not in _NO_ENGINE:
+            try:
+                return cache.get_or_build(key, *planner(pattern, key, adapter, handle, cache))
+            except UnsupportedError as e:
+                _NO_ENGINE[key] = e
+        return _NO_ENGINE[key]
+
+    plan = attempt(specs, aligns)
+    relayout: frozenset = frozenset()
+    outs = tuple(specs[n] for n in pattern.outputs)
+    if isinstance(plan, UnsupportedError):
+        refusal = plan
+        plan, relayout, alt = _alternative(pattern, specs, aligns, attempt)
+        if plan is None:
+            raise UnsupportedError(str(refusal)) from None
+        if relayout:
+            outs = tuple(alt[n] for n in pattern.outputs)  # channels-last temporaries
+            if pattern.name not in _RELAYOUT_WARNED:
+                _RELAYOUT_WARNED.add(pattern.name)
+                warnings.warn(
+                    f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({refusal}); running it on channels-last copies "
+                    "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
+                )
+    ws = RUNTIME.workspace(adapter, device, stream)
+    ws.ensure(plan.workspace_size)
+    return _Call(plan, handle, ws, outs, adapter, relayout)
+
+
+def _alternative(
+    pattern: Pattern, specs: Mapping[str, TensorSpec], aligns: Sequence[int],
+    attempt: Callable[[Mapping[str, TensorSpec], Sequence[int]], Plan | UnsupportedError],
+) -> tuple[Plan | None, frozenset, Mapping[str, TensorSpec]]:
+    """Fallback step "alternatives": the first other description of the call that cuDNN accepts:
+    (plan or None, positions run through channels-last copies, its specs)."""
+    for alt, relayout in alternatives(pattern, specs):
+        plan = attempt(alt, [32 if i in relayout else a for i, a in enumerate(aligns)])
+        if not isinstance(plan, UnsupportedError):
+            return plan, relayout, alt
+    return None, frozenset(), specs
+
+
+_NO_ENGINE: dict[PlanKey, UnsupportedError] = {}  # keys cuDNN refused (not retried in this process)
+_RELAYOUT_WARNED: set[str] = set()
+_ELEMENTWISE = frozenset({"add", "mul", "sub", "bias", "relu", "relu_backward", "channel_sum"})
+
+
+def alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tuple[dict[str, TensorSpec], frozenset]]:
+    """Other descriptions of the same call to offer cuDNN when it refuses one: (specs, positions to copy).
+
+    - One channel: cuDNN's pointwise and reduction engines refuse C = 1. For elementwise patterns
+      whose channel vectors are single values, an (N, 1, H, W) tensor is the same memory as a
+      channels-last (N, W, H, 1) one: same pointers, no copies.
+    - NCHW: most pointwise, reduction and fused engines take channels-last only: run on NHWC copies.
+    """
+    names = pattern.operand_names + tuple(pattern.outputs)
+    kinds = [o.kind for o in pattern.operands] + [pattern.output_kinds[n] for n in pattern.outputs]
+    images = [n for n, k in zip(names, kinds) if k in ("image", "filter", "tensor") and len(specs[n].shape) == 4]
+    alts: list[tuple[dict[str, TensorSpec], frozenset]] = []
+    if (
+        images and all(specs[n].shape[1] == 1 for n in images)
+        and all(op.op in _ELEMENTWISE for op in pattern.ops)
+        and all(k not in ("channel",) or max(specs[n].shape) == 1 for n, k in zip(names, kinds))
+    ):
+        alt = dict(specs)
+        for n in images:
+            s = specs[n]
+            alt[n] = TensorSpec.build((s.shape[0], s.shape[3], s.shape[2], 1), s.dtype, s.device, "NHWC")
+        alts.append((alt, frozenset()))
+    relayout = frozenset(i for i, n in enumerate(names) if n in images and specs[n].layout == "NCHW")
+    if relayout:
+        alt = dict(specs)
+        for i in relayout:
+            s = specs[names[i]]
+            alt[names[i]] = TensorSpec.build(s.shape, s.dtype, s.device, "NHWC")
+        alts.append((alt, relayout))
+    return alts
+
+
+def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
+    """Execute ``c`` on channels-last copies of its NCHW arrays; results go back in the caller's layout."""
+    ad, n_in = c.out_adapter, len(operands)
+    ins = tuple(ad.relayout(a, "NHWC") if i in c.relayout else a for i, a in enumerate(operands))
+    tmp = tuple(ad.empty(s) if (alloc or n_in + j in c.relayout) else outs[j] for j, s in enumerate(c.outs))
+    c.graph.execute(ins + tmp, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    res = []
+    for j, t in enumerate(tmp):
+        if n_in + j in c.relayout:
+            if alloc:
+                t = ad.relayout(t, "NCHW")
+            else:
+                ad.copy_into(outs[j], t)
+                t = outs[j]
+        res.append(t)
+    return tuple(res)
+
+
+def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any], arrays: Sequence[Any], alloc: bool) -> tuple:
+    """Dispatch key of a call: attributes, each array's (shape, strides, dtype, device, ptr % 32)
+    and the current stream. Raises (KeyError, TypeError, ...) when an array type is not known yet."""
+    k = [pattern, names, values, alloc]
+    for a in arrays:
+        k += SIGNATURES[type(a)](a)
+    k.append(STREAMS[type(operands[0])](k[7]))  # k[7]: the first operand's device
+    return tuple(k)
+
+
+def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, out: Any, cache: PlanCache | None = None) -> Any:
+    """Run ``pattern`` with attributes ``names``=``values`` (the op modules' entry): look the call
+    up, else resolve it; then execute. The one place pointers are bound."""
+    name = pattern if isinstance(pattern, str) else pattern.name
+    alloc = out is None
+    outs = () if alloc else as_outs(out)
+    arrays = operands + outs
+    c = None
+    if cache is None:
+        try:
+            c = _FAST.get(_fast_key(name, names, values, operands, arrays, alloc))
+        except Exception:  # an array type not seen yet, or not an array: the checked path below
+            c = None
+    if c is None:
+        pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
+        if len(operands) != len(pat.operands):
+            raise TypeError(f"{name} takes {len(pat.operands)} array operands {pat.operand_names}, got {len(operands)}")
+        operands = tuple(as_device_array(a, name, o.name) for a, o in zip(operands, pat.operands))
+        outs = tuple(as_device_array(a, name, f"out[{i}]") for i, a in enumerate(outs))
+        if not alloc and len(outs) != len(pat.outputs):
+            raise OperandError(name, "out", f"expected {len(pat.outputs)} output array(s) {tuple(pat.outputs)}, got {len(outs)}")
+        arrays = operands + outs
+        fkey = None
+        if cache is None:  # __dlpack__ producers dispatch on their zero-copy views
+            try:
+                fkey = _fast_key(name, names, values, operands, arrays, alloc)
+                c = _FAST.get(fkey)
+            except Exception:
+                fkey = None
+        if c is None:
+            cache_ = (cache if cache is not None else default_cache())
+            _watch(cache_)
+            c = _resolve(pat, operands, outs if not alloc else None, dict(zip(names, values)), cache_)
+            if fkey is not None:
+                with _FAST_LOCK:
+                    _FAST[fkey] = c
+    if c.relayout:
+        outs = _execute_relayout(c, operands, outs, alloc)
+        return outs[0] if len(outs) == 1 else outs
+    if alloc:
+        outs = tuple([c.out_adapter.empty(s) for s in c.outs])
+        arrays = operands + outs
+    c.graph.execute(arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    return outs[0] if len(outs) == 1 else outs
+
+
+def call(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCache | None = None, **attrs: Any) -> Any:
+    """Run ``pattern`` on ``operands`` with ``attrs``; returns its output (a tuple if several).
+
+    ``out`` (an array, or a tuple for several outputs) receives the result instead of a new array.
+    New outputs take the array type, dtype, device and layout (NCHW / channels-last) of the operand
+    the pattern names for them. Work is queued on the current CuPy / torch stream. ``cache``: a
+    private PlanCache (calls with one skip the dispatch table).
+    """
+    values = tuple(tuple(v) if type(v) is list else v for v in attrs.values())
+    return run(pattern, tuple(attrs), values, operands, out, cache)
+
+
+def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCache | None = None, **attrs: Any) -> Plan:
+    """The plan :func:`call` would run for these operands (built if needed), without executing it."""
+    pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
+    outs = None if out is None else as_outs(out)
+    operands = tuple(as_device_array(a, pat.name, o.name) for a, o in zip(operands, pat.operands))
+    cache_ = (cache if cache is not None else default_cache())
+    _watch(cache_)
+    return _resolve(pat, operands, outs, attrs, cache_).plan
+
+
+_SPLIT: set[tuple] = set()
+
+
+def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any]) -> Any:
+    """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on."""
+    if tag in _SPLIT:
+        return split()
+    try:
+        return fused()
+    except UnsupportedError as e:
+        _SPLIT.add(tag)
+        warnings.warn(
+            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {tag[1:]}; running it as separate graphs ({e})",
+            FusionWarning,
+            stacklevel=3,
+        )
+        return split()
+
+

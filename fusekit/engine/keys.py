@@ -1,0 +1,119 @@
+"""From arrays (or shapes) to a PlanKey: every operand checked against its pattern, output specs
+inferred, and the key assembled with the device and library versions. No cuDNN graph is touched."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..errors import OperandError
+from ..tensors import LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, logical_shape, make_spec, view_shape
+from .cache import PlanKey
+from .lower import COMPUTE_DTYPE
+from .patterns import Pattern
+from .runtime import RUNTIME, versions
+
+
+def as_outs(out: Any) -> tuple:
+    """``out=`` as a tuple of arrays (one array, or a tuple/list for several outputs)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def check_operands(
+    pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: Mapping[str, Any]
+) -> tuple[dict[str, TensorSpec], tuple, list[int], Adapter]:
+    """Check every operand (and given output) against the pattern: (specs, attrs, alignments, adapter)."""
+    name = pattern.name
+    if len(operands) != len(pattern.operands):
+        raise TypeError(f"{name} takes {len(pattern.operands)} array operands {pattern.operand_names}, got {len(operands)}")
+    specs: dict[str, TensorSpec] = {}
+    aligns = []
+    first: tuple[str, TensorSpec] | None = None
+    adapter0: Adapter | None = None
+    for o, a in zip(pattern.operands, operands):
+        ad = adapter_for(a, name, o.name)
+        adapter0 = adapter0 or ad
+        shape, strides, dtype, device = ad.describe(a)
+        spec = make_spec(name, o.name, o.kind, shape, strides, dtype, device)
+        if o.dtype is not None and spec.dtype != o.dtype:
+            raise OperandError(name, o.name, f"expected dtype {o.dtype}, got {spec.dtype}")
+        if first is not None:
+            fname, fspec = first
+            if spec.device != fspec.device:
+                raise OperandError(name, o.name, f"is on cuda:{spec.device} but '{fname}' is on cuda:{fspec.device}; put all operands on one device")
+            if o.dtype is None and spec.dtype != fspec.dtype:
+                raise OperandError(name, o.name, f"expected dtype {fspec.dtype} like '{fname}', got {spec.dtype}")
+        else:
+            first = (o.name, spec)
+        specs[o.name] = spec
+        aligns.append(ad.probe(a)[0][-1])
+    norm = pattern.normalize_attrs(attrs)
+    wanted = output_specs(pattern, specs, norm)
+    for i, (oname, want) in enumerate(wanted.items()):
+        if outs_given is not None:
+            a = outs_given[i]
+            ad = adapter_for(a, name, oname)
+            shape, strides, dtype, device = ad.describe(a)
+            got = make_spec(name, oname, pattern.output_kinds[oname], shape, strides, dtype, device)
+            if (got.shape, got.dtype, got.device) != (want.shape, want.dtype, want.device):
+                raise OperandError(
+                    name, oname, f"expected out of shape {want.shape}, dtype {want.dtype} on cuda:{want.device}, "
+                    f"got shape {got.shape}, dtype {got.dtype} on cuda:{got.device}"
+                )
+            want = got
+            aligns.append(ad.probe(a)[0][-1])
+        else:
+            aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
+        specs[oname] = want
+    assert adapter0 is not None
+    return specs, norm, aligns, adapter0
+
+
+def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple) -> dict[str, TensorSpec]:
+    """Specs of the outputs fusekit allocates: shape inferred; dtype, device and layout of their 'like' operand."""
+    shapes = pattern.infer_shapes({k: specs[k].shape for k in pattern.operand_names}, dict(norm))
+    out = {}
+    for oname, like in pattern.outputs.items():
+        ls, kind = specs[like], pattern.output_kinds[oname]
+        ls = TensorSpec.build(ls.shape, pattern.output_dtypes.get(oname, ls.dtype), ls.device, ls.layout, view=ls.view)
+        shape = shapes[oname]
+        if kind == "tensor":  # elementwise: same layout and view as the operand it is like
+            out[oname] = TensorSpec.build(shape, ls.dtype, ls.device, ls.layout, view=ls.view if shape == ls.shape else shape)
+            continue
+        if kind in ("image", "filter"):
+            layout = ls.layout if ls.layout in ("NCHW", "NHWC") and pattern.operand(like).kind in ("image", "filter") else "NCHW"
+        else:
+            layout = "NCHW" if kind == "channel" else "ROW"
+        out[oname] = TensorSpec.build(shape, ls.dtype, ls.device, layout, view=view_shape(kind, shape))
+    return out
+
+
+def shape_specs(pattern: Pattern, shapes: Mapping[str, Sequence[int]], dtype: str, layout: str, device: int = 0) -> dict[str, TensorSpec]:
+    """Checked operand specs from shapes alone (no arrays): each operand dense in ``layout`` if it is
+    4-D, row-major otherwise, in its fixed dtype or ``dtype``. What tuning ahead of time and the CLI use."""
+    specs = {}
+    for o in pattern.operands:
+        view = tuple(int(d) for d in shapes[o.name])
+        shp = logical_shape(pattern.name, o.name, o.kind, view)
+        four_d = len(shp) == 4 and o.kind in ("image", "filter", "tensor")
+        strides = LAYOUT_STRIDES[layout](shp) if four_d else LAYOUT_STRIDES["ROW"](view)
+        specs[o.name] = make_spec(pattern.name, o.name, o.kind, view, strides, o.dtype or dtype, device)
+    return specs
+
+
+def make_key(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple, aligns: Sequence[int], adapter: Adapter) -> PlanKey:
+    """The PlanKey of a checked call: pattern, specs, alignments, attributes, GPU and library versions."""
+    device = specs[pattern.operand_names[0]].device
+    facts = RUNTIME.device_facts(adapter, device)
+    v = versions()
+    return PlanKey(
+        pattern=pattern.name,
+        digest=pattern.digest,
+        specs=tuple((n, specs[n]) for n in pattern.operand_names + tuple(pattern.outputs)),
+        alignments=tuple(aligns),
+        attrs=norm,
+        compute_dtype=COMPUTE_DTYPE,
+        gpu=facts.name,
+        cc=facts.cc,
+        cudnn_backend=v.cudnn_backend,
+        frontend=v.frontend,
+    )

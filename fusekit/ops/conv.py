@@ -1,0 +1,152 @@
+"""Convolutions: forward (with bias, ReLU and residual-add epilogues), transposed, and backward
+(dgrad, wgrad, bias gradient, ReLU backward), each a thin layer over dispatch."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..dispatch import call, fused_or_split, run
+from ..tensors import adapter_for
+from .common import cast_like, relu_bias_grad, tag
+from .norm import affine_identity
+
+_CONV_ATTRS = ("padding", "stride", "dilation")
+
+
+def conv_bias_relu(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+    """``relu(conv2d(x, w) + b)`` as one cuDNN graph. x: (N, C, H, W), w: (K, C, R, S), b: (K,)."""
+    return run("conv_bias_relu", _CONV_ATTRS, (padding, stride, dilation), (x, w, b), out)
+
+
+def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+    """``conv2d(x, w) + b`` as one cuDNN graph."""
+    return run("conv_bias", _CONV_ATTRS, (padding, stride, dilation), (x, w, b), out)
+
+
+def conv2d(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+    """``conv2d(x, w)`` (cross-correlation, as in PyTorch) as a cuDNN graph."""
+    return run("conv", _CONV_ATTRS, (padding, stride, dilation), (x, w), out)
+
+
+_CONVT_ATTRS = ("padding", "stride", "dilation", "output_padding")
+
+
+def conv_transpose_bias_relu(
+    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
+) -> Any:
+    """``relu(conv_transpose2d(x, w) + b)``: cuDNN dgrad as the forward op. w: (C_in, C_out, R, S)."""
+    return _conv_transpose(True, x, w, b, (padding, stride, dilation, output_padding), out)
+
+
+def conv_transpose_bias(
+    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
+) -> Any:
+    """``conv_transpose2d(x, w) + b`` as one cuDNN graph. w: (C_in, C_out, R, S)."""
+    return _conv_transpose(False, x, w, b, (padding, stride, dilation, output_padding), out)
+
+
+def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any) -> Any:
+    name = "conv_transpose_bias_relu" if relu else "conv_transpose_bias"
+
+    def split() -> Any:  # dgrad alone, then bias (and ReLU) as a pointwise graph
+        y = call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values)))
+        b32 = adapter_for(b).astype(b, "float32")
+        if relu:
+            return call("channel_scale_shift_relu", y, affine_identity(y)[0], b32, out=out)
+        return call("channel_shift", y, b32, out=out)
+
+    return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), split)
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if not hasattr(v, "__len__") else (int(v[0]), int(v[1]))
+
+
+def _output_padding(x_hw: Sequence[int], dy_hw: Sequence[int], k_hw: Sequence[int], padding, stride, dilation) -> tuple[int, int]:
+    """Rows/columns of x that a strided convolution never read (what dgrad must add back)."""
+    p, s, d = _pair(padding), _pair(stride), _pair(dilation)
+    return tuple(int(x_hw[i]) - ((int(dy_hw[i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(k_hw[i]) - 1) + 1) for i in range(2))  # type: ignore[return-value]
+
+
+def _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu):
+    conv = dict(padding=padding, stride=stride, dilation=dilation)
+    dx = dw = None
+    if need_dx:
+        op = _output_padding(x.shape[2:], dz.shape[2:], w.shape[2:], padding, stride, dilation)
+        if input_relu:
+            dx = fused_or_split(
+                tag("conv_dgrad_drelu", dz, w, x),
+                lambda: call("conv_dgrad_drelu", dz, w, x, output_padding=op, **conv),
+                lambda: call("relu_backward", call("conv_dgrad", dz, w, output_padding=op, **conv), x),
+            )
+        else:
+            dx = call("conv_dgrad", dz, w, output_padding=op, **conv)
+    if need_dw:
+        dw = call("conv_wgrad", x, dz, kernel=tuple(w.shape[2:]), **conv)
+    return dx, dw
+
+
+def relu_backward(dy: Any, y: Any) -> Any:
+    """``dy * (y > 0)``, y the ReLU's output (or input)."""
+    return call("relu_backward", dy, y)
+
+
+def conv_bias_relu_backward(
+    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
+) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = relu(conv2d(x, w) + b)``; saved: x, w, y.
+
+    ``input_relu``: x is the output of a ReLU; dx then also carries that ReLU's backward (the
+    fused dgrad + dReLU graph), so the caller skips it."""
+    need_dx, need_dw, need_db = needs
+    dz, db = relu_bias_grad(dy, y, need_db)
+    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
+    return dx, dw, cast_like(db, dy)
+
+
+def conv_bias_backward(
+    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
+) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = conv2d(x, w) + b``; saved: x, w."""
+    need_dx, need_dw, need_db = needs
+    db = call("bias_grad", dy) if need_db else None
+    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
+    return dx, dw, cast_like(db, dy)
+
+
+def conv2d_backward(
+    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True), input_relu: bool = False,
+) -> tuple[Any, Any]:
+    """(dx, dw) of ``y = conv2d(x, w)``; saved: x, w."""
+    return _conv_grads(dy, x, w, padding, stride, dilation, needs[0], needs[1], input_relu)
+
+
+def conv_transpose_bias_relu_backward(
+    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    needs: Sequence[bool] = (True, True, True), relu: bool = True,
+) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of ``y = [relu](conv_transpose2d(x, w) + b)``: dx is a forward convolution of
+    dz with w, dw is wgrad with the roles of image and gradient swapped; saved: x, w, y."""
+    need_dx, need_dw, need_db = needs
+    conv = dict(padding=padding, stride=stride, dilation=dilation)
+    if relu:
+        dz, db = relu_bias_grad(dy, y, need_db)
+    else:
+        dz, db = dy, (call("bias_grad", dy) if need_db else None)
+    dx = call("conv", dz, w, **conv) if need_dx else None
+    dw = call("conv_wgrad", dz, x, kernel=tuple(w.shape[2:]), **conv) if need_dw else None
+    return dx, dw, cast_like(db, dy)
+
+
+def conv_bias_add_relu(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+    """``relu(conv2d(x, w) + b + z)``: a residual block's tail in one cuDNN graph."""
+    return run("conv_bias_add_relu", _CONV_ATTRS, (padding, stride, dilation), (x, w, b, z), out)
+
+
+def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1) -> tuple[Any, Any, Any]:
+    """(y, sum, sq_sum): a training convolution that also emits the per-channel sums of its output
+    the next batch norm needs (cuDNN genstats), in one graph."""
+    return run("conv_genstats", _CONV_ATTRS, (padding, stride, dilation), (x, w), None, None)

@@ -1,0 +1,238 @@
+"""Normalization: batch norm split into normalize / scale / shift and fused back together (with
+ReLU), its backward, inference BN and folding into a conv, layer norm and instance norm."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..dispatch import call, fused_or_split
+from ..errors import OperandError
+from ..tensors import TensorSpec, adapter_for, make_spec
+from .common import tag
+
+_IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
+
+
+def affine_identity(x: Any) -> tuple[Any, Any, Any]:
+    """(ones, zeros, (scratch, scratch)) float32 channel vectors for x's channels, cached per library/device/C.
+    cuDNN's batch-norm node always applies gamma and beta; normalize-only runs it with these, and
+    its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call)."""
+    c = int(x.shape[1])
+    key = (type(x), _device_index(x), c)
+    v = _IDENTITY.get(key)
+    if v is None:
+        ad = adapter_for(x)
+        spec = TensorSpec.build((1, c, 1, 1), "float32", _device_index(x), "NCHW", view=(c,))
+        ones, zeros, scratch = ad.empty(spec), ad.empty(spec), (ad.empty(spec), ad.empty(spec))
+        ones[...] = 1.0
+        zeros[...] = 0.0
+        v = _IDENTITY[key] = (ones, zeros, scratch)
+    return v
+
+
+def _device_index(x: Any) -> int:
+    return int(adapter_for(x).describe(x)[3])
+
+
+def bn_normalize(
+    x: Any, running_mean: Any = None, running_var: Any = None, *, epsilon: float = 1e-5, momentum: float = 0.1
+) -> tuple[Any, ...]:
+    """Batch normalization without scale or shift: (x - mean) * inv_std over N, H, W.
+
+    Returns (y, mean, inv_var), plus (new_running_mean, new_running_var) when running stats are
+    given (updated with ``momentum``, unbiased variance, as PyTorch). Statistics are float32 (C,)."""
+    ones, zeros, _ = affine_identity(x)
+    return batchnorm(x, ones, zeros, running_mean, running_var, epsilon=epsilon, momentum=momentum)
+
+
+def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
+    """dx of :func:`bn_normalize` (no gamma/beta gradients are produced for the caller)."""
+    ones, _, (dg, db) = affine_identity(x)
+
+    def node() -> Any:
+        dx = _empty_like(x)
+        call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, dg, db))
+        return dx
+
+    return fused_or_split(tag("batchnorm_backward_node", dy, x), node, lambda: _bn_split_backward(dy, x, ones, mean, inv_var)[0])
+
+
+def _empty_like(x: Any) -> Any:
+    """An uninitialised 4-D array like ``x``: same library, dtype, device and layout (NCHW / NHWC)."""
+    ad = adapter_for(x)
+    return ad.empty(make_spec("fusekit", "x", "image", *ad.describe(x)))
+
+
+def batchnorm(
+    x: Any, gamma: Any, beta: Any, running_mean: Any = None, running_var: Any = None, *,
+    epsilon: float = 1e-5, momentum: float = 0.1, relu: bool = False,
+) -> tuple[Any, ...]:
+    """Training batch norm (normalize, scale, shift fused; + ReLU with ``relu``): (y, mean, inv_var
+    [, new_running_mean, new_running_var])."""
+    stats_only = running_mean is None
+    if stats_only:  # the frontend's batchnorm node cannot drop its running-stat ports: feed it (0, 1), momentum 0
+        ones, zeros, _ = affine_identity(x)
+        running_mean, running_var, momentum = zeros, ones, 0.0
+    kw = dict(epsilon=epsilon, momentum=momentum)
+    res = fused_or_split(
+        tag("batchnorm_node", x),
+        lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw),
+        lambda: _bn_split_forward(x, gamma, beta, running_mean, running_var, relu, epsilon, momentum),
+    )
+    return tuple(res[:3]) if stats_only else tuple(res)
+
+
+def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, kw: dict) -> tuple:
+    if not relu:
+        return call("batchnorm", x, gamma, beta, rm, rv, **kw)
+    return fused_or_split(
+        tag("batchnorm_relu", x),
+        lambda: call("batchnorm_relu", x, gamma, beta, rm, rv, **kw),
+        lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, rm, rv, **kw)),
+    )
+
+
+def _count(x: Any) -> int:
+    n, c, h, w = (int(d) for d in x.shape)
+    return n * h * w
+
+
+def _bn_split_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, epsilon: float, momentum: float) -> tuple:
+    """Training batch norm from reductions and one pointwise graph, for keys cuDNN's batch-norm node
+    refuses (its engines want C a multiple of their vector width): mean = sum(x) / M, then the
+    two-pass variance sum((x - mean)^2) / M, the C-length statistics in array math, and
+    (x - mean) * inv_std * gamma + beta [+ ReLU] as one graph."""
+    m = _count(x)
+    gamma, beta, rm, rv = (v.reshape(-1) for v in (gamma, beta, rm, rv))
+    mean = call("bias_grad", x) / m
+    var = call("centered_sq_sum", x, mean) / m
+    inv = (var + epsilon) ** -0.5
+    y = batchnorm_inference(x, mean, inv, gamma, beta, relu=relu)
+    new_rm = rm * (1 - momentum) + mean * momentum
+    new_rv = rv * (1 - momentum) + var * (momentum * m / max(m - 1, 1))
+    return y, mean, inv, new_rm, new_rv
+
+
+def _bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tuple[Any, Any, Any]:
+    """Batch-norm backward from two reductions (sum dy, sum dy * x) and one pointwise graph for dx."""
+    m = _count(x)
+    gamma, mean, inv = (v.reshape(-1) for v in (gamma, mean, inv))
+    dbeta = call("bias_grad", dy)
+    dgamma = (call("scale_grad", dy, x) - mean * dbeta) * inv
+    a = gamma * inv
+    b = -a * inv * dgamma / m
+    c = -a * dbeta / m - b * mean
+    return call("bn_dx", dy, x, a, b, c), dgamma, dbeta
+
+
+def batchnorm_backward(
+    dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any, *, y: Any = None, needs: Sequence[bool] = (True, True, True)
+) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True))
+    the ReLU backward is fused in front (the dReLU + BN backward graph)."""
+    def node() -> tuple:
+        if y is None:
+            return call("batchnorm_backward", dy, x, gamma, mean, inv_var)
+        return fused_or_split(
+            tag("batchnorm_relu_backward", dy, x),
+            lambda: call("batchnorm_relu_backward", dy, y, x, gamma, mean, inv_var),
+            lambda: call("batchnorm_backward", call("relu_backward", dy, y), x, gamma, mean, inv_var),
+        )
+
+    res = fused_or_split(
+        tag("batchnorm_backward_node", dy, x), node,
+        lambda: _bn_split_backward(dy if y is None else call("relu_backward", dy, y), x, gamma, mean, inv_var),
+    )
+    return tuple(r if n else None for r, n in zip(res, needs))  # type: ignore[return-value]
+
+
+def inv_std(running_var: Any, epsilon: float = 1e-5) -> Any:
+    """1 / sqrt(running_var + epsilon), what inference batch norm reads."""
+    return (running_var + epsilon) ** -0.5
+
+
+def batchnorm_inference(x: Any, mean: Any, inv_stdev: Any, gamma: Any, beta: Any, *, relu: bool = False) -> Any:
+    """Inference batch norm from running statistics (``inv_stdev`` = :func:`inv_std` of the running variance)."""
+    if not relu:
+        return call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)
+    return fused_or_split(
+        tag("batchnorm_inference_relu", x),
+        lambda: call("batchnorm_inference_relu", x, mean, inv_stdev, gamma, beta),
+        lambda: call("relu", call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)),
+    )
+
+
+def channel_scale_shift(x: Any, gamma: Any = None, beta: Any = None, *, relu: bool = False) -> Any:
+    """y = x * gamma + beta per channel (either may be None), + ReLU with ``relu``; pointwise cuDNN graphs."""
+    if gamma is not None and beta is not None:
+        return call("channel_scale_shift_relu" if relu else "channel_scale_shift", x, gamma, beta)
+    if relu:
+        raise OperandError("channel_scale_shift", "beta", "relu=True needs both gamma and beta (fuse the ReLU behind a full scale and shift)")
+    if gamma is not None:
+        return call("channel_scale", x, gamma)
+    if beta is not None:
+        return call("channel_shift", x, beta)
+    raise OperandError("channel_scale_shift", "gamma", "give gamma, beta or both")
+
+
+def channel_scale_shift_backward(
+    dy: Any, x: Any, gamma: Any = None, *, y: Any = None, needs: Sequence[bool] = (True, True, True)
+) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`channel_scale_shift`; ``y``: its output when relu=True (the mask).
+    dgamma needs x; dx needs gamma (dx = dy when there is no gamma)."""
+    need_dx, need_dg, need_db = needs
+    if y is not None:
+        dy = call("relu_backward", dy, y)
+    dx = (call("channel_scale", dy, gamma) if gamma is not None else dy) if need_dx else None
+    dg = call("scale_grad", dy, x) if need_dg else None
+    db = call("shift_grad", dy) if need_db else None
+    return dx, dg, db
+
+
+def fold_batchnorm(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: float = 1e-5) -> tuple[Any, Any]:
+    """Fold inference batch norm into the convolution before it: conv(x, w') + b' = BN(conv(x, w) + b).
+    Returns (w', b') in w's dtype (w' in w's memory layout); run them with :func:`conv_bias_relu`."""
+    scale = gamma * (var + epsilon) ** -0.5  # float32, one per output channel
+    w2 = _empty_like(w)
+    w2[...] = w * scale.reshape(-1, 1, 1, 1)  # computed in float32, stored in w's dtype and layout
+    ad, k = adapter_for(w), int(w.shape[0])
+    _, _, dtype, device = ad.describe(w)
+    b2 = ad.empty(TensorSpec.build((1, k, 1, 1), dtype, device, "NCHW", view=(k,)))
+    b2[...] = beta - mean * scale if b is None else (b - mean) * scale + beta
+    return w2, b2
+
+
+def _channels_last(x: Any, op: str, name: str) -> bool:
+    ad = adapter_for(x, op, name)
+    return make_spec(op, name, "image", *ad.describe(x)).layout == "NHWC"
+
+
+def layernorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[Any, Any, Any]:
+    """Layer norm over (C, H, W) per sample (training): (y, mean, inv_var); gamma, beta (1, C, H, W) float32.
+
+    cuDNN 9.19's layer norm gave wrong values for channels-last x on the device (its (1, C, H, W)
+    affine is not read in x's order), so channels-last x runs on an NCHW copy; y comes back channels-last."""
+    if _channels_last(x, "layernorm", "x"):
+        ad = adapter_for(x)
+        y, mean, inv = call("layernorm", ad.relayout(x, "NCHW"), gamma, beta, epsilon=epsilon)
+        return ad.relayout(y, "NHWC"), mean, inv
+    return call("layernorm", x, gamma, beta, epsilon=epsilon)
+
+
+def layernorm_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`layernorm` (channels-last arrays run on NCHW copies, as the forward)."""
+    if _channels_last(x, "layernorm_backward", "x") or _channels_last(dy, "layernorm_backward", "dy"):
+        ad = adapter_for(x)
+        dx, dg, db = call("layernorm_backward", ad.relayout(dy, "NCHW"), ad.relayout(x, "NCHW"), gamma, mean, inv_var)
+        return ad.relayout(dx, "NHWC"), dg, db
+    return call("layernorm_backward", dy, x, gamma, mean, inv_var)
+
+
+def instancenorm(x: Any, gamma: Any, beta: Any, *, epsilon: float = 1e-5) -> tuple[Any, Any, Any]:
+    """Instance norm over (H, W) per sample and channel (training): (y, mean, inv_var); gamma, beta (C,) float32."""
+    return call("instancenorm", x, gamma, beta, epsilon=epsilon)
+
+
+def instancenorm_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`instancenorm`."""
+    return call("instancenorm_backward", dy, x, gamma, mean, inv_var)
