@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import threading
+from threading import get_ident
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,8 +24,8 @@ from .engine.cache import Plan, PlanCache, PlanKey, default_cache
 from .engine.keys import as_outs, check_operands, make_key
 from .engine.patterns import Pattern, get_pattern
 from .engine.planner import planner
-from .engine.runtime import RUNTIME
-from .errors import FusionWarning, LayoutWarning, OperandError, UnsupportedError
+from .engine.runtime import RUNTIME, BoundHandle
+from .errors import CaptureError, FusionWarning, LayoutWarning, OperandError, UnsupportedError
 from .tensors import SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
@@ -33,13 +34,15 @@ __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_d
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
-    __slots__ = ("plan", "graph", "uids", "handle", "workspace", "outs", "out_adapter", "relayout")
+    __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout")
 
     def __init__(
-        self, plan: Plan, handle: Any, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter, relayout: frozenset = frozenset()
+        self, plan: Plan, handle: BoundHandle, stream: int, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter,
+        relayout: frozenset = frozenset(),
     ):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
-        self.handle, self.workspace, self.outs, self.out_adapter = handle, workspace, outs, out_adapter
+        self.handle, self.stream = handle, stream  # the thread's handle, set to this call's stream before execute
+        self.workspace, self.outs, self.out_adapter = workspace, outs, out_adapter
         self.relayout = relayout  # positions (operands, then outputs) run through channels-last copies
 
 
@@ -74,11 +77,23 @@ def _resolve(
     specs, norm, aligns, adapter = check_operands(pattern, operands, outs_given, attrs)
     device = specs[pattern.operand_names[0]].device
     stream = adapter.stream(device)
-    handle = RUNTIME.handle(adapter, device, stream)
+    capturing = adapter.capturing(device)
+    bound = RUNTIME.bound_handle(adapter, device, stream, create=not capturing)
+    if bound is None:
+        raise CaptureError(
+            f"fusekit: {pattern.name} is first called on this thread inside a CUDA-graph capture; "
+            "a cuDNN handle cannot be created there: call it once before capturing (warm-up)"
+        )
+    handle = bound.handle
 
     def attempt(specs_: Mapping[str, TensorSpec], aligns_: Sequence[int]) -> Plan | UnsupportedError:
         key = make_key(pattern, specs_, norm, aligns_, adapter)
         if key not in _NO_ENGINE:
+            if capturing and cache.get(key) is None:
+                raise CaptureError(
+                    f"fusekit: no plan yet for {key.describe()} and a CUDA-graph capture is under way (building one "
+                    "would break it): run the same call once before capturing (warm-up), or autotune it ahead of time"
+                )
             try:
                 return cache.get_or_build(key, *planner(pattern, key, adapter, handle, cache))
             except UnsupportedError as e:
@@ -102,8 +117,13 @@ def _resolve(
                     "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
                 )
     ws = RUNTIME.workspace(adapter, device, stream)
+    if capturing and ws.size < plan.workspace_size and not adapter.allocates_in_capture:
+        raise CaptureError(
+            f"fusekit: {pattern.name} needs a {plan.workspace_size}-byte cuDNN workspace on the capturing stream and "
+            f"{adapter.name} cannot allocate during a capture: call it once on that stream before capturing (warm-up)"
+        )
     ws.ensure(plan.workspace_size)
-    return _Call(plan, handle, ws, outs, adapter, relayout)
+    return _Call(plan, bound, stream, ws, outs, adapter, relayout)
 
 
 def _alternative(
@@ -161,7 +181,7 @@ def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tu
     ad, n_in = c.out_adapter, len(operands)
     ins = tuple(ad.relayout(a, "NHWC") if i in c.relayout else a for i, a in enumerate(operands))
     tmp = tuple(ad.empty(s) if (alloc or n_in + j in c.relayout) else outs[j] for j, s in enumerate(c.outs))
-    c.graph.execute(ins + tmp, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    c.graph.execute(ins + tmp, c.workspace.ptr, handle=c.handle.bind(c.stream), tensor_uids=c.uids)
     res = []
     for j, t in enumerate(tmp):
         if n_in + j in c.relayout:
@@ -181,6 +201,7 @@ def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any]
     for a in arrays:
         k += SIGNATURES[type(a)](a)
     k.append(STREAMS[type(operands[0])](k[7]))  # k[7]: the first operand's device
+    k.append(get_ident())  # handles are per thread
     return tuple(k)
 
 
@@ -226,7 +247,10 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
     if alloc:
         outs = tuple([c.out_adapter.empty(s) for s in c.outs])
         arrays = operands + outs
-    c.graph.execute(arrays, c.workspace.ptr, handle=c.handle, tensor_uids=c.uids)
+    h = c.handle
+    if h.stream != c.stream:
+        h.bind(c.stream)
+    c.graph.execute(arrays, c.workspace.ptr, handle=h.handle, tensor_uids=c.uids)
     return outs[0] if len(outs) == 1 else outs
 
 

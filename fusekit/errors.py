@@ -42,3 +42,7 @@ class LayoutWarning(UserWarning):
 
 class CacheWarning(UserWarning):
     """A plan-cache entry was ignored (corrupt, foreign versions or GPU) and rebuilt."""
+
+
+class CaptureError(FusekitError):
+    """A call needs work that a CUDA-graph capture forbids (a plan build, a new cuDNN handle): warm up first."""

@@ -167,6 +167,9 @@ class Adapter:
     """How fusekit reads and makes arrays of one library. ``probe`` is on the hot path."""
 
     name = "?"
+    #: Whether allocations made while a stream captures a CUDA graph are safe (PyTorch's allocator
+    #: serves them from the graph's private pool).
+    allocates_in_capture = False
 
     def probe(self, a: Any) -> tuple[tuple, int]:
         """(hashable signature of everything in the spec, data pointer)."""
@@ -188,6 +191,10 @@ class Adapter:
     def stream(self, device: int) -> int:
         """The library's current stream on ``device`` (a cudaStream_t as int)."""
         raise NotImplementedError
+
+    def capturing(self, device: int) -> bool:
+        """Whether the library's current stream on ``device`` is capturing a CUDA graph."""
+        return False
 
     def bytes(self, nbytes: int, device: int) -> tuple[Any, int]:
         """(owner, pointer) of a device buffer of ``nbytes``, on the current stream's pool."""
@@ -270,6 +277,9 @@ class CupyAdapter(Adapter):
     def stream(self, device):
         return self.cp.cuda.get_current_stream(device).ptr
 
+    def capturing(self, device):
+        return bool(self.cp.cuda.get_current_stream(device).is_capturing())
+
     def bytes(self, nbytes, device):
         with self.cp.cuda.Device(device):
             mem = self.cp.cuda.alloc(max(nbytes, 1))
@@ -338,6 +348,7 @@ class CupyAdapter(Adapter):
 
 class TorchAdapter(Adapter):
     name = "torch"
+    allocates_in_capture = True
 
     def __init__(self) -> None:
         import torch
@@ -371,6 +382,10 @@ class TorchAdapter(Adapter):
 
     def stream(self, device):
         return self.torch.cuda.current_stream(device).cuda_stream
+
+    def capturing(self, device):
+        with self.torch.cuda.device(device):
+            return bool(self.torch.cuda.is_current_stream_capturing())
 
     def bytes(self, nbytes, device):
         buf = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device=f"cuda:{device}")

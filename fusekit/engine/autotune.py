@@ -76,7 +76,7 @@ class TuneResult:
         return self.heuristic_us / self.best_us if self.best_us > 0 else float("nan")
 
 
-_TUNE_STREAMS: dict[tuple[str, int], tuple[Any, int]] = {}
+_TUNE_STREAMS: dict[tuple[str, int], tuple[Any, Any]] = {}  # (adapter, device) -> (stream, handle)
 
 
 def tune(
@@ -128,10 +128,10 @@ def tune(
     # Candidates are timed as CUDA-graph replays on a stream of their own: back-to-back executes
     # of a 10 us kernel would time the host's launch cost (~20 us a call), not the plan.
     where = (adapter.name, device)
-    if where not in _TUNE_STREAMS:  # one side stream (and so one cuDNN handle) per device, not one per key
-        _TUNE_STREAMS[where] = adapter.new_stream(device)
-    tstream, tptr = _TUNE_STREAMS[where]
-    thandle = RUNTIME.handle(adapter, device, tptr)
+    if where not in _TUNE_STREAMS:  # one side stream and its own cuDNN handle per device, not one per key
+        stream_obj, ptr = adapter.new_stream(device)
+        _TUNE_STREAMS[where] = (stream_obj, RUNTIME.new_handle(adapter, device, ptr))
+    tstream, thandle = _TUNE_STREAMS[where]
 
     def run(index: int, s: int, h: Any = handle) -> None:
         g.execute_plan_at_index(sets[s], ws_ptr, index, h, tensor_uids=lowered.uids)

@@ -57,8 +57,25 @@ class Workspace:
             self.size = nbytes
 
 
+class BoundHandle:
+    """A cuDNN handle and the stream it is set to. One per (device, thread), created outside any
+    capture; the stream is set per call (as PyTorch does), so a capture stream needs no new handle."""
+
+    __slots__ = ("handle", "stream")
+
+    def __init__(self, handle: Any, stream: int) -> None:
+        self.handle, self.stream = handle, stream
+
+    def bind(self, stream: int) -> Any:
+        """The handle, set to ``stream`` (a cudnnSetStream only when it changes)."""
+        if stream != self.stream:
+            load_cudnn().set_stream(self.handle, stream)
+            self.stream = stream
+        return self.handle
+
+
 class Runtime:
-    """Handles and workspaces. Handles are per thread (cuDNN handles are not thread-safe)."""
+    """Handles and workspaces. Handles are per (device, thread): cuDNN handles are not thread-safe."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -66,17 +83,29 @@ class Runtime:
         self._facts: dict[tuple[str, int], DeviceFacts] = {}
         self._lock = threading.Lock()
 
-    def handle(self, adapter: Adapter, device: int, stream: int) -> Any:
+    def bound_handle(self, adapter: Adapter, device: int, stream: int, *, create: bool = True) -> BoundHandle | None:
+        """The calling thread's handle on ``device``, set to ``stream`` (None if there is none and not ``create``)."""
         handles = getattr(self._local, "handles", None)
         if handles is None:
             handles = self._local.handles = {}
-        h = handles.get((device, stream))
+        h = handles.get(device)
         if h is None:
-            cudnn = load_cudnn()
-            with adapter.use_device(device):
-                h = cudnn.create_handle()
-                cudnn.set_stream(h, stream)
-            handles[(device, stream)] = h
+            if not create:
+                return None
+            h = handles[device] = BoundHandle(self.new_handle(adapter, device, stream), stream)
+        h.bind(stream)
+        return h
+
+    def handle(self, adapter: Adapter, device: int, stream: int) -> Any:
+        """The calling thread's cuDNN handle on ``device``, set to ``stream``."""
+        return self.bound_handle(adapter, device, stream).handle  # type: ignore[union-attr]
+
+    def new_handle(self, adapter: Adapter, device: int, stream: int) -> Any:
+        """A fresh cuDNN handle on ``stream``, owned by the caller (the autotuner's timing stream)."""
+        cudnn = load_cudnn()
+        with adapter.use_device(device):
+            h = cudnn.create_handle()
+            cudnn.set_stream(h, stream)
         return h
 
     def workspace(self, adapter: Adapter, device: int, stream: int) -> Workspace:
