@@ -24,7 +24,8 @@ from .engine.cache import Plan, PlanCache, PlanKey, default_cache
 from .engine.keys import as_outs, check_operands, make_key
 from .engine.patterns import Pattern, get_pattern
 from .engine.planner import planner
-from .engine.runtime import RUNTIME, BoundHandle
+from .engine.lower import load_cudnn
+from .engine.runtime import RUNTIME
 from .errors import CaptureError, FusionWarning, LayoutWarning, OperandError, UnsupportedError
 from .tensors import SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
 
@@ -37,7 +38,7 @@ class _Call:
     __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout")
 
     def __init__(
-        self, plan: Plan, handle: BoundHandle, stream: int, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter,
+        self, plan: Plan, handle: Any, stream: int, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter,
         relayout: frozenset = frozenset(),
     ):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
@@ -78,13 +79,12 @@ def _resolve(
     device = specs[pattern.operand_names[0]].device
     stream = adapter.stream(device)
     capturing = adapter.capturing(device)
-    bound = RUNTIME.bound_handle(adapter, device, stream, create=not capturing)
-    if bound is None:
+    handle = RUNTIME.handle(adapter, device, stream, create=not capturing)
+    if handle is None:
         raise CaptureError(
             f"fusekit: {pattern.name} is first called on this thread inside a CUDA-graph capture; "
             "a cuDNN handle cannot be created there: call it once before capturing (warm-up)"
         )
-    handle = bound.handle
 
     def attempt(specs_: Mapping[str, TensorSpec], aligns_: Sequence[int]) -> Plan | UnsupportedError:
         key = make_key(pattern, specs_, norm, aligns_, adapter)
@@ -123,7 +123,7 @@ def _resolve(
             f"{adapter.name} cannot allocate during a capture: call it once on that stream before capturing (warm-up)"
         )
     ws.ensure(plan.workspace_size)
-    return _Call(plan, bound, stream, ws, outs, adapter, relayout)
+    return _Call(plan, handle, stream, ws, outs, adapter, relayout)
 
 
 def _alternative(
@@ -176,12 +176,18 @@ def alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tupl
     return alts
 
 
+def _bind(c: _Call) -> Any:
+    """The call's cudnn.Handle (one per device and thread), set to the call's stream."""
+    load_cudnn().set_stream(c.handle, c.stream)
+    return c.handle
+
+
 def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
     """Execute ``c`` on channels-last copies of its NCHW arrays; results go back in the caller's layout."""
     ad, n_in = c.out_adapter, len(operands)
     ins = tuple(ad.relayout(a, "NHWC") if i in c.relayout else a for i, a in enumerate(operands))
     tmp = tuple(ad.empty(s) if (alloc or n_in + j in c.relayout) else outs[j] for j, s in enumerate(c.outs))
-    c.graph.execute(ins + tmp, c.workspace.ptr, handle=c.handle.bind(c.stream), tensor_uids=c.uids)
+    c.graph.execute(ins + tmp, c.workspace.ptr, handle=_bind(c), tensor_uids=c.uids)
     res = []
     for j, t in enumerate(tmp):
         if n_in + j in c.relayout:
@@ -249,8 +255,8 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
         arrays = operands + outs
     h = c.handle
     if h.stream != c.stream:
-        h.bind(c.stream)
-    c.graph.execute(arrays, c.workspace.ptr, handle=h.handle, tensor_uids=c.uids)
+        _bind(c)
+    c.graph.execute(arrays, c.workspace.ptr, handle=h, tensor_uids=c.uids)
     return outs[0] if len(outs) == 1 else outs
 
 

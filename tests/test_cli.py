@@ -434,7 +434,7 @@ def fake_tuner(monkeypatch):
 
     tuner = FakeTuner()
     monkeypatch.setattr(importlib.import_module("fusekit.engine.autotune"), "autotune_shapes", tuner)
-    monkeypatch.setattr(cli, "_require_gpu", lambda command: ("torch", None))
+    monkeypatch.setattr(importlib.import_module("fusekit.cli.autotune"), "require_gpu", lambda command: ("torch", None))
     return tuner
 
 

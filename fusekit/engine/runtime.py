@@ -57,23 +57,6 @@ class Workspace:
             self.size = nbytes
 
 
-class BoundHandle:
-    """A cuDNN handle and the stream it is set to. One per (device, thread), created outside any
-    capture; the stream is set per call (as PyTorch does), so a capture stream needs no new handle."""
-
-    __slots__ = ("handle", "stream")
-
-    def __init__(self, handle: Any, stream: int) -> None:
-        self.handle, self.stream = handle, stream
-
-    def bind(self, stream: int) -> Any:
-        """The handle, set to ``stream`` (a cudnnSetStream only when it changes)."""
-        if stream != self.stream:
-            load_cudnn().set_stream(self.handle, stream)
-            self.stream = stream
-        return self.handle
-
-
 class Runtime:
     """Handles and workspaces. Handles are per (device, thread): cuDNN handles are not thread-safe."""
 
@@ -83,8 +66,10 @@ class Runtime:
         self._facts: dict[tuple[str, int], DeviceFacts] = {}
         self._lock = threading.Lock()
 
-    def bound_handle(self, adapter: Adapter, device: int, stream: int, *, create: bool = True) -> BoundHandle | None:
-        """The calling thread's handle on ``device``, set to ``stream`` (None if there is none and not ``create``)."""
+    def handle(self, adapter: Adapter, device: int, stream: int, *, create: bool = True) -> Any:
+        """The calling thread's ``cudnn.Handle`` on ``device``, set to ``stream`` (None when the thread
+        has none and not ``create``). One per (device, thread), so a capture stream needs no new
+        handle; the stream is set per call, as PyTorch does (the Handle skips unchanged streams)."""
         handles = getattr(self._local, "handles", None)
         if handles is None:
             handles = self._local.handles = {}
@@ -92,13 +77,9 @@ class Runtime:
         if h is None:
             if not create:
                 return None
-            h = handles[device] = BoundHandle(self.new_handle(adapter, device, stream), stream)
-        h.bind(stream)
+            h = handles[device] = self.new_handle(adapter, device, stream)
+        load_cudnn().set_stream(h, stream)
         return h
-
-    def handle(self, adapter: Adapter, device: int, stream: int) -> Any:
-        """The calling thread's cuDNN handle on ``device``, set to ``stream``."""
-        return self.bound_handle(adapter, device, stream).handle  # type: ignore[union-attr]
 
     def new_handle(self, adapter: Adapter, device: int, stream: int) -> Any:
         """A fresh cuDNN handle on ``stream``, owned by the caller (the autotuner's timing stream)."""

@@ -623,6 +623,12 @@ class _Launch:
         return a, a
 
     def zeros_f32(self, size: int) -> Any:
+        """A zeroed float32 scratch vector from the caller's allocator (PyTorch's for a torch caller:
+        capture-safe, stream-ordered), as a CuPy view."""
+        if self.first.lib == "torch":
+            import torch
+
+            return self.cp.from_dlpack(torch.zeros(size, dtype=torch.float32, device=f"cuda:{self.first.device}"))
         return self.cp.zeros(size, dtype=self.cp.float32)
 
     @staticmethod
