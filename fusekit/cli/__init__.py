@@ -1,7 +1,7 @@
 """The ``fusekit`` command line: the top-level group ``main``, with every command group registered.
 
 Commands live in one module per group: patterns (patterns ls/show, oracle), run (run, bench),
-autotune, cache, doctor; common holds what they share. Every command either works or stops with
+autotune, cache, doctor, pipeline; common holds what they share. Every command either works or stops with
 one ``Error: ...`` line (exit code 1, or 2 for bad options).
 """
 
@@ -11,7 +11,7 @@ import click
 
 from fusekit import config
 
-from . import autotune, cache, doctor, patterns, run
+from . import autotune, cache, doctor, patterns, pipeline, run
 from .autotune import SpecError, load_spec, parse_bytes, parse_spec, plot_tuning
 from .common import Group, check_tune_input, parse_attr, parse_shape, tuning_summary
 from .run import torch_references
@@ -30,7 +30,7 @@ main.add_command(run.run_cmd)
 main.add_command(run.bench_cmd)
 main.add_command(autotune.autotune_cmd)
 main.add_command(cache.cache_group)
-# the `pipeline` group (fusekit/cli/pipeline.py) is registered here by its author: main.add_command(pipeline.pipeline)
+main.add_command(pipeline.pipeline)
 
 __all__ = [
     "SpecError",

@@ -23,17 +23,31 @@ def planner(
     device = specs[pattern.operand_names[0]].device
 
     def build() -> Plan:
-        with adapter.use_device(device):
-            if cache.mode == "autotune" or tune_options is not None:
-                return tune(pattern, specs, attrs, key, adapter, handle, tune_options)[0]
-            b = lower.build(pattern, specs, attrs, handle, cache.heuristics, key.describe())
+        try:
+            with adapter.use_device(device):
+                if cache.mode == "autotune" or tune_options is not None:
+                    return tune(pattern, specs, attrs, key, adapter, handle, tune_options)[0]
+                b = lower.build(pattern, specs, attrs, handle, cache.heuristics, key.describe())
+        finally:
+            _restream(handle)
         return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
 
     def load(entry: Entry) -> Plan:
-        with adapter.use_device(device):
-            t0 = time.perf_counter()
-            g = lower.deserialize(entry.blob, handle)
-            ms = (time.perf_counter() - t0) * 1e3
+        try:
+            with adapter.use_device(device):
+                t0 = time.perf_counter()
+                g = lower.deserialize(entry.blob, handle)
+                ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            _restream(handle)
         return Plan.from_entry(key, g, entry.header["plan"], ms)
 
     return build, load
+
+
+def _restream(handle: Any) -> None:
+    """Forget the stream ``handle`` remembers, so the next call sets it again: building or loading
+    some plans runs a capture on a scratch stream of the frontend's that it sets on the handle
+    (seen with instance-norm backward on cuDNN 9.19), and the Handle would skip the unchanged stream."""
+    if hasattr(handle, "stream"):
+        handle.stream = None

@@ -1,0 +1,198 @@
+"""Whole-network inference: fusekit.pipeline (one CUDA graph of fused cuDNN calls) vs PyTorch eager,
+PyTorch eager captured in a CUDA graph, and torch.compile, on torchvision models in float16
+channels-last (random weights, eval mode).
+
+    python benchmarks/bench_pipeline.py --out benchmarks/results [--quick]
+
+Writes <out>/<GPU name, spaces as ->-pipeline.json and -pipeline.md. Timing: warm-up, then CUDA
+events around --iters calls per trial, median over --trials, a fresh random input before each trial.
+Peak memory: torch.cuda.max_memory_allocated from a clean baseline, weights included for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fusekit  # noqa: E402
+import fusekit.pipeline as fp  # noqa: E402
+from fusekit.pipeline.bench import capture, cuda_time_ms  # noqa: E402
+
+CASES = [("resnet50", 1), ("resnet50", 32), ("resnet18", 32), ("mobilenet_v2", 32)]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _model(name: str) -> torch.nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return getattr(torchvision.models, name)(weights=None).eval()
+
+
+def _reset_mem() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def bench_case(name: str, batch: int, dtype: str, iters: int, trials: int, compile_limit_s: float, compile_mode: str) -> dict:
+    tdt = getattr(torch, dtype)
+    shape = (batch, 3, 224, 224)
+    rec: dict = {"model": name, "batch": batch, "dtype": dtype, "layout": "channels_last"}
+    cpu_model = _model(name)
+    x = torch.randn(shape, device="cuda", dtype=tdt).contiguous(memory_format=torch.channels_last)
+
+    # fusekit pipeline
+    base = _reset_mem()
+    t0 = time.perf_counter()
+    pipe = fp.compile(cpu_model, shape, dtype=dtype)
+    rec["fusekit_build_s"] = round(time.perf_counter() - t0, 2)
+    pipe.run(x, clone=False)
+
+    def fresh() -> None:
+        x.normal_()
+        pipe.input_buffer.copy_(x)
+
+    rec["fusekit_ms"] = cuda_time_ms(pipe._graph.replay if pipe.graph_captured else pipe.forward_eager, iters=iters, trials=trials, before_trial=fresh)
+    rec["peak_mem_mb_fusekit"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    mp = pipe.memory_plan
+    rec["planned_activation_mb"] = round(mp.planned_bytes / 2**20, 1)
+    rec["eager_sum_activation_mb"] = round(mp.eager_bytes / 2**20, 1)
+    rec["fusekit_graph_captured"] = pipe.graph_captured
+    rec["fallbacks"] = len(pipe.fallbacks)
+    rec["fused_stages"] = sum(s.pattern.startswith(("conv", "linear")) for s in pipe.stages)
+    log(f"{name} b{batch}: fusekit {rec['fusekit_ms']:.3f} ms (build {rec['fusekit_build_s']} s, {rec['fallbacks']} fallbacks)")
+    pipe = None  # noqa: F841 - free the pipeline's buffers and graph
+    _reset_mem()
+
+    # PyTorch eager and eager in a CUDA graph
+    base = _reset_mem()
+    model = cpu_model.to("cuda", tdt).to(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        rec["torch_eager_ms"] = cuda_time_ms(lambda: model(x), iters=iters, trials=trials, before_trial=lambda: x.normal_())
+        rec["peak_mem_mb_eager"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    log(f"{name} b{batch}: torch eager {rec['torch_eager_ms']:.3f} ms")
+    with torch.no_grad():
+        g = capture(lambda: model(x))
+        rec["torch_graph_ms"] = cuda_time_ms(g.replay, iters=iters, trials=trials, before_trial=lambda: x.normal_())
+    g = None  # noqa: F841
+    log(f"{name} b{batch}: torch eager in a CUDA graph {rec['torch_graph_ms']:.3f} ms")
+
+    # torch.compile (skipped with null if it fails or takes longer than the limit)
+    rec["torch_compile_ms"] = None
+    rec["torch_compile_mode"] = compile_mode
+    if compile_limit_s > 0:
+        box: dict = {}
+
+        def work() -> None:
+            try:
+                t = time.perf_counter()
+                cm = torch.compile(model, mode=compile_mode)
+                with torch.no_grad():
+                    cm(x)
+                    torch.cuda.synchronize()
+                box["compile_s"] = time.perf_counter() - t
+                box["cm"] = cm
+            except Exception as e:  # noqa: BLE001
+                box["error"] = f"{type(e).__name__}: {e}"[:300]
+
+        th = threading.Thread(target=work, daemon=True)
+        th.start()
+        th.join(compile_limit_s)
+        if th.is_alive():
+            rec["torch_compile_note"] = f"skipped: compile took over {compile_limit_s:.0f} s"
+        elif "error" in box:
+            rec["torch_compile_note"] = "failed: " + box["error"]
+        else:
+            cm = box["cm"]
+            with torch.no_grad():
+                rec["torch_compile_ms"] = cuda_time_ms(lambda: cm(x), iters=iters, trials=trials, before_trial=lambda: x.normal_())
+            rec["torch_compile_s"] = round(box["compile_s"], 1)
+        log(f"{name} b{batch}: torch.compile {rec['torch_compile_ms']} ms {rec.get('torch_compile_note', '')}")
+    for k in ("torch_eager_ms", "torch_graph_ms", "torch_compile_ms"):
+        v = rec.get(k)
+        rec[k.replace("_ms", "_over_fusekit")] = None if v is None else round(v / rec["fusekit_ms"], 3)
+    model = None  # noqa: F841
+    _reset_mem()
+    return rec
+
+
+def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
+    lines = [
+        f"# fusekit.pipeline vs PyTorch on {gpu}", "",
+        f"- date: {meta['date']}", f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN backend {meta['cudnn']}, fusekit {meta['fusekit']}",
+        f"- float16 channels-last, random weights, eval mode; median of {meta['trials']} trials of {meta['iters']} calls (CUDA events), "
+        "fresh random input before each trial; ratio = PyTorch time / fusekit time (> 1: fusekit faster)", "",
+        "| model | batch | fusekit ms | eager ms | eager graph ms | torch.compile ms | eager/fk | graph/fk | compile/fk | peak MB fk | peak MB eager | fallbacks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(v, fmt="{:.3f}"):
+        return "n/a" if v is None else fmt.format(v)
+
+    for r in recs:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {f(r['fusekit_ms'])} | {f(r['torch_eager_ms'])} | {f(r['torch_graph_ms'])} | "
+            f"{f(r['torch_compile_ms'])} | {f(r['torch_eager_over_fusekit'], '{:.2f}')} | {f(r['torch_graph_over_fusekit'], '{:.2f}')} | "
+            f"{f(r['torch_compile_over_fusekit'], '{:.2f}')} | {r['peak_mem_mb_fusekit']} | {r['peak_mem_mb_eager']} | {r['fallbacks']} |"
+        )
+    notes = [r for r in recs if r.get("torch_compile_note")]
+    if notes:
+        lines += ["", "torch.compile notes:"] + [f"- {r['model']} b{r['batch']}: {r['torch_compile_note']}" for r in notes]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for the JSON and markdown results")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--compile-limit", type=float, default=120.0, help="seconds allowed for torch.compile (0: skip it)")
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--quick", action="store_true", help="resnet50 batch 1 only, fewer trials, no torch.compile")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_pipeline: needs a CUDA GPU")
+    cases = CASES[:1] if args.quick else CASES
+    if args.quick:
+        args.trials, args.compile_limit = 5, 0.0
+    gpu = torch.cuda.get_device_name()
+    from fusekit.engine.runtime import versions
+
+    v = versions()
+    meta = {
+        "gpu": gpu, "date": _dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cudnn": getattr(v, "cudnn_backend", None), "fusekit": fusekit.__version__,
+        "python": platform.python_version(), "iters": args.iters, "trials": args.trials,
+    }
+    recs = []
+    for name, batch in cases:
+        log(f"{name} batch {batch} ...")
+        recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode))
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, gpu.replace(" ", "-") + "-pipeline")
+    with open(stem + ".json", "w") as fh:
+        json.dump({"meta": meta, "records": recs}, fh, indent=2)
+    with open(stem + ".md", "w") as fh:
+        fh.write(markdown(gpu, recs, meta))
+    log(f"wrote {stem}.json and {stem}.md")
+    print(markdown(gpu, recs, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""fusekit.pipeline: a whole network as fused fusekit calls, planned buffers and one CUDA graph.
+
+    import fusekit.pipeline as fp
+    pipe = fp.compile(torchvision.models.resnet50().eval(), torch.randn(8, 3, 224, 224), dtype="float16")
+    y = pipe(x)            # copies x into the static input, replays the graph, returns a clone of the output
+    print(pipe.report())
+
+On the CPU (no GPU needed): ``fp.lower_model(model_or_onnx, example_input)`` gives the lowered
+:class:`Program` (``.stages``: a list of :class:`Stage` records), and ``fp.Pipeline(program)``
+offers ``reference(x)`` (float64 NumPy evaluation of the stages) and ``memory_plan``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .ir import Program, Ref, Stage, lower
+from .memory import MemoryPlan, plan_memory
+from .runtime import Pipeline, compile
+
+
+def _is_onnx(model: Any) -> bool:
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        return True
+    try:
+        import onnx
+
+        return isinstance(model, onnx.ModelProto)
+    except ImportError:
+        return False
+
+
+def trace(model: Any, example_input: Any = None) -> Program:
+    """Primitive (not yet rewritten) stages of a torch ``nn.Module`` or an ONNX model.
+
+    ``example_input``: a tensor/array or a shape; for ONNX it may be None (the graph's input shape,
+    batch 1, 224 where dynamic)."""
+    if _is_onnx(model):
+        from .onnx_import import import_onnx
+
+        shape = None if example_input is None else tuple(getattr(example_input, "shape", example_input))
+        return import_onnx(model, shape)
+    from .fx_import import import_module
+
+    if example_input is None:
+        raise TypeError("pipeline.trace: a torch model needs an example input (tensor or shape)")
+    return import_module(model, example_input)
+
+
+def lower_model(model: Any, example_input: Any = None) -> Program:
+    """``lower(trace(model, example_input))``: the stage list the pipeline runs (CPU only)."""
+    return lower(trace(model, example_input))
+
+
+__all__ = ["MemoryPlan", "Pipeline", "Program", "Ref", "Stage", "compile", "lower", "lower_model", "plan_memory", "trace"]

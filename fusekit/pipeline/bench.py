@@ -1,0 +1,107 @@
+"""Timing helpers the pipeline CLI and benchmarks/bench_pipeline.py share, and a plain PyTorch
+execution of a Program (the "PyTorch eager" side for ONNX models, which have no torch module)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import numpy as np
+
+from .ir import Program, run_torch_stage
+
+
+def cuda_time_ms(fn: Callable[[], Any], *, iters: int = 20, trials: int = 10, warmup: int = 3,
+                 before_trial: Callable[[], Any] | None = None) -> float:
+    """Median over ``trials`` of (CUDA-event time of ``iters`` calls of ``fn``) / iters, in ms.
+    ``before_trial`` (e.g. copying a fresh random input in) runs outside the timed region."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        if before_trial is not None:
+            before_trial()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return statistics.median(times)
+
+
+def capture(fn: Callable[[], Any], warmup: int = 3) -> Any:
+    """``fn`` captured in a CUDA graph after ``warmup`` calls on the capture stream (PyTorch's recipe)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        fn()
+    return g
+
+
+class TorchProgram:
+    """A Program run stage by stage with PyTorch ops (allocating each output), BN already folded:
+    ``TorchProgram(prog, "float16")(x)``. Inputs and images are channels-last in ``dtype``."""
+
+    def __init__(self, prog: Program, dtype: str = "float16", device: Any = "cuda") -> None:
+        import copy
+
+        import torch
+
+        self.prog, self.dev, self.dt = prog, torch.device(device), getattr(torch, dtype)
+        self.weights, self.fns = [], []
+        for s in prog.stages:
+            w = {}
+            for k, v in s.weights.items():
+                t = torch.from_numpy(np.asarray(v, np.float64)).to(self.dev, self.dt)
+                w[k] = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+            self.weights.append(w)
+            fn = s.fn
+            if isinstance(fn, torch.nn.Module):
+                fn = copy.deepcopy(fn).to(self.dev, self.dt).to(memory_format=torch.channels_last)
+            self.fns.append(fn)
+
+    def __call__(self, x: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        dev, dt = self.dev, self.dt
+
+        def const(t: Any) -> Any:
+            return t.to(dev, dt) if t.is_floating_point() else t.to(dev)
+
+        env = {self.prog.input: x}
+        for s, w, fn in zip(self.prog.stages, self.weights, self.fns):
+            a, xs = s.attrs, [env[n] for n in s.inputs]
+            p = s.pattern
+            if p.startswith(("conv", "linear")) or p == "torch":
+                if p != "torch":
+                    a = dict(a, relu=p.endswith("relu"), add=p == "conv_bias_add_relu")
+                    st = type(s)(s.kind, s.inputs, s.output, p, s.weights, a)
+                else:
+                    st = s
+                y = run_torch_stage(st, env, fn, w, consts=const)
+            elif p == "max_pool2d":
+                y = F.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"])
+            elif p == "avg_pool2d":
+                y = F.avg_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"], count_include_pad=a.get("count_include_pad", True))
+            elif p == "softmax":
+                y = torch.softmax(xs[0], a["axis"])
+            elif p == "reshape":
+                y = xs[0].reshape(s.out_shape)
+            else:
+                raise ValueError(f"TorchProgram: stage {s.name} pattern {p!r}")
+            env[s.output] = y
+        return env[self.prog.output]

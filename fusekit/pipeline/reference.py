@@ -1,0 +1,60 @@
+"""The staged network in NumPy float64 on the host: fusekit stages through ``fusekit.engine.oracle``,
+pooling and softmax through ``fusekit.ops.pool``'s references, the rest in NumPy or (fallbacks)
+PyTorch float64 on the CPU. What the CPU tests check the rewrites with."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from ..engine import oracle
+from ..ops import pool
+from .ir import Program, Stage, run_torch_stage
+
+
+def _conv_attrs(s: Stage) -> dict[str, Any]:
+    return {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
+
+
+def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
+    xs = [env[n] for n in s.inputs]
+    p = s.pattern
+    if p in ("conv_bias_relu", "conv_bias", "conv_bias_add_relu"):
+        ops = [xs[0], s.weights["w"], s.weights["b"]] + ([xs[1]] if p == "conv_bias_add_relu" else [])
+        return oracle.evaluate(p, *ops, **_conv_attrs(s))[0]
+    if p in ("linear_bias", "linear_bias_relu"):
+        return oracle.evaluate(p, xs[0], s.weights["w"], s.weights["b"])[0]
+    if p == "max_pool2d":
+        return pool.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"])[0]
+    if p == "avg_pool2d":
+        return pool.avg_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], s.attrs.get("count_include_pad", True))
+    if p == "softmax":
+        return pool.softmax_reference(xs[0], s.attrs["axis"])
+    if p == "reshape":
+        return xs[0].reshape(s.out_shape)
+    if p == "torch":
+        import torch
+
+        fn = s.fn
+        if isinstance(fn, torch.nn.Module):
+            fn = copy.deepcopy(fn).double()
+        tenv = {n: torch.from_numpy(np.ascontiguousarray(env[n], dtype=np.float64)) for n in s.inputs}
+        with torch.no_grad():
+            y = run_torch_stage(s, tenv, fn, {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()},
+                                consts=lambda t: t.to(torch.float64) if t.is_floating_point() else t)
+        return y.detach().numpy().astype(np.float64)
+    raise ValueError(f"pipeline reference: stage {s.name} has no pattern (lower the program first)")
+
+
+def evaluate(prog: Program, x: Any, keep: bool = False) -> Any:
+    """The program's output for ``x`` (NCHW, any array NumPy takes), in float64; with ``keep``,
+    every value's array (dict name -> array)."""
+    env = {prog.input: np.asarray(x, dtype=np.float64)}
+    for s in prog.stages:
+        y = evaluate_stage(s, env)
+        if tuple(y.shape) != tuple(s.out_shape):
+            raise AssertionError(f"stage {s.name}: reference gave shape {y.shape}, the plan says {s.out_shape}")
+        env[s.output] = y
+    return env if keep else env[prog.output]

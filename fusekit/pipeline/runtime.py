@@ -1,0 +1,314 @@
+"""The GPU side of a pipeline: weights cast once, planned activation buffers (views of flat
+arrays, channels-last images), one runner per stage writing into its output buffer, an eager
+warm-up (plans built; optional autotune), one profiled eager pass, and the whole forward captured
+in one CUDA graph.
+
+Streams: warm-up, profiling and capture all run on one side stream (``Pipeline.stream``), as
+PyTorch's CUDA-graph recipe asks, and so that every fusekit call sees the same dispatch key
+(fusekit keys calls by stream and pointers) in the warm-up and in the capture. Replays run on the
+caller's current stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import FusekitError
+from . import reference as _reference
+from .ir import FUSEKIT_PATTERNS, Program, Stage, run_torch_stage
+from .memory import MemoryPlan, plan_memory
+
+_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class Pipeline:
+    """A compiled network with fixed shapes. Build it with :func:`compile`; on the CPU,
+    ``Pipeline(program)`` gives :meth:`reference`, :attr:`memory_plan` and :meth:`report` only.
+
+    ``pipeline(x)`` copies ``x`` (any device, dtype or layout; NCHW logical shape) into the static
+    input buffer, replays the CUDA graph and returns a **clone** of the static output (a fresh
+    tensor the caller owns; pass ``clone=False`` to :meth:`run` to get the static output buffer
+    itself, overwritten by the next call)."""
+
+    def __init__(self, program: Program, *, dtype: str = "float16") -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"pipeline: dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+        self.program = program
+        self.dtype = dtype
+        self.memory_plan: MemoryPlan = plan_memory(program, _DTYPES[dtype])
+        self.build_fallbacks: list[str] = []  # fusekit stages cuDNN refused at build (run by torch)
+        self.engines: list[str] = ["-"] * len(program.stages)
+        self.sources: list[str] = ["-"] * len(program.stages)
+        self.times_ms: list[float | None] = [None] * len(program.stages)
+        self.graph_captured = False
+        self.capture_error: str | None = None
+        self.built = False
+        self.autotuned = False
+
+    # -- data ----------------------------------------------------------------------------------
+    @property
+    def stages(self) -> list[Stage]:
+        return self.program.stages
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Nodes left to PyTorch: by the lowering (no pattern) and at build (cuDNN refused)."""
+        return self.program.fallbacks + self.build_fallbacks
+
+    def reference(self, x: Any) -> np.ndarray:
+        """The staged network's output for ``x`` (NCHW host array) in NumPy float64 (CPU)."""
+        return _reference.evaluate(self.program, x)
+
+    # -- build ---------------------------------------------------------------------------------
+    def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True) -> "Pipeline":
+        import torch
+
+        if not torch.cuda.is_available():
+            from ..errors import NoGPUError
+
+            raise NoGPUError("pipeline.build needs a CUDA GPU (use lower_model / Pipeline.reference on the CPU)")
+        dev = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
+        self.device = dev
+        tdt = getattr(torch, self.dtype)
+        self.torch_dtype = tdt
+        plan = self.memory_plan
+        with torch.cuda.device(dev):
+            self._buffers = [torch.empty(max(int(n), 1), dtype=tdt, device=dev) for n in plan.sizes]
+            shapes = self.program.shapes()
+            self.views: dict[str, Any] = {v: self._view(v, shapes[v]) for v in plan.assign}
+            self.input_buffer = self.views[self.program.input]
+            self.output_buffer = self.views[self.program.output]
+            self.input_buffer.normal_()  # warm-up and capture read finite values
+            self._fused: dict[int, tuple[tuple, dict]] = {}
+            self._runners = [self._runner(i, s) for i, s in enumerate(self.stages)]
+            self.stream = torch.cuda.Stream(dev)
+            self._graph = None
+            if autotune:
+                self._autotune()
+            self._warmup()
+            self._profile()
+            if capture:
+                self._capture()
+        self.built = True
+        return self
+
+    def _view(self, name: str, shape: tuple[int, ...]) -> Any:
+        flat = self._buffers[self.memory_plan.assign[name]][: int(math.prod(shape))]
+        if len(shape) == 4:
+            n, c, h, w = shape
+            return flat.view(n, h, w, c).permute(0, 3, 1, 2)  # channels-last (N, C, H, W)
+        return flat.view(shape)
+
+    def _weights(self, s: Stage) -> dict[str, Any]:
+        import torch
+
+        out = {}
+        for k, v in s.weights.items():
+            t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)).to(device=self.device, dtype=self.torch_dtype)
+            out[k] = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
+        return out
+
+    def _operands(self, s: Stage, w: dict[str, Any]) -> tuple[tuple, dict]:
+        """(operands, attrs) of a fusekit-pattern stage."""
+        x = self.views[s.inputs[0]]
+        if s.pattern.startswith("conv"):
+            ops = (x, w["w"], w["b"]) + ((self.views[s.inputs[1]],) if s.pattern == "conv_bias_add_relu" else ())
+            return ops, {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
+        return (x, w["w"], w["b"]), {}
+
+    def _torch_runner(self, s: Stage, w: dict[str, Any]) -> Callable[[], None]:
+        import torch
+
+        fn = s.fn
+        if isinstance(fn, torch.nn.Module):
+            fn = copy.deepcopy(fn).to(device=self.device, dtype=self.torch_dtype).to(memory_format=torch.channels_last)
+        dev, tdt = self.device, self.torch_dtype
+
+        def const(t: Any) -> Any:
+            return t.to(device=dev, dtype=tdt) if t.is_floating_point() else t.to(device=dev)
+
+        y, names, views = self.views[s.output], s.inputs, self.views
+
+        def run() -> None:
+            y.copy_(run_torch_stage(s, {n: views[n] for n in names}, fn, w, consts=const))
+
+        return run
+
+    def _runner(self, i: int, s: Stage) -> Callable[[], None]:
+        from .. import ops
+        from ..ops import pool
+
+        w = self._weights(s)
+        y = self.views[s.output]
+        x = self.views[s.inputs[0]] if s.inputs else None
+        a = s.attrs
+        if s.pattern in FUSEKIT_PATTERNS:
+            operands, attrs = self._operands(s, w)
+            try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
+                import fusekit
+
+                fusekit.plan_for(s.pattern, *operands, out=y, **attrs)
+            except FusekitError as e:
+                self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {e})")
+                self.engines[i], self.sources[i] = "torch (refused)", "-"
+                return self._torch_runner(s, w)
+            f = getattr(ops, s.pattern)
+            self.sources[i] = "pending"
+            self._fused[i] = (operands, attrs)
+            return lambda: f(*operands, out=y, **attrs)
+        if s.pattern == "max_pool2d":
+            k, st, p = a["kernel_size"], a["stride"], a["padding"]
+            self.engines[i] = "cupy kernel"
+            return lambda: y.copy_(pool.max_pool2d(x, k, st, p)[0])
+        if s.pattern == "avg_pool2d":
+            k, st, p, cip = a["kernel_size"], a["stride"], a["padding"], a.get("count_include_pad", True)
+            self.engines[i] = "cupy kernel"
+            return lambda: y.copy_(pool.avg_pool2d(x, k, st, p, cip))
+        if s.pattern == "softmax":
+            ax = a["axis"]
+            self.engines[i] = "cupy kernel"
+            return lambda: y.copy_(pool.softmax(x, ax))
+        if s.pattern == "reshape":
+            self.engines[i] = "copy"
+            return lambda: y.copy_(x.reshape(y.shape))
+        if s.pattern == "torch":
+            self.engines[i] = "torch"
+            return self._torch_runner(s, w)
+        raise FusekitError(f"pipeline: stage {s.name} has no runner for pattern {s.pattern!r}")
+
+    def forward_eager(self) -> None:
+        """Run every stage once on the current stream (no graph)."""
+        for r in self._runners:
+            r()
+
+    def _autotune(self) -> None:
+        import fusekit
+
+        for i, s in enumerate(self.stages):
+            if s.pattern in FUSEKIT_PATTERNS and self.sources[i] == "pending":
+                operands, attrs = self._fused[i]
+                try:
+                    fusekit.autotune(s.pattern, *operands, out=self.views[s.output], **attrs)
+                except FusekitError as e:
+                    warnings.warn(f"fusekit pipeline: autotune of stage {i} ({s.pattern}) failed, keeping the heuristic plan: {e}", stacklevel=3)
+        self.autotuned = True
+
+    def _warmup(self) -> None:
+        import torch
+
+        s = self.stream
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # the first pass builds plans and compiles kernels
+                self.forward_eager()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        s.synchronize()
+        import fusekit
+
+        with torch.cuda.stream(s):
+            for i, st in enumerate(self.stages):
+                if self.sources[i] == "pending":
+                    operands, attrs = self._fused[i]
+                    p = fusekit.plan_for(st.pattern, *operands, out=self.views[st.output], **attrs)
+                    self.engines[i], self.sources[i] = p.engine, p.source
+
+    def _profile(self) -> None:
+        import torch
+
+        s = self.stream
+        n = len(self._runners)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            ev[0].record()
+            for i, r in enumerate(self._runners):
+                r()
+                ev[i + 1].record()
+        s.synchronize()
+        self.times_ms = [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
+
+    def _capture(self) -> None:
+        import torch
+
+        g = torch.cuda.CUDAGraph()
+        try:
+            s = self.stream
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.graph(g, stream=s):
+                self.forward_eager()
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            self._graph = g
+            self.graph_captured = True
+        except Exception as e:  # noqa: BLE001 - keep the pipeline usable eagerly, say why in the report
+            self._graph = None
+            self.capture_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"fusekit pipeline: CUDA graph capture failed, running eagerly: {self.capture_error}", stacklevel=3)
+            torch.cuda.synchronize(self.device)
+
+    # -- run -----------------------------------------------------------------------------------
+    def run(self, x: Any, *, clone: bool = True) -> Any:
+        """Copy ``x`` into the static input, run the forward (graph replay, or eagerly if capture
+        failed); returns a clone of the output, or with ``clone=False`` the static output buffer."""
+        import torch
+
+        if not self.built:
+            raise FusekitError("pipeline: not built for a GPU (use fusekit.pipeline.compile)")
+        if tuple(x.shape) != tuple(self.input_buffer.shape):
+            raise FusekitError(f"pipeline: compiled for input shape {tuple(self.input_buffer.shape)}, got {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(np.asarray(x))
+        with torch.cuda.device(self.device):
+            self.input_buffer.copy_(x)
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self.forward_eager()
+            return self.output_buffer.clone() if clone else self.output_buffer
+
+    __call__ = run
+
+    # -- report --------------------------------------------------------------------------------
+    def report(self) -> str:
+        """A table of stages (pattern, shapes, engine, plan source, eager time), the fallbacks and memory."""
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"fusekit pipeline ({self.program.source}, {self.dtype}, channels-last)")
+        for col in ("#", "kind", "pattern", "shapes (in -> out)", "engine", "plan", "ms", "source nodes"):
+            wrap = col in ("engine", "source nodes")
+            t.add_column(col, justify="right" if col in ("#", "ms") else "left", overflow="fold" if wrap else "ellipsis", no_wrap=not wrap)
+        for i, s in enumerate(self.stages):
+            ins = ", ".join("x".join(map(str, sh)) for sh in s.in_shapes)
+            ms = self.times_ms[i]
+            t.add_row(str(i), s.kind, s.pattern, f"{ins} -> {'x'.join(map(str, s.out_shape))}", self.engines[i], self.sources[i],
+                      "-" if ms is None else f"{ms:.3f}", s.name)
+        buf = io.StringIO()
+        con = Console(file=buf, width=220, force_terminal=False, color_system=None)
+        con.print(t)
+        mp = self.memory_plan
+        total = [m for m in self.times_ms if m is not None]
+        lines = [
+            f"stages: {len(self.stages)} ({sum(s.pattern in FUSEKIT_PATTERNS for s in self.stages)} fused cuDNN graphs, "
+            f"{sum(s.fallback for s in self.stages) + len(self.build_fallbacks)} PyTorch fallbacks)",
+            f"eager profiled pass: {sum(total):.3f} ms" if total else "eager profiled pass: not run (no GPU build)",
+            f"CUDA graph: {'captured' if self.graph_captured else ('failed: ' + self.capture_error if self.capture_error else 'not captured')}",
+            f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
+            f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)",
+            "fallbacks (run by PyTorch):" if self.fallbacks else "fallbacks: none",
+        ] + [f"  - {f}" for f in self.fallbacks]
+        return buf.getvalue() + "\n".join(lines) + "\n"
+
+
+def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
+            capture: bool = True, device: Any = None) -> Pipeline:
+    """Trace/import ``model`` (torch ``nn.Module`` or ONNX path/ModelProto), lower it to fusekit
+    stages, plan its buffers and build it on the GPU (warm-up, profile, CUDA graph capture)."""
+    from . import lower_model
+
+    return Pipeline(lower_model(model, example_input), dtype=dtype).build(device=device, autotune=autotune, capture=capture)

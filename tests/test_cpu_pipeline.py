@@ -1,0 +1,294 @@
+"""fusekit.pipeline on the CPU: fx tracing and ONNX import, the rewrites (BN folding, fused
+epilogues, fallbacks), the float64 reference against the original model, and buffer planning."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import fusekit.pipeline as fp  # noqa: E402
+from fusekit.errors import UnsupportedError  # noqa: E402
+from fusekit.pipeline.memory import plan_memory  # noqa: E402
+
+
+def _randomize_bn(model, gen):
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            k = m.num_features
+            m.running_mean.copy_(torch.rand(k, generator=gen) * 2 - 1)
+            m.running_var.copy_(torch.rand(k, generator=gen) * 1.5 + 0.5)
+            m.weight.data.copy_(torch.rand(k, generator=gen) + 0.5)
+            m.bias.data.copy_(torch.rand(k, generator=gen) - 0.5)
+
+
+class Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, unsupported="grouped"):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.block = Residual(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+        self.unsupported = unsupported
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.block(self.pool(self.stem(x)))
+        x = self.dw(x)
+        x = torch.sigmoid(x)
+        x = torch.flatten(self.gap(x), 1)
+        x = torch.relu(self.fc1(x))
+        return torch.softmax(self.fc2(x), dim=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(1)
+    m = SmallCNN().eval()
+    _randomize_bn(m, torch.Generator().manual_seed(2))
+    return m
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-300))
+
+
+def test_fx_stage_kinds_and_fallbacks(small):
+    prog = fp.lower_model(small, torch.zeros(2, 3, 20, 20))
+    pats = [s.pattern for s in prog.stages]
+    assert pats == [
+        "conv_bias_relu", "max_pool2d", "conv_bias_relu", "conv_bias_add_relu", "torch", "torch",
+        "avg_pool2d", "reshape", "linear_bias_relu", "linear_bias", "softmax",
+    ], str(prog)
+    assert not any(s.kind in ("bn", "relu", "add", "identity") for s in prog.stages), "BN/ReLU/add left unfused"
+    fb = prog.fallbacks
+    assert len(fb) == 2 and any("groups=4" in f for f in fb) and any("sigmoid" in f for f in fb)
+    tail = prog.stages[3]
+    assert tail.inputs[1] == prog.stages[1].output  # the residual operand: the block's input
+    assert "bn2" in tail.name and "add" in tail.name
+    gap = prog.stages[6]
+    assert gap.attrs["kernel_size"] == (5, 5) and gap.out_shape == (2, 8, 1, 1)
+    assert prog.output_shape == (2, 5)
+    str(prog)  # printable
+
+
+def test_fx_reference_matches_torch_float64(small, rng):
+    x = rng.standard_normal((2, 3, 20, 20))
+    prog = fp.lower_model(small, x.shape)
+    pipe = fp.Pipeline(prog)
+    got = pipe.reference(x)
+    want = small.double()(torch.from_numpy(x)).detach().numpy()
+    small.float()
+    assert got.shape == want.shape
+    assert _rel(got, want) < 1e-10
+    # intermediate check: the folded stem equals conv -> BN -> ReLU of the original
+    env = fp.reference.evaluate(prog, x, keep=True)
+    stem = small.stem.double()(torch.from_numpy(x)).detach().numpy()
+    small.float()
+    assert _rel(env[prog.stages[0].output], stem) < 1e-10
+
+
+def test_bn_folding_conv_without_bias_and_with_bias(rng):
+    for bias in (False, True):
+        m = nn.Sequential(nn.Conv2d(4, 6, 3, padding=2, dilation=2, bias=bias), nn.BatchNorm2d(6)).eval()
+        _randomize_bn(m, torch.Generator().manual_seed(3))
+        prog = fp.lower_model(m, (1, 4, 9, 9))
+        assert [s.pattern for s in prog.stages] == ["conv_bias"]
+        x = rng.standard_normal((1, 4, 9, 9))
+        want = m.double()(torch.from_numpy(x)).detach().numpy()
+        assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-10
+
+
+def test_unfoldable_bn_and_standalone_relu_are_fallbacks(rng):
+    m = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)).eval()
+    _randomize_bn(m, torch.Generator().manual_seed(4))
+    prog = fp.lower_model(m, (2, 3, 8, 8))
+    assert [s.pattern for s in prog.stages] == ["torch", "torch", "max_pool2d", "reshape", "linear_bias"]
+    x = rng.standard_normal((2, 3, 8, 8))
+    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
+
+
+def test_view_flatten_and_functional_ops(rng):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 1)
+            self.fc = nn.Linear(4 * 3 * 3, 2)
+
+        def forward(self, x):
+            y = torch.nn.functional.relu(self.c(x))
+            y = y.view(y.size(0), -1)
+            return self.fc(y)
+
+    m = M().eval()
+    prog = fp.lower_model(m, (3, 3, 3, 3))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "reshape", "linear_bias"]
+    x = rng.standard_normal((3, 3, 3, 3))
+    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
+
+
+# ------------------------------------------------------------------------------------------------
+# ONNX
+# ------------------------------------------------------------------------------------------------
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+
+def _onnx_cnn(rng, extra_sigmoid=False):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = {
+        "w1": f(8, 3, 3, 3) * 0.3, "g1": (rng.random(8) + 0.5).astype(np.float32), "b1": f(8) * 0.1,
+        "m1": f(8) * 0.1, "v1": (rng.random(8) + 0.5).astype(np.float32),
+        "fw": f(5, 8) * 0.3, "fb": f(5),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], strides=[1, 1], kernel_shape=[3, 3], name="conv1"),
+        helper.make_node("BatchNormalization", ["c1", "g1", "b1", "m1", "v1"], ["bn1"], epsilon=1e-3, name="bn1"),
+        helper.make_node("Relu", ["bn1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2], name="pool1"),
+    ]
+    last = "p1"
+    if extra_sigmoid:
+        nodes.append(helper.make_node("Sigmoid", [last], ["s1"], name="sig1"))
+        last = "s1"
+    nodes += [
+        helper.make_node("GlobalAveragePool", [last], ["g"], name="gap"),
+        helper.make_node("Flatten", ["g"], ["fl"], axis=1, name="flat"),
+        helper.make_node("Gemm", ["fl", "fw", "fb"], ["y"], transB=1, name="fc"),
+    ]
+    graph = helper.make_graph(
+        nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    return model, {k: v.astype(np.float64) for k, v in inits.items()}
+
+
+def _onnx_numpy(x, p, sigmoid=False):
+    F = torch.nn.functional
+    t = lambda a: torch.from_numpy(a)  # noqa: E731
+    y = F.conv2d(t(x), t(p["w1"]), padding=1)
+    y = F.batch_norm(y, t(p["m1"]), t(p["v1"]), t(p["g1"]), t(p["b1"]), eps=1e-3)
+    y = F.max_pool2d(torch.relu(y), 2)
+    if sigmoid:
+        y = torch.sigmoid(y)
+    y = y.mean(dim=(2, 3))
+    return (y @ t(p["fw"]).T + t(p["fb"])).numpy()
+
+
+def test_onnx_import_and_reference(rng, tmp_path):
+    model, p = _onnx_cnn(rng)
+    path = tmp_path / "cnn.onnx"
+    onnx.save(model, str(path))
+    for src in (model, str(path)):
+        prog = fp.lower_model(src, (2, 3, 8, 8))
+        assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "avg_pool2d", "reshape", "linear_bias"]
+        assert prog.fallbacks == []
+        x = rng.standard_normal((2, 3, 8, 8))
+        assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p)) < 1e-10
+    from fusekit.pipeline.onnx_import import input_shape
+
+    assert input_shape(model, batch=4) == (4, 3, 8, 8)
+    assert fp.lower_model(model).input_shape == (1, 3, 8, 8)
+
+
+def test_onnx_unsupported_node_is_a_fallback(rng):
+    model, p = _onnx_cnn(rng, extra_sigmoid=True)
+    prog = fp.lower_model(model, (2, 3, 8, 8))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "torch", "avg_pool2d", "reshape", "linear_bias"]
+    assert len(prog.fallbacks) == 1 and "Sigmoid" in prog.fallbacks[0]
+    x = rng.standard_normal((2, 3, 8, 8))
+    assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, sigmoid=True)) < 1e-10
+
+
+def test_onnx_unknown_node_raises():
+    graph = helper.make_graph(
+        [helper.make_node("Erf", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])],
+    )
+    with pytest.raises(UnsupportedError, match="Erf"):
+        fp.lower_model(helper.make_model(graph))
+
+
+def test_onnx_export_of_torch_model_if_available(small, rng, tmp_path):
+    path = tmp_path / "small.onnx"
+    try:
+        torch.onnx.export(small, torch.zeros(2, 3, 20, 20), str(path), dynamo=False, opset_version=17)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torch.onnx.export unavailable: {type(e).__name__}: {e}")
+    prog = fp.lower_model(str(path), (2, 3, 20, 20))
+    x = rng.standard_normal((2, 3, 20, 20))
+    want = small.double()(torch.from_numpy(x)).detach().numpy()
+    small.float()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-9
+    assert sum(s.pattern.startswith("conv_bias") for s in prog.stages) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Buffer planning
+# ------------------------------------------------------------------------------------------------
+def test_memory_plan_chain_reuses_buffers():
+    m = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()) for _ in range(6)]).eval()
+    prog = fp.lower_model(m, (2, 8, 16, 16))
+    mp = plan_memory(prog, 2)
+    assert mp.planned_bytes < mp.eager_bytes
+    assert len(mp.sizes) == 4  # input, output, and two ping-pong buffers for the chain
+    assert mp.conflicts() == []
+    assert mp.planned_bytes >= mp.live_peak_bytes
+
+
+def test_memory_plan_no_live_values_share(small):
+    prog = fp.lower_model(small, (2, 3, 20, 20))
+    mp = plan_memory(prog, 2)
+    assert mp.conflicts() == []
+    # the residual operand stays live across the block: its buffer differs from every value made meanwhile
+    tail = prog.stages[3]
+    z = tail.inputs[1]
+    for s in prog.stages[2:4]:
+        assert mp.assign[s.output] != mp.assign[z]
+    # every pair of overlapping intervals has distinct buffers (explicitly)
+    vals = list(mp.assign)
+    for i, a in enumerate(vals):
+        for b in vals[i + 1:]:
+            (a0, a1), (b0, b1) = mp.intervals[a], mp.intervals[b]
+            if a0 <= b1 and b0 <= a1:
+                assert mp.assign[a] != mp.assign[b], (a, b)
+    assert mp.planned_bytes < mp.eager_bytes
+
+
+def test_report_on_cpu_lists_stages_and_fallbacks(small):
+    pipe = fp.Pipeline(fp.lower_model(small, (2, 3, 20, 20)))
+    r = pipe.report()
+    for s in pipe.stages:
+        assert s.pattern in r
+    assert "fallbacks" in r and "sigmoid" in r and "MiB" in r
+
+
+def test_compile_without_gpu_raises_cleanly(small):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    from fusekit.errors import NoGPUError
+
+    with pytest.raises(NoGPUError):
+        fp.compile(small, torch.zeros(1, 3, 20, 20))

@@ -1,0 +1,189 @@
+"""fusekit.pipeline on the GPU: torchvision models and an ONNX CNN compiled in float16
+channels-last, replayed from one CUDA graph, against PyTorch float32 eager."""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+
+def _models():
+    tv = pytest.importorskip("torchvision")
+    return {"resnet18": tv.models.resnet18, "resnet50": tv.models.resnet50, "mobilenet_v2": tv.models.mobilenet_v2}
+
+
+_CACHE: dict = {}
+
+
+def _half(model):
+    import copy
+
+    return copy.deepcopy(model).half().to(memory_format=torch.channels_last)
+
+
+def _calibrate(m):
+    """Random-init torchvision models can have vanishing activations (mobilenet_v2's logits are
+    ~1e-9, below float16's range): set every BN's running statistics to the batch statistics of
+    one forward pass on random images, so activations are O(1) as in a trained network."""
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.BatchNorm2d):
+            mod.reset_running_stats()
+            mod.momentum = None  # cumulative average: the one batch's statistics
+    m.train()
+    with torch.no_grad():
+        m(torch.randn(16, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)))
+    return m.eval()
+
+
+def _compiled(name, batch):
+    """(fp32 eager model on cuda, pipeline) for a model and batch; built once per test session."""
+    import fusekit.pipeline as fp
+
+    key = (name, batch)
+    if key not in _CACHE:
+        if name not in _CACHE:
+            torch.manual_seed(0)
+            m = _models()[name](weights=None).cuda().float().eval()
+            if name == "mobilenet_v2":
+                m = _calibrate(m)
+            _CACHE[name] = m
+        m = _CACHE[name]
+        pipe = fp.compile(m, torch.zeros(batch, 3, 224, 224), dtype="float16")
+        _CACHE[key] = pipe
+    return _CACHE[name], _CACHE[key]
+
+
+def _check_logits(got, want, batch, fp16_rel=0.0):
+    """fp16 pipeline vs fp32 eager: relative error < 2e-2, or (a deep random-weight net amplifying
+    rounding) within twice PyTorch's own float16 channels-last error on the same input."""
+    got, want = got.float(), want.float()
+    rel = float((got - want).norm() / want.norm())
+    assert rel < max(2e-2, 2 * fp16_rel), (rel, fp16_rel)
+    top_got, top_want = got.argmax(1), want.argmax(1)
+    bad = (top_got != top_want).nonzero().flatten().tolist()
+    if batch == 1:
+        assert not bad, (top_got, top_want)
+    else:
+        assert len(bad) <= 1, bad
+        for i in bad:  # allowed only when the reference's top two logits are near-tied
+            top2 = torch.topk(want[i], 2).values
+            assert float(top2[0] - top2[1]) < 2e-2 * float(want[i].abs().max()), (i, top2)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2"])
+def test_torchvision_model(name, batch):
+    model, pipe = _compiled(name, batch)
+    assert pipe.graph_captured, pipe.capture_error
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    outs = []
+    for _ in range(2):  # two replays with different inputs: input copied in, outputs differ and are right
+        x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen)
+        y = pipe(x)
+        assert y.dtype == torch.float16 and tuple(y.shape) == (batch, 1000)
+        with torch.no_grad():
+            want = model(x)
+            half = _CACHE.setdefault((name, "half"), _half(model))
+            h = half(x.half().contiguous(memory_format=torch.channels_last)).float()
+        fp16_rel = float((h - want).norm() / want.norm())
+        print(f"{name} b{batch}: pipeline rel {float((y.float() - want).norm() / want.norm()):.3e}, torch fp16 rel {fp16_rel:.3e}")
+        _check_logits(y, want, batch, fp16_rel)
+        outs.append(y)
+    assert not torch.equal(outs[0], outs[1])
+    if name.startswith("resnet"):
+        pats = {s.pattern for s in pipe.stages}
+        assert {"conv_bias_relu", "conv_bias_add_relu", "max_pool2d", "avg_pool2d", "linear_bias"} <= pats
+        assert not pipe.program.fallbacks, pipe.program.fallbacks
+        assert not any(s.kind == "bn" for s in pipe.stages)
+    else:
+        assert any("groups=" in f for f in pipe.fallbacks)  # depthwise convs run in PyTorch
+
+
+@pytest.mark.parametrize("name", ["resnet18"])
+def test_report_mentions_every_stage(name):
+    _, pipe = _compiled(name, 1)
+    r = pipe.report()
+    rows = [line for line in r.splitlines() if line.startswith("│")]
+    for i, s in enumerate(pipe.stages):
+        assert any(row.split("│")[1].strip() == str(i) and s.pattern in row for row in rows), (i, s.pattern)
+    assert "captured" in r and "MiB" in r
+    assert all(t is not None and t >= 0 for t in pipe.times_ms)
+    eng = [e for e, s in zip(pipe.engines, pipe.stages) if s.pattern.startswith(("conv", "linear"))]
+    assert all(e not in ("-", "") for e in eng), eng
+    print(r)
+
+
+def test_static_output_and_clone():
+    _, pipe = _compiled("resnet18", 1)
+    x = torch.randn(1, 3, 224, 224, device="cuda")
+    a = pipe.run(x, clone=False)
+    assert a.data_ptr() == pipe.output_buffer.data_ptr()
+    b = pipe(x)
+    assert b.data_ptr() != a.data_ptr() and torch.equal(a, b)
+    # input on the host, float32, NCHW: cast and relayout on the copy
+    c = pipe(x.cpu())
+    assert torch.equal(b, c)
+
+
+def _small_onnx(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    nn = torch.nn
+
+    class CNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Sequential(
+                nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+                nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                nn.Linear(64, 10),
+            )
+
+        def forward(self, x):
+            return torch.softmax(self.f(x), dim=1)
+
+    torch.manual_seed(3)
+    m = CNN().eval()
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.2, 0.2)
+            mod.running_var.uniform_(0.5, 1.5)
+    path = tmp_path / "cnn.onnx"
+    try:
+        torch.onnx.export(m, torch.zeros(4, 3, 32, 32), str(path), dynamo=False, opset_version=17)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torch.onnx.export unavailable ({type(e).__name__}: {e})")
+    onnx.checker.check_model(onnx.load(str(path)))
+    return m, path
+
+
+def test_onnx_cnn(tmp_path):
+    import fusekit.pipeline as fp
+
+    m, path = _small_onnx(tmp_path)
+    pipe = fp.compile(str(path), (4, 3, 32, 32), dtype="float16")
+    assert pipe.graph_captured, pipe.capture_error
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    y = pipe(x).float()
+    want = m.cuda()(x)
+    assert float((y - want).norm() / want.norm()) < 2e-2
+    ref = torch.from_numpy(pipe.reference(x.cpu().double().numpy())).cuda().float()
+    assert float((y - ref).norm() / ref.norm()) < 2e-2
+    assert "softmax" in [s.pattern for s in pipe.stages]
+
+
+def test_autotune_path_small():
+    import fusekit.pipeline as fp
+
+    nn = torch.nn
+    torch.manual_seed(4)
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 8)).eval().cuda()
+    pipe = fp.compile(m, torch.zeros(2, 16, 16, 16), dtype="float16", autotune=True)
+    assert pipe.autotuned
+    x = torch.randn(2, 16, 16, 16, device="cuda")
+    y = pipe(x).float()
+    want = m(x)
+    assert float((y - want).norm() / want.norm()) < 2e-2
+    srcs = [src for src, s in zip(pipe.sources, pipe.stages) if s.pattern.startswith(("conv", "linear"))]
+    assert any(src == "tuned" for src in srcs), srcs
