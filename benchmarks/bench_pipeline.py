@@ -12,6 +12,7 @@ Peak memory: torch.cuda.max_memory_allocated from a clean baseline, weights incl
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import os
@@ -49,7 +50,9 @@ def _reset_mem() -> int:
     return torch.cuda.memory_allocated()
 
 
-def bench_case(name: str, batch: int, dtype: str, iters: int, trials: int, compile_limit_s: float, compile_mode: str) -> dict:
+def bench_case(
+    name: str, batch: int, dtype: str, iters: int, trials: int, compile_limit_s: float, compile_mode: str, agreement_inputs: int = 0
+) -> dict:
     tdt = getattr(torch, dtype)
     shape = (batch, 3, 224, 224)
     rec: dict = {"model": name, "batch": batch, "dtype": dtype, "layout": "channels_last"}
@@ -76,6 +79,10 @@ def bench_case(name: str, batch: int, dtype: str, iters: int, trials: int, compi
     rec["fallbacks"] = len(pipe.fallbacks)
     rec["fused_stages"] = sum(s.pattern.startswith(("conv", "linear")) for s in pipe.stages)
     log(f"{name} b{batch}: fusekit {rec['fusekit_ms']:.3f} ms (build {rec['fusekit_build_s']} s, {rec['fallbacks']} fallbacks)")
+    if agreement_inputs and name.startswith("resnet"):
+        rec.update(agreement(pipe, cpu_model, shape, agreement_inputs))
+        log(f"{name} b{batch}: top-1 agreement with float32 eager {rec['top1_agreement']:.4f} on {rec['top1_inputs']} inputs, "
+            f"median relative error {rec['rel_err_vs_fp32_median']:.2e}")
     pipe = None  # noqa: F841 - free the pipeline's buffers and graph
     _reset_mem()
 
@@ -131,14 +138,32 @@ def bench_case(name: str, batch: int, dtype: str, iters: int, trials: int, compi
     return rec
 
 
+def agreement(pipe: "fp.Pipeline", cpu_model: torch.nn.Module, shape: tuple, inputs: int) -> dict:
+    """Top-1 agreement and relative error of the pipeline against the same weights in float32 eager,
+    on ``inputs`` fresh random images (batches of the pipeline's size)."""
+    ref = copy.deepcopy(cpu_model).to("cuda").to(memory_format=torch.channels_last)
+    agree = total = 0
+    errs = []
+    with torch.no_grad():
+        while total < inputs:
+            x = torch.randn(shape, device="cuda").contiguous(memory_format=torch.channels_last)
+            got, want = pipe(x).float(), ref(x)
+            agree += int((got.argmax(1) == want.argmax(1)).sum())
+            total += shape[0]
+            errs.append(float((got - want).norm() / want.norm()))
+    errs.sort()
+    return {"top1_agreement": agree / total, "top1_inputs": total, "rel_err_vs_fp32_median": errs[len(errs) // 2],
+            "rel_err_vs_fp32_max": errs[-1]}
+
+
 def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
     lines = [
         f"# fusekit.pipeline vs PyTorch on {gpu}", "",
         f"- date: {meta['date']}", f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN backend {meta['cudnn']}, fusekit {meta['fusekit']}",
         f"- float16 channels-last, random weights, eval mode; median of {meta['trials']} trials of {meta['iters']} calls (CUDA events), "
         "fresh random input before each trial; ratio = PyTorch time / fusekit time (> 1: fusekit faster)", "",
-        "| model | batch | fusekit ms | eager ms | eager graph ms | torch.compile ms | eager/fk | graph/fk | compile/fk | peak MB fk | peak MB eager | fallbacks |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | batch | fusekit ms | eager ms | eager graph ms | torch.compile ms | eager/fk | graph/fk | compile/fk | peak MB fk | peak MB eager | fallbacks | top-1 vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(v, fmt="{:.3f}"):
@@ -148,7 +173,8 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         lines.append(
             f"| {r['model']} | {r['batch']} | {f(r['fusekit_ms'])} | {f(r['torch_eager_ms'])} | {f(r['torch_graph_ms'])} | "
             f"{f(r['torch_compile_ms'])} | {f(r['torch_eager_over_fusekit'], '{:.2f}')} | {f(r['torch_graph_over_fusekit'], '{:.2f}')} | "
-            f"{f(r['torch_compile_over_fusekit'], '{:.2f}')} | {r['peak_mem_mb_fusekit']} | {r['peak_mem_mb_eager']} | {r['fallbacks']} |"
+            f"{f(r['torch_compile_over_fusekit'], '{:.2f}')} | {r['peak_mem_mb_fusekit']} | {r['peak_mem_mb_eager']} | {r['fallbacks']} | "
+            f"{f(r.get('top1_agreement'), '{:.3f}')} |"
         )
     notes = [r for r in recs if r.get("torch_compile_note")]
     if notes:
@@ -164,6 +190,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--compile-limit", type=float, default=120.0, help="seconds allowed for torch.compile (0: skip it)")
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--agreement", type=int, default=256, help="random inputs for the top-1 agreement check (ResNets; 0: skip)")
     ap.add_argument("--quick", action="store_true", help="resnet50 batch 1 only, fewer trials, no torch.compile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -183,7 +210,8 @@ def main() -> None:
     recs = []
     for name, batch in cases:
         log(f"{name} batch {batch} ...")
-        recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode))
+        recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode,
+                               args.agreement if batch > 1 else 0))
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, gpu.replace(" ", "-") + "-pipeline")
     with open(stem + ".json", "w") as fh:
