@@ -1,0 +1,95 @@
+"""CPU: the package layout holds: every import points down a layer, no import circles, and no
+module reaches into another module's private names."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "fusekit"
+
+# Layer of each top-level part of the package; a module may import only from its own layer or below.
+LAYERS = {
+    "config": 0, "errors": 0, "tensors": 0,
+    "engine": 1,
+    "dispatch": 2,
+    "ops": 3,
+    "nn": 4, "torch": 4, "pipeline": 4,
+    "cli": 5,
+    "__init__": 6,
+}
+
+
+def _module(path: Path) -> str:
+    return ".".join(("fusekit",) + path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(imported fusekit module, names taken from it) for every import in ``path``, function-level ones too."""
+    mod = _module(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("fusekit"):
+                names = [a.name for a in node.names]
+                if node.module is None or target == "fusekit":  # `from . import x`: x may be a module
+                    for n in names:
+                        out.append((f"{target}.{n}" if (ROOT / Path(*f"{target}.{n}".split(".")[1:])).exists()
+                                    or (ROOT / Path(*f"{target}.{n}".split(".")[1:])).with_suffix(".py").exists() else target, [n]))
+                else:
+                    out.append((target, names))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name.startswith("fusekit")]
+    return out
+
+
+FILES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(ROOT)) for p in FILES])
+def test_imports_point_down_and_use_public_names(path):
+    here = _part(_module(path))
+    for target, names in _imports(path):
+        there = _part(target)
+        if target == "fusekit" and here != "__init__":
+            assert here in ("cli", "pipeline"), f"{path.name}: imports the package root (only the CLI may)"
+            continue
+        assert LAYERS[there] <= LAYERS[here], f"{_module(path)} imports {target}: up from layer {here} to {there}"
+        if there != here:
+            private = [n for n in names if n.startswith("_") and n != "__version__"]
+            assert not private, f"{_module(path)} takes private names {private} from {target}"
+
+
+def test_no_import_circles():
+    graph: dict[str, set[str]] = {}
+    for path in FILES:
+        mod = _module(path)
+        graph[mod] = {t for t, _ in _imports(path) if t != mod}
+    seen: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state = seen.get(m)
+        if state == 2:
+            return
+        assert state != 1, f"import circle: {' -> '.join(stack[stack.index(m):] + [m])}"
+        seen[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if n.startswith(m + "."):  # a package importing its own submodules is not a circle
+                continue
+            visit(n, stack + [m])
+        seen[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
