@@ -82,22 +82,12 @@ def _gpu_name(lib: str, mod: Any) -> str:
 
 
 def _graphed(torch: Any, fn: Callable[[], Any], warmup: int) -> tuple[Callable[[], Any], str]:
-    """(callable, mode): ``fn`` captured in a CUDA graph (its replay), else ``fn`` itself.
+    """(callable, mode): ``fn`` captured in a CUDA graph after a warm-up on the capture stream (its
+    replay), else ``fn`` itself."""
+    from fusekit.pipeline.bench import capture
 
-    Warm-up runs on the capture stream first, so fusekit's per-stream handle, workspace and
-    dispatch entry (and PyTorch's lazy state) exist before capture begins.
-    """
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(max(3, warmup)):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            fn()
+        g = capture(fn, max(3, warmup))
         g.replay()
         torch.cuda.synchronize()
         return g.replay, "CUDA graph"
