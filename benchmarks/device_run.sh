@@ -2,7 +2,7 @@
 # What one call of the device tool runs (see ../shared/device/README.md): install the carried
 # frontend wheel, then the requested parts, logs and results under $OUT.
 #   bash benchmarks/device_run.sh probes tests bench-conv bench-autotune bench-train bench-norm
-# TEST_FILES (default tests/) narrows the `tests` part; tests-NAME runs tests/test_gpu_NAME.py alone.
+# BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) narrows the `tests` part; tests-NAME runs tests/test_gpu_NAME.py alone.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FUSEKIT_CACHE_DIR=${FUSEKIT_CACHE_DIR:-/tmp/fusekit-cache}
@@ -23,7 +23,7 @@ for part in "$@"; do
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
     bench-*)
-      timeout ${BENCH_TIMEOUT:-150} python3 "benchmarks/${part//-/_}.py" --out "$OUT" > "$OUT/${part}.log" 2>&1
+      timeout ${BENCH_TIMEOUT:-150} python3 "benchmarks/${part//-/_}.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/${part}.log" 2>&1
       tail -8 "$OUT/${part}.log" | cut -c1-400 ;;
   esac
 done
