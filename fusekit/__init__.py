@@ -36,9 +36,13 @@ from .ops import (
     pool,
     relu_backward,
 )
+from .engine import oracle, patterns
 from .tensors import TensorSpec, nhwc
 
-_sys.modules[__name__ + ".pool"] = pool  # ``import fusekit.pool`` as before the ops package
+# Module paths from before the engine/ and ops/ packages keep working (``import fusekit.pool``,
+# ``fusekit.oracle.evaluate``, ``fusekit.patterns.register``).
+for _name, _mod in (("pool", pool), ("oracle", oracle), ("patterns", patterns)):
+    _sys.modules[f"{__name__}.{_name}"] = _mod
 
 __all__ = [
     "__version__",
@@ -50,5 +54,5 @@ __all__ = [
     "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
     "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",
     "linear_bias", "linear_bias_relu", "linear_bias_backward", "linear_bias_relu_backward",
-    "get_pattern", "list_patterns", "load_pattern", "parse_pattern", "nhwc", "pool",
+    "get_pattern", "list_patterns", "load_pattern", "parse_pattern", "nhwc", "pool", "oracle", "patterns",
 ]
