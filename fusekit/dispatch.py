@@ -79,6 +79,8 @@ def _resolve(
     device = specs[pattern.operand_names[0]].device
     stream = adapter.stream(device)
     capturing = adapter.capturing(device)
+    if capturing and pattern.not_capturable:
+        raise CaptureError(f"fusekit: {pattern.name} cannot run inside a CUDA-graph capture: {pattern.not_capturable}")
     handle = RUNTIME.handle(adapter, device, stream, create=not capturing)
     if handle is None:
         raise CaptureError(
@@ -244,7 +246,7 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
             cache_ = (cache if cache is not None else default_cache())
             _watch(cache_)
             c = _resolve(pat, operands, outs if not alloc else None, dict(zip(names, values)), cache_)
-            if fkey is not None:
+            if fkey is not None and not pat.not_capturable:  # those resolve every call: each asks if a capture runs
                 with _FAST_LOCK:
                     _FAST[fkey] = c
     if c.relayout:

@@ -394,3 +394,28 @@ def test_layer_norm_names_its_operands_before_choosing_a_layout():
         fusekit.ops.layernorm(np.zeros((2, 3, 4, 4), np.float32), g, g)
     with pytest.raises(OperandError, match=r"^layernorm_backward: operand 'x': expected a CUDA device array"):
         fusekit.ops.layernorm_backward(np.zeros((2, 3, 4, 4), np.float32), np.zeros((2, 3, 4, 4), np.float32), g, g, g)
+
+
+def test_pattern_that_cannot_be_captured_raises_capture_error_before_cudnn(fake, monkeypatch):
+    """A pattern declaring ``not_capturable`` raises CaptureError inside a capture, before any
+    handle, plan or workspace, and its calls stay out of the dispatch table (each one re-checks)."""
+    from fusekit.errors import CaptureError
+
+    assert "unwritten" in fusekit.get_pattern("instancenorm_backward").not_capturable
+    assert fusekit.get_pattern("instancenorm").not_capturable == ""
+    x = FakeArray((2, 8, 6, 6), layout="NHWC")
+    dy = FakeArray((2, 8, 6, 6), layout="NHWC")
+    g = FakeArray((8,), "float32")
+    stats = FakeArray((2, 8, 1, 1), "float32")
+    monkeypatch.setattr(FakeAdapter, "capturing", lambda self, device: True, raising=False)
+    with pytest.raises(CaptureError, match=r"instancenorm_backward cannot run inside a CUDA-graph capture: .*dgamma"):
+        fusekit.ops.instancenorm_backward(dy, x, g, stats, stats)
+    monkeypatch.setattr(FakeAdapter, "capturing", lambda self, device: False, raising=False)
+    with pytest.raises(AssertionError, match="reached cuDNN"):  # outside a capture it goes on to cuDNN
+        fusekit.ops.instancenorm_backward(dy, x, g, stats, stats)
+
+
+def test_not_capturable_must_be_a_string():
+    text = fusekit.get_pattern("relu").text.replace('saved = ["y"]', 'saved = ["y"]\nnot_capturable = 3')
+    with pytest.raises(fusekit.PatternError, match="'not_capturable' must be a string"):
+        fusekit.parse_pattern(text)

@@ -322,6 +322,7 @@ class Pattern:
     output_dtypes: Mapping[str, str] = field(default_factory=dict)  # output name -> fixed dtype, if any
     saved: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
+    not_capturable: str = ""  # why calls must not be captured in a CUDA graph ("" when they may)
     source: str = "<memory>"
     digest: str = ""
     text: str = field(default="", repr=False, compare=False)
@@ -366,7 +367,7 @@ class Pattern:
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward"}
+_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward", "not_capturable"}
 
 
 def _freeze(v: Any) -> Any:
@@ -468,6 +469,8 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         need(s in defined, f"saved value {s!r} is not an operand or op output")
     backward = doc.get("backward", [])
     need(isinstance(backward, list) and all(isinstance(x, str) for x in backward), "'backward' must be a list of pattern names")
+    not_capturable = doc.get("not_capturable", "")
+    need(isinstance(not_capturable, str), "'not_capturable' must be a string saying why the pattern cannot be captured")
     # Order matters (operands and attributes are positional), so the digest keeps file order.
     canon = json.dumps(doc, separators=(",", ":"))
     return Pattern(
@@ -481,6 +484,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         output_dtypes=out_dtypes,
         saved=saved,
         backward=tuple(backward),
+        not_capturable=not_capturable,
         source=source,
         digest=hashlib.sha256(canon.encode()).hexdigest()[:16],
         text=text,
