@@ -220,7 +220,7 @@ def test_valid_operands_reach_the_tripwire(fake):
     with pytest.raises(AssertionError, match="reached cuDNN"):
         fusekit.conv_bias_relu(x, w, b, padding=1)
     with pytest.raises(AssertionError, match="reached cuDNN"):
-        fusekit.conv_bias_relu(x, w, FakeArray((1, 16, 1, 1)), padding=1, out=FakeArray((2, 16, 9, 9), layout="NHWC"))
+        fusekit.conv_bias_relu(x, w, FakeArray((1, 16, 1, 1)), padding=1, out=FakeArray((2, 16, 9, 9), layout="NHWC", ptr=0x7F00_1000_0000))
     with pytest.raises(AssertionError, match="reached cuDNN"):
         fusekit.plan_for("conv", x, w, padding=(1, 1))
 
@@ -419,3 +419,37 @@ def test_not_capturable_must_be_a_string():
     text = fusekit.get_pattern("relu").text.replace('saved = ["y"]', 'saved = ["y"]\nnot_capturable = 3')
     with pytest.raises(fusekit.PatternError, match="'not_capturable' must be a string"):
         fusekit.parse_pattern(text)
+
+
+def test_out_overlapping_an_input_is_refused(fake):
+    """``out=`` sharing memory with an operand (conv's x, a view into it, another output) is an
+    OperandError naming both, before cuDNN; a separate output goes on to cuDNN."""
+    x, w, b = good_operands()
+    with raises_operand("y", r"out overlaps the memory of 'x'"):
+        fusekit.conv_bias_relu(x, w, FakeArray((16,)), padding=1, out=FakeArray((2, 16, 9, 9), layout="NHWC", ptr=x.ptr))
+    inside = x.ptr + 2 * 8 * 9 * 9 - 64  # starts inside x's last bytes
+    with raises_operand("y", r"out overlaps the memory of 'x'"):
+        fusekit.conv_bias_relu(x, w, FakeArray((16,)), padding=1, out=FakeArray((2, 16, 9, 9), layout="NHWC", ptr=inside))
+    just_after = x.ptr + 2 * 8 * 9 * 9 * 2  # x is 2*8*9*9 float16 elements
+    with pytest.raises(AssertionError, match="reached cuDNN"):
+        fusekit.conv_bias_relu(x, w, FakeArray((16,)), padding=1, out=FakeArray((2, 16, 9, 9), layout="NHWC", ptr=just_after))
+
+
+def test_in_place_only_where_the_pattern_allows_it_exactly(fake):
+    """relu declares in_place = { y = "x" }: out=x is allowed; an out shifted into x is not."""
+    x = FakeArray((2, 8, 4, 4), layout="NHWC")
+    with pytest.raises(AssertionError, match="reached cuDNN"):
+        fusekit.call("relu", x, out=FakeArray((2, 8, 4, 4), layout="NHWC", ptr=x.ptr))
+    with pytest.raises(OperandError, match=r"relu: operand 'y': out overlaps the memory of 'x'.*exactly 'x'"):
+        fusekit.call("relu", x, out=FakeArray((2, 8, 4, 4), layout="NHWC", ptr=x.ptr + 32))
+    assert fusekit.get_pattern("conv_bias_relu").in_place == {}
+
+
+def test_two_outputs_sharing_memory_are_refused(fake):
+    dy = FakeArray((2, 8, 4, 4), layout="NHWC")
+    x = FakeArray((2, 8, 4, 4), layout="NHWC", ptr=0x7F00_0010_0000)
+    g, m, v = FakeArray((8,), "float32", ptr=0x7F00_0020_0000), FakeArray((8,), "float32", ptr=0x7F00_0030_0000), FakeArray((8,), "float32", ptr=0x7F00_0040_0000)
+    dx = FakeArray((2, 8, 4, 4), layout="NHWC", ptr=0x7F00_0050_0000)
+    dg = FakeArray((8,), "float32", ptr=0x7F00_0060_0000)
+    with pytest.raises(OperandError, match=r"batchnorm_backward: operand 'dbeta': out overlaps the memory of 'dgamma'"):
+        fusekit.call("batchnorm_backward", dy, x, g, m, v, out=(dx, dg, FakeArray((8,), "float32", ptr=dg.ptr)))

@@ -29,6 +29,7 @@ def check_operands(
     aligns = []
     first: tuple[str, TensorSpec] | None = None
     adapter0: Adapter | None = None
+    extents: list[tuple[str, tuple[int, int]]] = []  # (name, [first byte, last byte + 1)) of each array
     for o, a in zip(pattern.operands, operands):
         ad = adapter_for(a, name, o.name)
         adapter0 = adapter0 or ad
@@ -46,6 +47,7 @@ def check_operands(
             first = (o.name, spec)
         specs[o.name] = spec
         aligns.append(ad.probe(a)[0][-1])
+        extents.append((o.name, _extent(ad, a, spec.dtype)))
     norm = pattern.normalize_attrs(attrs)
     wanted = output_specs(pattern, specs, norm)
     for i, (oname, want) in enumerate(wanted.items()):
@@ -61,11 +63,42 @@ def check_operands(
                 )
             want = got
             aligns.append(ad.probe(a)[0][-1])
+            _check_overlap(pattern, oname, _extent(ad, a, got.dtype), extents)
         else:
             aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
         specs[oname] = want
     assert adapter0 is not None
     return specs, norm, aligns, adapter0
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _extent(ad: Adapter, a: Any, dtype: str) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory ``a`` addresses (empty when a dim is 0)."""
+    shape, strides, _, _ = ad.describe(a)
+    ptr = ad.probe(a)[1]
+    if any(int(d) == 0 for d in shape):
+        return ptr, ptr
+    last = sum((int(d) - 1) * abs(int(st)) for d, st in zip(shape, strides))
+    return ptr, ptr + (last + 1) * _ITEMSIZE.get(dtype, 8)
+
+
+def _check_overlap(pattern: Pattern, oname: str, ext: tuple[int, int], seen: list[tuple[str, tuple[int, int]]]) -> None:
+    """An ``out=`` array must not share memory with an operand or another output (the graph would read
+    what it has already overwritten), unless the pattern declares the pair safe in place with the
+    very same memory (``in_place`` in its file)."""
+    lo, hi = ext
+    for other, (olo, ohi) in seen:
+        if lo < ohi and olo < hi:
+            if pattern.in_place.get(oname) == other and (lo, hi) == (olo, ohi):
+                continue
+            allowed = f" (the pattern allows out '{oname}' to be exactly '{pattern.in_place[oname]}')" if oname in pattern.in_place else ""
+            raise OperandError(
+                pattern.name, oname, f"out overlaps the memory of '{other}'; the result would be garbage: "
+                f"pass a separate output array{allowed}"
+            )
+    seen.append((oname, ext))
 
 
 def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple) -> dict[str, TensorSpec]:

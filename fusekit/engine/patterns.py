@@ -323,6 +323,7 @@ class Pattern:
     saved: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
     not_capturable: str = ""  # why calls must not be captured in a CUDA graph ("" when they may)
+    in_place: Mapping[str, str] = field(default_factory=dict)  # output -> operand it may be exactly (out=)
     source: str = "<memory>"
     digest: str = ""
     text: str = field(default="", repr=False, compare=False)
@@ -367,7 +368,7 @@ class Pattern:
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward", "not_capturable"}
+_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward", "not_capturable", "in_place"}
 
 
 def _freeze(v: Any) -> Any:
@@ -469,6 +470,11 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         need(s in defined, f"saved value {s!r} is not an operand or op output")
     backward = doc.get("backward", [])
     need(isinstance(backward, list) and all(isinstance(x, str) for x in backward), "'backward' must be a list of pattern names")
+    in_place = doc.get("in_place", {})
+    need(
+        isinstance(in_place, dict) and all(k in out_map and v in {o.name for o in operands} for k, v in in_place.items()),
+        "'in_place' must map outputs to the operands they may overwrite exactly, e.g. in_place = { y = \"x\" }",
+    )
     not_capturable = doc.get("not_capturable", "")
     need(isinstance(not_capturable, str), "'not_capturable' must be a string saying why the pattern cannot be captured")
     # Order matters (operands and attributes are positional), so the digest keeps file order.
@@ -485,6 +491,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         saved=saved,
         backward=tuple(backward),
         not_capturable=not_capturable,
+        in_place=dict(in_place),
         source=source,
         digest=hashlib.sha256(canon.encode()).hexdigest()[:16],
         text=text,
