@@ -18,7 +18,19 @@ from .dispatch import call, plan_for
 from .engine.autotune import TuneOptions, TuneResult, autotune, autotune_shapes
 from .engine.cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
 from .engine.patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
-from .errors import CacheWarning, FusekitError, FusionWarning, LayoutWarning, NoGPUError, OperandError, PatternError, UnsupportedError
+from .errors import (
+    CacheWarning,
+    CaptureError,
+    FusekitError,
+    FusionWarning,
+    LayoutWarning,
+    NoGPUError,
+    OperandError,
+    PatternError,
+    PatternWarning,
+    SettingError,
+    UnsupportedError,
+)
 from .ops import (
     conv2d,
     conv2d_backward,
@@ -49,7 +61,7 @@ __all__ = [
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
     "autotune", "autotune_shapes", "configure",
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
-    "CacheWarning", "FusionWarning", "LayoutWarning",
+    "CacheWarning", "CaptureError", "FusionWarning", "LayoutWarning", "PatternWarning", "SettingError",
     "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache",
     "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
     "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",

@@ -46,3 +46,16 @@ class CacheWarning(UserWarning):
 
 class CaptureError(FusekitError):
     """A call needs work that a CUDA-graph capture forbids (a plan build, a new cuDNN handle): warm up first."""
+
+
+class SettingError(FusekitError, ValueError):
+    """A ``FUSEKIT_*`` environment variable has a value fusekit cannot use."""
+
+    def __init__(self, var: str, value: str, expected: str) -> None:
+        super().__init__(f"{var}={value!r} is invalid: expected {expected}")
+        self.var = var
+        self.value = value
+
+
+class PatternWarning(UserWarning):
+    """A pattern directory or file was skipped (missing directory in $FUSEKIT_PATTERNS, unreadable file)."""

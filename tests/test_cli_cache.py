@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
+import time
 
 import pytest
 from click.testing import CliRunner
 
-from fusekit.engine.cache import DiskStore
+from fusekit.engine.cache import LEFTOVER_AGE_S, DiskStore
 from fusekit.cli import main
 
 
@@ -301,3 +303,85 @@ def test_cache_commands_need_no_gpu_and_take_help():
     for cmd in ("ls", "show", "clear", "export", "import", "verify"):
         assert cmd in r.output
     assert_one_line_error(invoke("cache", "nope"), "nope")
+
+
+# ----------------------------------------------------------------------------------------------
+# leftovers of interrupted writes, untrusted entries
+# ----------------------------------------------------------------------------------------------
+def _leftover(store: DiskStore, age_s: float, size: int, shard: str) -> os.PathLike:
+    d = store.plans_dir / shard
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / f".{shard}cdef01.k3j_x9.tmp"
+    p.write_bytes(b"\0" * size)
+    t = time.time() - age_s
+    os.utime(p, (t, t))
+    return p
+
+
+def test_ls_and_verify_report_leftovers(store):
+    young = _leftover(store, 5, 1024, "ab")
+    old = _leftover(store, LEFTOVER_AGE_S + 60, 2048, "cd")
+    r = invoke("cache", "ls", "--cache-dir", store.root)
+    assert r.exit_code == 0, r.output
+    assert set(_rows(r.output)) == {TUNED[:12], BUILT[:12]}
+    assert "2 leftover temporary files (3.0 KiB) from interrupted writes" in r.output
+    assert young.exists() and old.exists()  # ls changes nothing
+
+    r = invoke("cache", "verify", "--cache-dir", store.root)
+    assert r.exit_code == 0, r.output
+    assert "removed 1 leftover temporary file (2.0 KiB) of interrupted writes (older than 10 min)" in r.output
+    assert "kept 1 leftover temporary file (1.0 KiB) younger than 10 min" in r.output
+    assert r.output.strip().splitlines()[-1].startswith("checked 2 stored plans")
+    assert young.exists() and not old.exists()
+
+
+def test_clear_removes_stale_leftovers_only(store):
+    young = _leftover(store, 5, 10, "ab")
+    old = _leftover(store, LEFTOVER_AGE_S + 60, 10, "cd")
+    r = invoke("cache", "clear", "--yes", "--cache-dir", store.root)
+    assert r.exit_code == 0 and "removed 2 plans" in r.output and "(and 1 other file)" in r.output, r.output
+    assert young.exists() and not old.exists()
+
+
+def test_verify_and_ls_refuse_an_entry_others_can_write(store):
+    p = store.path(key())
+    p.chmod(0o666)
+    r = invoke("cache", "ls", "--cache-dir", store.root)
+    assert set(_rows(r.output)) == {BUILT[:12]} and "1 bad entry (not listed)" in r.output
+    r = invoke("cache", "verify", "--cache-dir", store.root)
+    assert r.exit_code == 1
+    assert r.output.startswith(f"bad {TUNED[:12]}: ") and "writable by group or others (mode 0o666)" in r.output
+
+
+# ----------------------------------------------------------------------------------------------
+# doctor shows invalid settings
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:FUSEKIT_PATTERNS")
+def test_doctor_shows_invalid_settings(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    env = {
+        "FUSEKIT_CACHE_DIR": str(f),
+        "FUSEKIT_CACHE_SIZE": "many",
+        "FUSEKIT_MODE": "fast",
+        "FUSEKIT_PATTERNS": str(tmp_path / "no-such-dir"),
+    }
+    r = invoke("doctor", env=env)
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output
+    problems = [ln for ln in r.output.splitlines() if ln.startswith("problem ")]
+    assert len(problems) == 4, r.output
+    assert any(f"FUSEKIT_CACHE_DIR={str(f)!r} is invalid: expected a directory" in ln for ln in problems)
+    assert any("FUSEKIT_CACHE_SIZE='many' is invalid: expected an integer >= 1" in ln for ln in problems)
+    assert any("FUSEKIT_MODE='fast' is invalid: expected one of heuristic, autotune" in ln for ln in problems)
+    assert any("FUSEKIT_PATTERNS" in ln and "no-such-dir" in ln for ln in problems)
+    status = [ln for ln in r.output.splitlines() if ln.startswith("status ")]
+    assert len(status) == 1 and "4 invalid setting(s)" in status[0]
+
+
+def test_doctor_without_problems_exits_zero(tmp_path):
+    env = {"FUSEKIT_CACHE_DIR": str(tmp_path / "c"), "FUSEKIT_CACHE_SIZE": "8", "FUSEKIT_MODE": "autotune", "FUSEKIT_PATTERNS": str(tmp_path)}
+    r = invoke("doctor", env=env)
+    assert r.exit_code == 0, r.output
+    assert not any(ln.startswith("problem ") for ln in r.output.splitlines())
+    assert not (tmp_path / "c").exists()  # doctor creates nothing

@@ -1,12 +1,17 @@
 """CPU: plan keys and the LRU plan cache, with fake plans (no GPU, no cuDNN)."""
 
 import dataclasses
+import os
 import threading
 import time
 
 import pytest
 
-from fusekit.engine.cache import DEFAULT_HEURISTICS, Plan, PlanCache, PlanKey
+from fusekit import config
+from fusekit.errors import SettingError
+from fusekit.engine import cache as cache_mod
+from fusekit.engine.cache import DEFAULT_HEURISTICS, Plan, PlanCache, PlanKey, default_cache
+from fusekit.errors import FusekitError
 
 
 from plankeys import BASE, key  # noqa: E402
@@ -265,7 +270,7 @@ def test_env_cache_size(monkeypatch):
     # an explicit maxsize wins over the environment
     assert PlanCache(maxsize=7).maxsize == 7
     monkeypatch.setenv("FUSEKIT_CACHE_SIZE", "0")
-    with pytest.raises(ValueError, match=r"maxsize must be >= 1, got 0"):
+    with pytest.raises(SettingError, match=r"FUSEKIT_CACHE_SIZE='0' is invalid: expected an integer >= 1"):
         PlanCache()
 
 
@@ -277,3 +282,68 @@ def test_default_size_without_env(monkeypatch):
 def test_an_empty_cache_is_still_used():
     """`cache or default_cache()` must not skip an empty PlanCache (it has __len__)."""
     assert bool(PlanCache(maxsize=1))
+
+
+# ----------------------------------------------------------------------------------------------
+# settings: checked in fusekit.config, one clear error naming the variable, its value and what fits
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in config.SETTINGS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cache_mod, "_default", None)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "abc", "1.5", ""])
+def test_bad_cache_size_is_a_setting_error(clean_env, raw):
+    clean_env.setenv("FUSEKIT_CACHE_DIR", "off")
+    clean_env.setenv("FUSEKIT_CACHE_SIZE", raw)
+    for make in (PlanCache, default_cache):
+        with pytest.raises(SettingError) as e:
+            make()
+        assert isinstance(e.value, FusekitError)
+        assert str(e.value) == f"FUSEKIT_CACHE_SIZE={raw!r} is invalid: expected an integer >= 1 (plans kept in memory)"
+    assert config.problems() == [str(e.value)]
+
+
+def test_bad_mode_is_a_setting_error(clean_env):
+    clean_env.setenv("FUSEKIT_CACHE_DIR", "off")
+    clean_env.setenv("FUSEKIT_MODE", "turbo")
+    with pytest.raises(SettingError, match=r"^FUSEKIT_MODE='turbo' is invalid: expected one of heuristic, autotune$"):
+        default_cache()
+    assert PlanCache(mode="autotune").mode == "autotune"  # an explicit mode does not read the variable
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["file", "below_file"])
+def test_cache_dir_naming_a_file_is_a_setting_error(clean_env, tmp_path, below):
+    f = tmp_path / "plans.txt"
+    f.write_text("not a directory")
+    target = f / "sub" / "dir" if below else f
+    clean_env.setenv("FUSEKIT_CACHE_DIR", str(target))
+    with pytest.raises(SettingError) as e:
+        default_cache()
+    msg = str(e.value)
+    assert msg.startswith(f"FUSEKIT_CACHE_DIR={str(target)!r} is invalid: expected a directory")
+    assert (f"is below the file {f}" if below else "it is a file") in msg
+    assert config.problems() == [msg]
+    assert f.read_text() == "not a directory"  # nothing was made or changed
+
+
+def test_problems_lists_every_invalid_setting(clean_env, tmp_path):
+    assert config.problems() == []
+    clean_env.setenv("FUSEKIT_CACHE_DIR", str(tmp_path / "fine" / "new"))  # missing is fine: it is made
+    clean_env.setenv("FUSEKIT_PATTERNS", str(tmp_path))
+    assert config.problems() == []
+    f = tmp_path / "f"
+    f.write_text("")
+    clean_env.setenv("FUSEKIT_CACHE_DIR", str(f))
+    clean_env.setenv("FUSEKIT_CACHE_SIZE", "lots")
+    clean_env.setenv("FUSEKIT_MODE", "fast")
+    clean_env.setenv("FUSEKIT_PATTERNS", f"{tmp_path}{os.pathsep}{tmp_path / 'nope'}{os.pathsep}{f}")
+    found = config.problems()
+    assert len(found) == 5, found
+    for var, value in (("FUSEKIT_CACHE_DIR", str(f)), ("FUSEKIT_CACHE_SIZE", "lots"), ("FUSEKIT_MODE", "fast")):
+        assert any(p.startswith(f"{var}={value!r} is invalid: expected ") for p in found), var
+    assert any("FUSEKIT_PATTERNS" in p and repr(str(tmp_path / "nope")) in p and "missing" in p for p in found)
+    assert any("FUSEKIT_PATTERNS" in p and repr(str(f)) in p and "a file" in p for p in found)

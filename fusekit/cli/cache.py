@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tarfile
@@ -12,7 +13,7 @@ from typing import Any
 import click
 
 from fusekit import config
-from fusekit.engine.cache import DiskStore, Entry, EntryError, PlanKey
+from fusekit.engine.cache import LEFTOVER_AGE_S, DiskStore, Entry, EntryError, PlanKey
 from fusekit.engine.patterns import get_pattern
 from fusekit.errors import FusekitError
 from fusekit.tensors import view_shape
@@ -25,6 +26,7 @@ from .common import (
     console,
     emit,
     fmt_attrs,
+    fmt_bytes,
     fmt_value,
     friendly,
     is_int,
@@ -87,6 +89,23 @@ def _entry_shapes(key: PlanKey) -> tuple[str, str]:
     return shapes, fmt_attrs(attrs)
 
 
+def _leftover_sizes(store: DiskStore) -> dict[Path, int]:
+    """{path: size} of the temporary files that interrupted writes left in the store."""
+    sizes = {}
+    for p in store.leftovers():
+        with contextlib.suppress(FileNotFoundError):
+            sizes[p] = p.stat().st_size
+    return sizes
+
+
+def _files(sizes: list[int]) -> str:
+    """``2 leftover temporary files (1.5 MiB)``."""
+    return f"{plural(len(sizes), 'leftover temporary file')} ({fmt_bytes(sum(sizes))})"
+
+
+_AGE = f"{LEFTOVER_AGE_S / 60:g} min"
+
+
 def _scan(store: DiskStore) -> tuple[list[Entry], list[tuple[Path, str]]]:
     """(valid entries, [(path, problem)]) of a store."""
     good, bad = [], []
@@ -95,6 +114,8 @@ def _scan(store: DiskStore) -> tuple[list[Entry], list[tuple[Path, str]]]:
             good.append(store.load(p))
         except EntryError as e:
             bad.append((p, str(e)))
+        except PermissionError as e:  # the store's directories are not trusted
+            bad.append((p, f"{p.name}: {e}"))
         except OSError as e:
             bad.append((p, f"{p.name}: cannot read ({e.strerror or e})"))
     return good, bad
@@ -149,6 +170,9 @@ def cache_ls(cache_dir: Path | None) -> None:
     con.print(f"{plural(len(good), 'plan')} in {store.plans_dir}" + ("" if good else " (empty)"))
     if bad:
         con.print(f"{plural(len(bad), 'bad entry', 'bad entries')} (not listed): `fusekit cache verify` shows them, `--fix` moves them aside")
+    left = _leftover_sizes(store)
+    if left:
+        con.print(f"{_files(list(left.values()))} from interrupted writes: `fusekit cache verify` removes those older than {_AGE}")
 
 
 @cache_group.command("show")
@@ -193,10 +217,11 @@ def cache_show(key: str, cache_dir: Path | None, as_json: bool) -> None:
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @friendly
 def cache_clear(cache_dir: Path | None, yes: bool) -> None:
-    """Delete every stored plan (and entries moved aside); asks first unless --yes."""
+    """Delete every stored plan (and entries moved aside, and leftovers of interrupted writes); asks first unless --yes."""
     store = _store(cache_dir)
     n = sum(1 for _ in store.entries())
-    others = sum(1 for p in store.plans_dir.glob("*/*") if p.suffix != ".plan") if store.plans_dir.is_dir() else 0
+    others = sum(1 for p in store.plans_dir.glob("*/*") if p.suffix not in (".plan", ".tmp")) if store.plans_dir.is_dir() else 0
+    others += len(store.leftovers(LEFTOVER_AGE_S))  # stale ones; clear() keeps a live writer's
     if n == 0 and others == 0:
         click.echo(f"nothing to clear: no plans in {store.plans_dir}")
         return
@@ -254,15 +279,24 @@ def cache_import(file: Path, cache_dir: Path | None) -> None:
 @click.option("--fix", is_flag=True, help="Move bad entries aside (*.bad); they are rebuilt when next needed.")
 @friendly
 def cache_verify(cache_dir: Path | None, fix: bool) -> None:
-    """Check every stored plan (format, checksum, key); lists the bad ones and exits 1 unless --fix."""
+    """Check every stored plan (format, checksum, key, owner and permissions); lists the bad ones and
+    exits 1 unless --fix. Also removes the temporary files of interrupted writes untouched for 10
+    minutes (younger ones may belong to a write in progress: they are only counted)."""
     store = _store(cache_dir)
     total = sum(1 for _ in store.entries())
     bad = store.verify(fix=fix)
+    for p, why in bad:
+        click.echo(f"bad {p.stem[:12]}: {one_line(why)}")
+    sizes = _leftover_sizes(store)
+    removed = [sizes.get(p, 0) for p in store.remove_leftovers()]
+    kept = list(_leftover_sizes(store).values())
+    if removed:
+        click.echo(f"removed {_files(removed)} of interrupted writes (older than {_AGE})")
+    if kept:
+        click.echo(f"kept {_files(kept)} younger than {_AGE}: a write may still be in progress")
     if not bad:
         click.echo(f"checked {plural(total, 'stored plan')} in {store.plans_dir}: none is bad")
         return
-    for p, why in bad:
-        click.echo(f"bad {p.stem[:12]}: {one_line(why)}")
     if fix:
         click.echo(f"moved {plural(len(bad), 'bad entry', 'bad entries')} aside (*.bad); kept {plural(total - len(bad), 'good plan')}")
         return

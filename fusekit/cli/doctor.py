@@ -1,4 +1,5 @@
-"""``fusekit doctor``: versions, GPUs, driver, plan cache and settings of this machine (exits 0 with or without a GPU)."""
+"""``fusekit doctor``: versions, GPUs, driver, plan cache and settings of this machine (exits 0 with or
+without a GPU, 1 when a FUSEKIT_* setting is invalid)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,12 @@ def _cache_info() -> str:
         return f"in memory only (FUSEKIT_CACHE_DIR={setting('FUSEKIT_CACHE_DIR')}), mode {mode}"
     store = DiskStore()  # $FUSEKIT_CACHE_DIR or the user cache directory
     n = sum(1 for _ in store.entries())
-    return f"memory + disk at {store.root} ({n} stored plan(s)), mode {mode}"
+    info = f"memory + disk at {store.root} ({n} stored plan(s)), mode {mode}"
+    try:
+        store.check_dirs()
+    except PermissionError as e:
+        info += f"; its plans are not used: {e}"
+    return info
 
 
 def _devices(lib: str, mod: Any, count: int) -> list[str]:
@@ -84,10 +90,11 @@ def _cupy_info() -> tuple[str, list[str]]:
 
 @click.command("doctor", cls=Command)
 def doctor() -> None:
-    """Report versions, GPUs and driver; exits 0 with or without a GPU.
+    """Report versions, GPUs, driver and settings; exits 0 with or without a GPU, 1 if a setting is invalid.
 
     Lists Python, fusekit, the cuDNN frontend and backend, PyTorch and CuPy (and whether they see a
-    GPU), each GPU's name and compute capability, and the NVIDIA driver.
+    GPU), each GPU's name and compute capability, the NVIDIA driver, the plan cache and every
+    FUSEKIT_* setting, with a "problem" row for each invalid one.
     """
     rows: list[tuple[str, str]] = []
     rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
@@ -139,6 +146,8 @@ def doctor() -> None:
     rows.append(("driver", _probe(_driver)))
     rows.append(("plan cache", _probe(_cache_info)))
     rows.extend(config.describe())
+    problems = config.problems()
+    rows.extend(("problem", p) for p in problems)
 
     if frontend_ok and backend_ok and libs_with_gpu:
         verdict = f"ready: `fusekit run` and the GPU tests can run (through {libs_with_gpu[0]})"
@@ -151,7 +160,11 @@ def doctor() -> None:
         elif not backend_ok:
             why.append("cuDNN backend library not loadable")
         verdict = f"no GPU path ({'; '.join(why)}); patterns, oracle and graph lowering still work"
+    if problems:
+        verdict = f"{len(problems)} invalid setting(s) (the problem rows above); {verdict}"
     rows.append(("status", verdict))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k.ljust(width)}  {v}")
+    if problems:
+        raise SystemExit(1)

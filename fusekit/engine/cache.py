@@ -4,12 +4,16 @@ A miss goes memory -> disk -> build. The disk store keeps one file per key: a JS
 (the full key, the chosen plan, candidate timings, versions, the blob's length and SHA-256)
 followed by the serialized cuDNN graph. Files are written to a temporary name and renamed, so a
 reader never sees half an entry; a per-key file lock makes concurrent processes build a key once.
-An entry that fails its checks is moved aside with a warning and rebuilt, never trusted.
+An entry that fails its checks is moved aside with a warning and rebuilt, never trusted; so is one
+that another user could have written (a cuDNN plan can carry engine code). A store that cannot be
+used (not writable, full, unlockable) costs one warning and the cache goes on in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +32,9 @@ from ..errors import CacheWarning, FusekitError
 from ..tensors import TensorSpec
 
 DEFAULT_HEURISTICS: tuple[str, ...] = ("A", "FALLBACK")
+#: Temporary files of interrupted writes older than this (seconds) are removed: no live writer
+#: leaves its temporary file untouched for so long.
+LEFTOVER_AGE_S = 600.0
 MODES = config.MODES
 ENTRY_FORMAT = "fusekit-plan/1"
 
@@ -122,6 +129,7 @@ class CacheStats:
     disk_hits: int = 0
     disk_writes: int = 0
     rejected: int = 0  # disk entries moved aside (failed checks, or cuDNN refused the blob)
+    disk_errors: int = 0  # store operations that failed (unwritable, full, unlockable, untrusted)
 
 
 def default_cache_dir() -> Path:
@@ -182,12 +190,39 @@ def _decode(data: bytes, path: Path) -> Entry:
     return Entry(path, header, blob)
 
 
+def _mkdirs(path: Path) -> None:
+    """Make directory ``path`` and its missing parents, each 0o700 (existing ones are left as they are)."""
+    if path.is_dir():
+        return
+    if path.parent != path:
+        _mkdirs(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(path)) from None
+
+
+def _unsafe(st: os.stat_result) -> str | None:
+    """Why a file or directory with stat ``st`` may hold another user's data, else None."""
+    uid = os.getuid()
+    if st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {st.st_mode & 0o777:#o})"
+    return None
+
+
+_TRUST = "a cuDNN plan can carry engine code, so only what this user alone can write is loaded"
+
+
 class DiskStore:
     """Directory of plan entries: ``<root>/plans/<digest[:2]>/<digest>.plan``."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
         self.quarantined = 0  # entries this store object moved aside
+        self.fault: str | None = None  # the first failure reported through fail() (then warned about)
 
     @property
     def plans_dir(self) -> Path:
@@ -202,20 +237,35 @@ class DiskStore:
         from filelock import FileLock
 
         locks = self.root / "locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(locks / f"{key.fingerprint()}.lock"))
+        _mkdirs(locks)
+        return FileLock(str(locks / f"{key.fingerprint()}.lock"), mode=0o600)
+
+    def fail(self, why: str) -> None:
+        """Report that the store could not be used for one operation; only a store's first failure is warned about."""
+        if self.fault is None:
+            self.fault = why
+            warnings.warn(f"fusekit plan cache at {self.root}: {why}; going on with plans in memory", CacheWarning, stacklevel=4)
+
+    def check_dirs(self, entry_dir: Path | None = None) -> None:
+        """PermissionError if the store's directories (and ``entry_dir``) could hold another user's files."""
+        for d in (self.root, self.plans_dir) + ((entry_dir,) if entry_dir is not None else ()):
+            try:
+                why = _unsafe(os.stat(d))
+            except FileNotFoundError:
+                continue
+            if why:
+                raise PermissionError(f"{d} is {why}; {_TRUST}")
 
     def read(self, key: PlanKey) -> Entry | None:
-        """The valid entry for ``key``, None if absent; a bad entry is moved aside with a warning."""
+        """The valid entry for ``key``, None if absent; a bad or untrusted entry is moved aside with a
+        warning. Raises OSError if the store cannot be read or its directories are not trusted."""
         p = self.path(key)
         try:
-            data = p.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            entry = _decode(data, p)
+            entry = self.load(p)
             if entry.key != key:  # header["key"] came from JSON (lists); compare as PlanKeys
                 raise EntryError(f"{p.name}: stored for another key")
+        except FileNotFoundError:
+            return None
         except EntryError as e:
             self.quarantine(p, str(e))
             return None
@@ -228,58 +278,93 @@ class DiskStore:
         return p
 
     def _write_bytes(self, p: Path, data: bytes) -> None:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.stem[:8]}.", suffix=".tmp")
+        """Write ``p`` (0o600) through a hidden temporary file, removed again if anything fails."""
+        _mkdirs(p.parent)
+        self.check_dirs(p.parent)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.stem[:8]}.", suffix=".tmp")  # mode 0o600
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, p)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             raise
 
     def quarantine(self, path: Path, why: str) -> None:
         """Move a bad entry aside (``*.bad``) and warn; it will be rebuilt."""
-        warnings.warn(f"fusekit plan cache: ignoring {path} ({why}); moved aside and rebuilding", CacheWarning, stacklevel=3)
         self.quarantined += 1
+        done = "moved aside and rebuilding"
         try:
             os.replace(path, path.with_name(f"{path.name}.{int(time.time() * 1e3)}.bad"))
         except FileNotFoundError:
             pass
+        except OSError as e:
+            done = f"rebuilding (cannot move it aside: {e})"
+        warnings.warn(f"fusekit plan cache: ignoring {path} ({why}); {done}", CacheWarning, stacklevel=3)
 
     def entries(self) -> Iterator[Path]:
         if self.plans_dir.is_dir():
             yield from sorted(self.plans_dir.glob("*/*.plan"))
 
+    def leftovers(self, min_age_s: float = 0.0) -> list[Path]:
+        """Hidden temporary files (``.<name>.tmp``) of writes in progress or interrupted (a killed
+        writer's), untouched for at least ``min_age_s`` seconds."""
+        found = []
+        for p in sorted(self.plans_dir.glob("*/.*.tmp")) if self.plans_dir.is_dir() else []:
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - p.stat().st_mtime >= min_age_s:
+                    found.append(p)
+        return found
+
+    def remove_leftovers(self, min_age_s: float = LEFTOVER_AGE_S) -> list[Path]:
+        """Delete the leftovers untouched for ``min_age_s`` seconds (no live writer's); returns them."""
+        gone = self.leftovers(min_age_s)
+        for p in gone:
+            p.unlink(missing_ok=True)
+        return gone
+
     def load(self, path: Path) -> Entry:
-        """Read and check one entry file (raises EntryError)."""
-        return _decode(path.read_bytes(), path)
+        """Read and check one entry file: EntryError if it fails a check or another user could have
+        written it; PermissionError if the store's directories are not trusted (see check_dirs)."""
+        self.check_dirs(path.parent)
+        with open(path, "rb") as f:
+            why = _unsafe(os.fstat(f.fileno()))
+            if why:
+                raise EntryError(f"{path.name}: refused, {why}; {_TRUST}")
+            data = f.read()
+        return _decode(data, path)
 
     def verify(self, fix: bool = False) -> list[tuple[Path, str]]:
-        """[(path, problem)] for every entry that fails its checks; ``fix`` moves those aside."""
+        """[(path, problem)] for every entry that fails its checks or cannot be read; ``fix`` moves those aside."""
         bad = []
         for p in self.entries():
             try:
                 self.load(p)
-            except EntryError as e:
+            except (EntryError, OSError) as e:
                 bad.append((p, str(e)))
                 if fix:
-                    os.replace(p, p.with_name(f"{p.name}.{int(time.time() * 1e3)}.bad"))
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(p, p.with_name(f"{p.name}.{int(time.time() * 1e3)}.bad"))
         return bad
 
     def clear(self) -> int:
-        """Delete every entry (and moved-aside files); returns how many entries were removed."""
+        """Delete every entry, moved-aside file and stale leftover (a live writer's temporary file
+        stays); returns how many entries were removed."""
         n = 0
         if self.plans_dir.is_dir():
             for p in list(self.plans_dir.glob("*/*")):
+                if p.name.endswith(".tmp"):
+                    continue
                 if p.suffix == ".plan":
                     n += 1
                 p.unlink(missing_ok=True)
+            self.remove_leftovers()
         return n
 
     def export(self, dest: str | os.PathLike[str]) -> int:
@@ -292,7 +377,7 @@ class DiskStore:
                 for p in self.entries():
                     try:
                         self.load(p)
-                    except EntryError:
+                    except (EntryError, OSError):
                         continue
                     tar.add(p, arcname=f"plans/{p.parent.name}/{p.name}")
                     n += 1
@@ -370,7 +455,7 @@ class PlanCache:
 
     def get_or_build(self, key: PlanKey, build: Callable[[], Plan], load: Callable[[Entry], Plan] | None = None) -> Plan:
         """The plan for ``key``: from memory, else from the disk store (through ``load``), else
-        ``build()`` (then written to the store)."""
+        ``build()`` (then written to the store). A store that fails is skipped (see DiskStore.fail)."""
         with self._lock:
             plan = self.get(key)
             if plan is not None:
@@ -381,7 +466,7 @@ class PlanCache:
                 plan = build()
                 self.stats.builds += 1
             else:
-                with self.store.lock(key):
+                with self._store_lock(key):
                     plan = self._from_store(key, load)
                     if plan is None:
                         plan = build()
@@ -390,10 +475,36 @@ class PlanCache:
             self.put(plan)
             return plan
 
+    @contextlib.contextmanager
+    def _store_lock(self, key: PlanKey) -> Iterator[None]:
+        """Hold the store's lock for ``key``, or no lock if it cannot be taken."""
+        assert self.store is not None
+        lock = None
+        try:
+            lock = self.store.lock(key)
+            lock.acquire()
+        except OSError as e:
+            lock = None
+            self._store_failed("cannot lock", e)
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _store_failed(self, what: str, e: OSError) -> None:
+        assert self.store is not None
+        self.stats.disk_errors += 1
+        self.store.fail(f"{what} ({e})")
+
     def _from_store(self, key: PlanKey, load: Callable[[Entry], Plan]) -> Plan | None:
         assert self.store is not None
         before = self.store.quarantined
-        entry = self.store.read(key)
+        try:
+            entry = self.store.read(key)
+        except OSError as e:
+            self._store_failed("cannot read", e)
+            return None
         self.stats.rejected += self.store.quarantined - before
         if entry is None:
             return None
@@ -408,7 +519,8 @@ class PlanCache:
         return plan
 
     def save(self, plan: Plan) -> None:
-        """Write ``plan`` to the disk store (if any); a plan cuDNN cannot serialize stays in memory."""
+        """Write ``plan`` to the disk store (if any); a plan cuDNN cannot serialize, or the store cannot
+        take, stays in memory."""
         if self.store is None:
             return
         try:
@@ -416,7 +528,11 @@ class PlanCache:
         except Exception as e:  # noqa: BLE001
             warnings.warn(f"fusekit: plan for {plan.key.describe()} cannot be serialized ({e}); kept in memory only", CacheWarning, stacklevel=2)
             return
-        self.store.write(plan.key, plan.meta(), bytes(blob))
+        try:
+            self.store.write(plan.key, plan.meta(), bytes(blob))
+        except OSError as e:
+            self._store_failed("cannot write", e)
+            return
         self.stats.disk_writes += 1
 
     def put(self, plan: Plan) -> None:
