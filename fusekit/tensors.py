@@ -507,6 +507,10 @@ def as_device_array(a: Any, pattern: str = "fusekit", name: str = "array") -> An
 
 def nhwc(a: Any) -> Any:
     """View a channels-last buffer of shape (N, H, W, C) as fusekit's logical (N, C, H, W)."""
+    shape = getattr(a, "shape", None)
+    if shape is None or len(shape) != 4:
+        got = f"shape {tuple(int(d) for d in shape)}" if shape is not None else f"{type(a).__module__}.{type(a).__name__}"
+        raise OperandError("nhwc", "a", f"expected a 4-D (N, H, W, C) array, got {got}")
     if hasattr(a, "permute"):
         return a.permute(0, 3, 1, 2)
     return a.transpose(0, 3, 1, 2)

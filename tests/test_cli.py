@@ -37,7 +37,7 @@ def assert_one_line_error(result, *needles: str) -> str:
 
 
 def test_patterns_ls_lists_shipped_patterns():
-    r = invoke("patterns", "ls")
+    r = invoke("patterns", "ls", "--wide")
     assert r.exit_code == 0, r.output
     rows = {ln.split()[0]: ln for ln in r.output.splitlines() if ln.strip()}
     for name in ("conv_bias_relu", "conv_bias", "conv"):
@@ -625,3 +625,101 @@ def test_bench_on_gpu(args):
     r = invoke("bench", *args, "--repeat", "10", "--warmup", "3")
     assert r.exit_code == 0, r.output
     assert "fusekit" in r.output and "median (us)" in r.output
+
+
+# ----------------------------------------------------------------------------------------------
+# a new user on a CPU machine: huge shapes, bad seeds, broken pattern directories, narrow terminals
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "shapes, needles",
+    [
+        (["--shape", "x=1000000000000"], ["operand 'x'", "larger than 2147483647"]),
+        (["--shape", "x=2,8,1000000,1000000"], ["more than its limit of 2.0 GiB", "operand 'x'", "TiB"]),
+        (["--shape", "x=2,8,3000,3000"], ["would need 2.1 GiB", "limit of 2.0 GiB", "'x' of shape (2, 8, 3000, 3000)"]),
+    ],
+)
+def test_oracle_refuses_shapes_too_large_for_host_memory(shapes, needles):
+    """No numpy _ArrayMemoryError traceback: one line naming the operand and the limit."""
+    assert_one_line_error(invoke("oracle", "relu", *shapes), *needles)
+
+
+def test_oracle_memory_limit_counts_outputs():
+    r = invoke("oracle", "conv_bias_relu", "--shape", "x=1,1,4,4", "--shape", "w=1,1,1,1", "--shape", "b=1", "--attr", "padding=9000")
+    assert_one_line_error(r, "conv_bias_relu", "output 'y' of shape (1, 1, 18004, 18004)", "limit of 2.0 GiB")
+
+
+def test_oracle_seed_must_not_be_negative():
+    r = invoke("oracle", "relu", "--shape", "x=2,3", "--seed", "-1")
+    assert r.exit_code == 2
+    assert_one_line_error(r, "--seed", "-1", ">=0")
+    assert invoke("oracle", "relu", "--shape", "x=2,3", "--seed", "0").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["relu", "--shape", "x=1000000000000"], ["relu: operand 'x'", "dim 1000000000000", "2147483647"]),
+        (["relu", "--shape", "x=99999999999999999999999,3"], ["operand 'x'", "dim 99999999999999999999999"]),
+        (["relu", "--shape", "x=2147483647,2147483647,2147483647,4"], ["operand 'x'", "2^63"]),
+        (["conv", "--attr", "padding=1000000000000"], ["conv: attribute 'padding'", "at most 2147483647"]),
+        (["conv", "--shape", "x=1,1,4,4", "--shape", "w=1,1,3,3", "--attr", "padding=1000000000000,0"], ["attribute 'padding'"]),
+        (["conv", "--shape", "x=1,1,4,4", "--shape", "w=1,1,3,3", "--attr", "stride=99999999999999999999"], ["attribute 'stride'"]),
+        (["conv", "--shape", "x=1,1,4,4", "--shape", "w=1,1,3,3", "--attr", "padding=2147483647"], ["output 'y'", "dim 4294967296"]),
+    ],
+)
+def test_patterns_show_refuses_absurd_dims_and_attrs(args, needles):
+    assert_one_line_error(invoke("patterns", "show", *args), *needles)
+
+
+@pytest.fixture
+def user_patterns(tmp_path, monkeypatch):
+    """An empty $FUSEKIT_PATTERNS directory, a fresh registry and no directory warned about yet."""
+    from fusekit.engine import patterns as engine_patterns
+
+    monkeypatch.setattr(engine_patterns, "_REGISTRY", {})
+    monkeypatch.setattr(engine_patterns, "_WARNED_DIRS", set(), raising=False)
+    d = tmp_path / "user"
+    d.mkdir()
+    monkeypatch.setenv("FUSEKIT_PATTERNS", str(d))
+    return d
+
+
+def test_non_utf8_pattern_file_is_skipped_with_a_warning(user_patterns):
+    bad = user_patterns / "latin1.toml"
+    bad.write_bytes('name = "latin1"\nsummary = "caf\xe9"\n'.encode("latin-1"))
+    for args in (["patterns", "ls"], ["patterns", "ls", "--wide"]):
+        r = invoke(*args)
+        assert r.exit_code == 0, r.output
+        assert "conv_bias_relu" in r.stdout and "latin1" not in r.stdout
+        warning = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(warning) == 1 and warning[0].startswith("Warning: ") and str(bad) in warning[0] and "UTF-8" in warning[0]
+    assert_one_line_error(invoke("patterns", "show", "latin1"), str(bad), "not UTF-8")
+    assert_one_line_error(invoke("oracle", "latin1", "--shape", "x=2"), str(bad), "not UTF-8")
+    assert invoke("oracle", "relu", "--shape", "x=2,3").exit_code == 0  # the other patterns still work
+
+
+def test_missing_pattern_directory_is_warned_about_once(user_patterns, monkeypatch, tmp_path):
+    missing = tmp_path / "nonexistent"
+    monkeypatch.setenv("FUSEKIT_PATTERNS", str(missing))
+    r = invoke("patterns", "ls")
+    assert r.exit_code == 0, r.output
+    assert "conv_bias_relu" in r.stdout
+    warnings_ = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert warnings_ == [f"Warning: FUSEKIT_PATTERNS: pattern directory {missing} does not exist; no patterns are read from it"]
+    r = invoke("oracle", "relu", "--shape", "x=2,3")
+    assert r.exit_code == 0 and "does not exist" not in r.stderr  # once per process
+
+
+def test_patterns_ls_fits_80_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    r = invoke("patterns", "ls")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, "\n".join(ln for ln in lines if len(ln) > 80)
+    rows = {ln.split()[0]: ln for ln in lines if ln.strip()}
+    assert set(rows) >= {"NAME", "conv", "conv_bias_relu", "batchnorm_inference_relu", "shift_grad"}
+    assert rows["conv_bias_relu"].split()[1:4] == ["x", "w", "b"]  # operand names in full
+    assert "…" in rows["batchnorm"]  # long fields cut short
+    assert "--wide" in r.stdout
+    wide = invoke("patterns", "ls", "--wide")
+    assert max(len(ln) for ln in wide.stdout.splitlines()) > 80  # everything, however wide

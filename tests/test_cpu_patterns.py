@@ -383,3 +383,86 @@ def test_digest_changes_when_op_changes():
     )
     assert relu_to_add != good()
     assert parse_pattern(relu_to_add).digest != parse_pattern(good()).digest
+
+
+# ----------------------------------------------------------------------------------------------
+# broken files and directories; dims and attributes cuDNN cannot take
+# ----------------------------------------------------------------------------------------------
+def test_non_utf8_file_is_a_pattern_error(tmp_path):
+    path = tmp_path / "mypat.toml"
+    path.write_bytes(good().replace("conv then bias", "caf\xe9").encode("latin-1"))
+    with pytest.raises(PatternError, match=r"not UTF-8 text \(byte 0xe9 at offset \d+\)") as ei:
+        load_pattern(path)
+    assert ei.value.source == str(path)
+
+
+def test_unreadable_file_is_a_pattern_error(tmp_path):
+    (tmp_path / "mypat.toml").mkdir()  # a directory where a file should be
+    with pytest.raises(PatternError, match=r"mypat\.toml: cannot be read"):
+        load_pattern(tmp_path / "mypat.toml")
+
+
+def test_scan_patterns_goes_on_past_a_broken_file(tmp_path, monkeypatch, clean_registry):
+    write(tmp_path, good())
+    (tmp_path / "broken.toml").write_bytes(b'name = "broken"\nsummary = "\xff"\n')
+    write(tmp_path, good("typo").replace('op = "relu"', 'op = "nope"'), stem="typo")
+    monkeypatch.setenv("FUSEKIT_PATTERNS", str(tmp_path))
+    good_, bad = patterns.scan_patterns()
+    names = [p.name for p in good_]
+    assert "mypat" in names and set(SHIPPED) <= set(names)
+    assert sorted(e.source for e in bad) == [str(tmp_path / "broken.toml"), str(tmp_path / "typo.toml")]
+    assert all(isinstance(e, PatternError) for e in bad)
+
+
+def test_missing_pattern_directory_warns_once(tmp_path, monkeypatch, clean_registry):
+    monkeypatch.setattr(patterns, "_WARNED_DIRS", set())
+    missing, afile = tmp_path / "nonexistent", tmp_path / "file.txt"
+    afile.write_text("", encoding="utf-8")
+    monkeypatch.setenv("FUSEKIT_PATTERNS", os.pathsep.join([str(missing), str(afile)]))
+    with pytest.warns(patterns.PatternWarning) as record:
+        get_pattern("conv")  # looked up: still found among the shipped ones
+        list_patterns()
+    messages = [str(w.message) for w in record]
+    assert messages == [
+        f"FUSEKIT_PATTERNS: pattern directory {missing} does not exist; no patterns are read from it",
+        f"FUSEKIT_PATTERNS: pattern directory {afile} is not a directory; no patterns are read from it",
+    ]
+
+
+def test_existing_pattern_directory_does_not_warn(tmp_path, monkeypatch, clean_registry, recwarn):
+    monkeypatch.setattr(patterns, "_WARNED_DIRS", set())
+    monkeypatch.setenv("FUSEKIT_PATTERNS", str(tmp_path))
+    list_patterns()
+    assert not [w for w in recwarn if issubclass(w.category, patterns.PatternWarning)]
+
+
+@pytest.mark.parametrize(
+    "attr, value",
+    [("padding", 10**12), ("padding", (0, 2**31)), ("stride", 2**63), ("dilation", (1, 10**30))],
+)
+def test_attributes_beyond_int32_are_refused(cbr, attr, value):
+    with pytest.raises(OperandError, match=rf"conv_bias_relu: attribute '{attr}': expected values of at most 2147483647") as ei:
+        cbr.normalize_attrs({attr: value})
+    assert ei.value.operand == attr
+    assert dict(cbr.normalize_attrs({attr: 2**31 - 1}))[attr] in (2**31 - 1, (2**31 - 1,) * 2)  # the bound itself is fine
+
+
+@pytest.mark.parametrize(
+    "shapes, attrs, culprit, message",
+    [
+        ({"x": (1, 1, 10**12, 4), "w": (1, 1, 1, 1), "b": (1, 1, 1, 1)}, {}, "operand 'x'", r"dim 1000000000000 is larger than 2147483647"),
+        ({"x": (1, 1, 4, 4), "w": (1, 1, 1, 1), "b": (1, 10**25, 1, 1)}, {}, "operand 'b'", r"dim 10+ is larger"),
+        ({"x": (2**31 - 1,) * 4, "w": (1, 1, 1, 1), "b": (1, 1, 1, 1)}, {}, "operand 'x'", r"elements \(2\^123 or more\) are too many: .*fewer than 2\^63"),
+        ({"x": (1, 1, 4, 4), "w": (1, 1, 3, 3), "b": (1, 1, 1, 1)}, {"padding": 2**31 - 1}, "intermediate value 'conv'", r"dim 4294967296 is larger"),
+    ],
+)
+def test_shapes_beyond_cudnn_limits_are_refused(cbr, shapes, attrs, culprit, message):
+    with pytest.raises(OperandError, match=message) as ei:
+        cbr.infer_shapes(shapes, dict(cbr.normalize_attrs(attrs)))
+    assert f"conv_bias_relu: {culprit}" in str(ei.value)
+
+
+def test_shapes_at_the_limits_are_accepted(cbr):
+    big = 2**31 - 1
+    env = cbr.infer_shapes({"x": (1, 1, big, 1), "w": (1, 1, 1, 1), "b": (1, 1, 1, 1)}, dict(cbr.normalize_attrs({})))
+    assert env["y"] == (1, 1, big, 1)

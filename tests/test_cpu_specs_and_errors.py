@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fusekit
-from fusekit import dispatch, ops, tensors
+from fusekit import dispatch, tensors
 from fusekit.engine import keys, runtime
 from fusekit.engine import lower as lower_mod
 from fusekit.errors import FusekitError, OperandError

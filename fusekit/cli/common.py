@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from fusekit import config
 from fusekit.engine.keys import output_specs, shape_specs
-from fusekit.engine.patterns import Pattern, get_pattern
+from fusekit.engine.patterns import Pattern, PatternWarning, get_pattern
 from fusekit.engine.runtime import versions
 from fusekit.errors import FusekitError, NoGPUError
 from fusekit.tensors import SUPPORTED_DTYPES, TensorSpec
@@ -97,13 +98,33 @@ class Group(_OneLineUsage, click.Group):
             raise InputError(f"{e.format_message()} (see '{ctx.command_path} --help')") from None
 
 
+def warn(message: str) -> None:
+    """One ``Warning: ...`` line on stderr (the command goes on)."""
+    click.echo(f"Warning: {one_line(message)}", err=True)
+
+
+def _show_warning(show: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``warnings.showwarning`` that prints PatternWarnings as one ``Warning: ...`` line, others as ``show``."""
+
+    def showwarning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, PatternWarning):
+            warn(str(message))
+        else:
+            show(message, category, *args, **kwargs)
+
+    return showwarning
+
+
 def friendly(f: F) -> F:
-    """Turn fusekit's own errors raised inside a command into one-line click errors (exit code 1)."""
+    """Turn fusekit's own errors raised inside a command into one-line click errors (exit code 1),
+    and its pattern warnings (a missing $FUSEKIT_PATTERNS directory) into one-line warnings."""
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return f(*args, **kwargs)
+            with warnings.catch_warnings():  # restores showwarning (and the filters, left as they are)
+                warnings.showwarning = _show_warning(warnings.showwarning)
+                return f(*args, **kwargs)
         except click.ClickException:
             raise
         except NoGPUError as e:
@@ -373,21 +394,23 @@ def console() -> Any:
     return Console(markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
-def emit(con: Any, renderable: Any = "") -> None:
-    """Print through rich: tables at their natural width; off a terminal without trailing blanks."""
+def emit(con: Any, renderable: Any = "", fit: bool = False) -> None:
+    """Print through rich: tables at their natural width (``fit``: at most the console's width, its
+    columns truncated or folded as they say); off a terminal without trailing blanks."""
     from rich.measure import Measurement
     from rich.table import Table
 
     prev = con.width
-    if isinstance(renderable, Table):
+    if isinstance(renderable, Table) and not fit:
         natural = Measurement.get(con, con.options.update_width(MAX_TABLE_WIDTH), renderable).maximum
         con.width = max(prev, natural)
     try:
+        kw = {"soft_wrap": False} if fit else {}  # soft wrapping would let the table overflow
         if con.is_terminal:
-            con.print(renderable)
+            con.print(renderable, **kw)
         else:
             with con.capture() as cap:
-                con.print(renderable)
+                con.print(renderable, **kw)
             con.file.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
             con.file.flush()
     finally:
@@ -434,8 +457,8 @@ def fmt_bytes(n: Any) -> str:
     """``123456`` -> ``120.6 KiB``; ``-`` for anything but a count."""
     if not isinstance(n, (int, float)) or isinstance(n, bool) or n < 0:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
             return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)  # unreachable

@@ -13,6 +13,7 @@ import json
 import operator
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -23,7 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..config import pattern_dirs_from_env
-from ..errors import OperandError, PatternError
+from ..errors import OperandError, PatternError, PatternWarning
 
 Shape = tuple[int, ...]
 
@@ -38,6 +39,32 @@ KINDS = {
     "tensor": "any operand of an elementwise op: 4-D as an image, 2-D as a matrix, 1-D as a row",
 }
 ROLES = ("input", "weight", "bias", "param", "state")
+
+#: The largest dim (of an operand, output or intermediate) and the largest integer attribute value
+#: (padding, stride, ...) fusekit accepts: 2^31 - 1, the int32 range of cuDNN's tensor and convolution
+#: descriptors. Anything larger is a typo, not a layer.
+MAX_DIM = 2**31 - 1
+#: A tensor must have fewer elements than this: cuDNN's sizes and strides are int64.
+MAX_ELEMENTS = 2**63
+
+
+def check_size(pattern: str, name: str, shape: Sequence[int], what: str = "operand") -> None:
+    """OperandError naming ``name`` unless every dim of ``shape`` is at most :data:`MAX_DIM` and the
+    element count is below :data:`MAX_ELEMENTS`."""
+    big = [int(d) for d in shape if int(d) > MAX_DIM]
+    if big:
+        raise OperandError(
+            pattern, name, f"dim {big[0]} is larger than {MAX_DIM} (2^31 - 1), the largest dim fusekit passes to cuDNN",
+            what=what,
+        )
+    count = 1
+    for d in shape:
+        count *= int(d)
+    if count >= MAX_ELEMENTS:
+        raise OperandError(
+            pattern, name, f"{count} elements (2^{count.bit_length() - 1} or more) are too many: "
+            "a cuDNN tensor has fewer than 2^63 (its sizes and strides are int64)", what=what,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,6 +321,12 @@ class AttrSpec:
             vals = out if isinstance(out, tuple) else (out,)
             if any(v < self.min for v in vals):
                 raise OperandError(pattern, self.name, f"expected values >= {self.min}, got {value!r}", what="attribute")
+        ints = [v for v in (out if isinstance(out, tuple) else (out,)) if isinstance(v, int) and not isinstance(v, bool)]
+        if any(abs(v) > MAX_DIM for v in ints):
+            raise OperandError(
+                pattern, self.name, f"expected values of at most {MAX_DIM} (2^31 - 1, the int32 range of cuDNN's "
+                f"convolution parameters), got {value!r}", what="attribute",
+            )
         return out
 
 
@@ -349,15 +382,17 @@ class Pattern:
     def infer_shapes(self, shapes: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
         """Shapes of every value (operands, intermediates, outputs); raises OperandError naming the culprit."""
         env: dict[str, Shape] = dict(shapes)
+        for name, shape in shapes.items():
+            check_size(self.name, name, shape)
         for op in self.ops:
             sig = OPS[op.op]
             op_attrs = self.op_attrs(op, attrs)
             ctx = _Ctx(self.name, {p: env[n] for p, n in op.inputs.items()}, dict(op.inputs), op_attrs)
             res = sig.infer(ctx) if sig.infer else ctx.shapes[sig.ports[0]]
-            if len(op.produces) > 1:
-                env.update(zip(op.produces, res))
-            else:
-                env[op.out] = res
+            made = dict(zip(op.produces, res)) if len(op.produces) > 1 else {op.out: res}
+            for name, shape in made.items():
+                check_size(self.name, name, shape, "output" if name in self.outputs else "intermediate value")
+            env.update(made)
         return env
 
     @staticmethod
@@ -499,8 +534,15 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
 
 
 def load_pattern(path: str | os.PathLike[str]) -> Pattern:
+    """Read and check one pattern file (UTF-8 TOML named after its pattern); PatternError naming the file."""
     p = Path(path)
-    pat = parse_pattern(p.read_text(encoding="utf-8"), str(p))
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PatternError(str(p), f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); pattern files must be UTF-8 TOML") from None
+    except OSError as e:
+        raise PatternError(str(p), f"cannot be read: {e.strerror or e}") from None
+    pat = parse_pattern(text, str(p))
     if pat.name != p.stem:
         raise PatternError(str(p), f"name {pat.name!r} must match the file name {p.stem!r}")
     return pat
@@ -509,6 +551,11 @@ def load_pattern(path: str | os.PathLike[str]) -> Pattern:
 def pattern_dirs() -> list[Path]:
     """Where patterns are looked up: $FUSEKIT_PATTERNS (os.pathsep-separated), then the shipped set."""
     dirs = pattern_dirs_from_env()
+    for d in dirs:
+        if str(d) not in _WARNED_DIRS and not d.is_dir():
+            _WARNED_DIRS.add(str(d))
+            why = "is not a directory" if d.exists() else "does not exist"
+            warnings.warn(f"FUSEKIT_PATTERNS: pattern directory {d} {why}; no patterns are read from it", PatternWarning, stacklevel=2)
     root = Path(__file__).resolve().parents[2]  # the repository (editable install)
     for cand in (root / "patterns", Path(sys.prefix) / "share" / "fusekit" / "patterns"):
         if cand.is_dir():
@@ -518,6 +565,7 @@ def pattern_dirs() -> list[Path]:
 
 
 _REGISTRY: dict[str, Pattern] = {}
+_WARNED_DIRS: set[str] = set()  # $FUSEKIT_PATTERNS entries already warned about (once per process)
 
 
 def get_pattern(name: str) -> Pattern:
@@ -535,10 +583,23 @@ def get_pattern(name: str) -> Pattern:
 
 
 def list_patterns() -> list[str]:
+    """Names of every pattern file found (not loaded: a broken file is listed too; see :func:`scan_patterns`)."""
     names: set[str] = set()
     for d in pattern_dirs():
         names.update(f.stem for f in d.glob("*.toml"))
     return sorted(names)
+
+
+def scan_patterns() -> tuple[list[Pattern], list[PatternError]]:
+    """(every pattern that loads, by name; the PatternError of each one that does not), for listings
+    that go on past a broken file."""
+    good, bad = [], []
+    for name in list_patterns():
+        try:
+            good.append(get_pattern(name))
+        except PatternError as e:
+            bad.append(e)
+    return good, bad
 
 
 def register(pattern: Pattern) -> Pattern:
@@ -550,4 +611,5 @@ def register(pattern: Pattern) -> Pattern:
 __all__: Sequence[str] = [
     "KINDS", "OPS", "OpSig", "Operand", "AttrSpec", "Op", "Pattern",
     "parse_pattern", "load_pattern", "get_pattern", "list_patterns", "pattern_dirs", "register",
+    "scan_patterns", "check_size", "MAX_DIM", "MAX_ELEMENTS", "PatternWarning",
 ]

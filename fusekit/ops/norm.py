@@ -13,25 +13,22 @@ from .common import tag
 _IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
-def affine_identity(x: Any) -> tuple[Any, Any, Any]:
+def affine_identity(x: Any, op: str = "affine_identity", name: str = "x") -> tuple[Any, Any, Any]:
     """(ones, zeros, (scratch, scratch)) float32 channel vectors for x's channels, cached per library/device/C.
     cuDNN's batch-norm node always applies gamma and beta; normalize-only runs it with these, and
-    its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call)."""
-    c = int(x.shape[1])
-    key = (type(x), _device_index(x), c)
+    its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call).
+    ``op`` and ``name``: what an OperandError about ``x`` names (the calling op, its operand)."""
+    ad = adapter_for(x, op, name)
+    c, device = int(x.shape[1]), int(ad.describe(x)[3])
+    key = (type(x), device, c)
     v = _IDENTITY.get(key)
     if v is None:
-        ad = adapter_for(x)
-        spec = TensorSpec.build((1, c, 1, 1), "float32", _device_index(x), "NCHW", view=(c,))
+        spec = TensorSpec.build((1, c, 1, 1), "float32", device, "NCHW", view=(c,))
         ones, zeros, scratch = ad.empty(spec), ad.empty(spec), (ad.empty(spec), ad.empty(spec))
         ones[...] = 1.0
         zeros[...] = 0.0
         v = _IDENTITY[key] = (ones, zeros, scratch)
     return v
-
-
-def _device_index(x: Any) -> int:
-    return int(adapter_for(x).describe(x)[3])
 
 
 def bn_normalize(
@@ -41,13 +38,13 @@ def bn_normalize(
 
     Returns (y, mean, inv_var), plus (new_running_mean, new_running_var) when running stats are
     given (updated with ``momentum``, unbiased variance, as PyTorch). Statistics are float32 (C,)."""
-    ones, zeros, _ = affine_identity(x)
+    ones, zeros, _ = affine_identity(x, "bn_normalize")
     return batchnorm(x, ones, zeros, running_mean, running_var, epsilon=epsilon, momentum=momentum)
 
 
 def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
     """dx of :func:`bn_normalize` (no gamma/beta gradients are produced for the caller)."""
-    ones, _, (dg, db) = affine_identity(x)
+    ones, _, (dg, db) = affine_identity(x, "bn_normalize_backward")
 
     def node() -> Any:
         dx = _empty_like(x)
@@ -57,10 +54,10 @@ def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
     return fused_or_split(tag("batchnorm_backward_node", dy, x), node, lambda: _bn_split_backward(dy, x, ones, mean, inv_var)[0])
 
 
-def _empty_like(x: Any) -> Any:
+def _empty_like(x: Any, op: str = "fusekit", name: str = "x") -> Any:
     """An uninitialised 4-D array like ``x``: same library, dtype, device and layout (NCHW / NHWC)."""
-    ad = adapter_for(x)
-    return ad.empty(make_spec("fusekit", "x", "image", *ad.describe(x)))
+    ad = adapter_for(x, op, name)
+    return ad.empty(make_spec(op, name, "image", *ad.describe(x)))
 
 
 def batchnorm(
@@ -71,7 +68,7 @@ def batchnorm(
     [, new_running_mean, new_running_var])."""
     stats_only = running_mean is None
     if stats_only:  # the frontend's batchnorm node cannot drop its running-stat ports: feed it (0, 1), momentum 0
-        ones, zeros, _ = affine_identity(x)
+        ones, zeros, _ = affine_identity(x, "batchnorm")
         running_mean, running_var, momentum = zeros, ones, 0.0
     kw = dict(epsilon=epsilon, momentum=momentum)
     res = fused_or_split(
@@ -193,7 +190,7 @@ def fold_batchnorm(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, e
     """Fold inference batch norm into the convolution before it: conv(x, w') + b' = BN(conv(x, w) + b).
     Returns (w', b') in w's dtype (w' in w's memory layout); run them with :func:`conv_bias_relu`."""
     scale = gamma * (var + epsilon) ** -0.5  # float32, one per output channel
-    w2 = _empty_like(w)
+    w2 = _empty_like(w, "fold_batchnorm", "w")
     w2[...] = w * scale.reshape(-1, 1, 1, 1)  # computed in float32, stored in w's dtype and layout
     ad, k = adapter_for(w), int(w.shape[0])
     _, _, dtype, device = ad.describe(w)
