@@ -5,10 +5,8 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import fusekit
 from fusekit import ops
 
 pytestmark = pytest.mark.gpu

@@ -97,7 +97,6 @@ def test_cupy_autoencoder_trains():
 
 def test_sequential_fuses_normalize_scale_shift_relu_with_identical_results():
     """normalize -> scale/shift -> ReLU written as three layers runs as one graph, same numbers."""
-    import fusekit
     import fusekit.nn as fnn
 
     def build(fuse):

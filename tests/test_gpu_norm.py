@@ -1,6 +1,5 @@
 """GPU: batch norm split into normalize / scale / shift and fused back, against PyTorch in float64."""
 
-import math
 
 import pytest
 
