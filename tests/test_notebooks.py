@@ -46,7 +46,7 @@ def check_quickstart(nb, text, cpu):
     assert "cuDNN frontend" in text and "status" in text  # fusekit doctor's report
     assert 'name = "conv_bias_relu"' in text  # the pattern file
     assert "CONV_FPROP" in text  # its lowered graph, as inspect() reports it
-    m = re.search(r"oracle vs torch\.nn\.functional \(float64, CPU\): relative error ([0-9.e+-]+)", text)
+    m = re.search(r"oracle vs a NumPy window convolution \(float64, CPU\): relative error ([0-9.e+-]+)", text)
     assert m and float(m.group(1)) < 1e-12, "the oracle check's relative error"
     assert "CacheStats(hits=0, misses=0, builds=0" in text
     assert "geometric mean:" in text
@@ -74,9 +74,21 @@ def check_batchnorm_split(nb, text, cpu):
         assert "floor" in text
 
 
+def _torch() -> bool:
+    try:
+        import torch  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
 def check_training(nb, text, cpu):
-    assert _pngs(nb) >= 3  # loss curves, image grid, committed step times
-    assert re.search(r"PyTorch eager: loss [0-9.]+ -> [0-9.]+", text)
+    if _torch():  # the tiny eager run (CPU) or both models (GPU)
+        assert _pngs(nb) >= 3  # loss curves, image grid, committed step times
+        assert re.search(r"PyTorch eager: loss [0-9.]+ -> [0-9.]+", text)
+    else:  # CI without PyTorch: the committed figures only, and the notebook says so
+        assert _pngs(nb) >= 1 and "no PyTorch here" in _first_output(nb)
     assert "precomputed: ../benchmarks/results/NVIDIA-H200-train.json" in text
     if cpu:
         assert "NOT fusekit" in _first_output(nb)
