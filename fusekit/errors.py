@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FusekitError(Exception):
     """Base class of every error fusekit raises on purpose."""
@@ -59,3 +61,18 @@ class SettingError(FusekitError, ValueError):
 
 class PatternWarning(UserWarning):
     """A pattern directory or file was skipped (missing directory in $FUSEKIT_PATTERNS, unreadable file)."""
+
+
+def import_or_explain(module: str, user: str, install: str, label: str = "") -> Any:
+    """``importlib.import_module(module)``, or an ImportError (ModuleNotFoundError when it is missing)
+    saying that ``user`` needs it (``label``: its usual name) and what to install; ``except ImportError`` still catches it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and (e.name or module).split(".")[0] == module
+        raise (ModuleNotFoundError if missing else ImportError)(
+            f"{user} needs {label or module}, which {'is not installed' if missing else 'failed to import'} ({e}); install {install}",
+            name=module,
+        ) from None

@@ -12,15 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Iterator, Sequence
 
-try:
-    import cupy as cp
-except ImportError as _e:  # say which extra brings CuPy (still an ImportError: `except ImportError` works)
-    _missing = isinstance(_e, ModuleNotFoundError) and (_e.name or "cupy").split(".")[0] == "cupy"
-    raise (ModuleNotFoundError if _missing else ImportError)(
-        f"fusekit.nn needs CuPy, which {'is not installed' if _missing else 'failed to import'} ({_e}); "
-        "install fusekit[cu12] (CUDA 12) or fusekit[cu13] (CUDA 13), or use fusekit.torch with PyTorch",
-        name="cupy",
-    ) from None
+from .errors import import_or_explain
+
+cp = import_or_explain("cupy", "fusekit.nn", "fusekit[cu12] (CUDA 12) or fusekit[cu13] (CUDA 13), or use fusekit.torch with PyTorch", "CuPy")
 
 from . import ops
 from .ops import pool

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-try:
-    import torch
-except ImportError as _e:  # say which extra brings PyTorch (still an ImportError: `except ImportError` works)
-    _missing = isinstance(_e, ModuleNotFoundError) and (_e.name or "torch").split(".")[0] == "torch"
-    raise (ModuleNotFoundError if _missing else ImportError)(
-        f"fusekit.torch needs PyTorch, which {'is not installed' if _missing else 'failed to import'} ({_e}); "
-        "install fusekit[torch]",
-        name="torch",
-    ) from None
+from .errors import import_or_explain
+
+torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import ops
 from .ops import pool
