@@ -46,8 +46,9 @@ def check_operands(
         else:
             first = (o.name, spec)
         specs[o.name] = spec
-        aligns.append(ad.probe(a)[0][-1])
-        extents.append((o.name, _extent(ad, a, spec.dtype)))
+        sig, ptr = ad.probe(a)
+        aligns.append(sig[-1])
+        extents.append((o.name, _extent(shape, strides, ptr, spec.dtype)))
     norm = pattern.normalize_attrs(attrs)
     wanted = output_specs(pattern, specs, norm)
     for i, (oname, want) in enumerate(wanted.items()):
@@ -62,8 +63,9 @@ def check_operands(
                     f"got shape {got.shape}, dtype {got.dtype} on cuda:{got.device}"
                 )
             want = got
-            aligns.append(ad.probe(a)[0][-1])
-            _check_overlap(pattern, oname, _extent(ad, a, got.dtype), extents)
+            sig, ptr = ad.probe(a)
+            aligns.append(sig[-1])
+            _check_overlap(pattern, oname, _extent(shape, strides, ptr, got.dtype), extents)
         else:
             aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
         specs[oname] = want
@@ -74,10 +76,9 @@ def check_operands(
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-def _extent(ad: Adapter, a: Any, dtype: str) -> tuple[int, int]:
-    """[first byte, last byte + 1) of the memory ``a`` addresses (empty when a dim is 0)."""
-    shape, strides, _, _ = ad.describe(a)
-    ptr = ad.probe(a)[1]
+def _extent(shape: Sequence[int], strides: Sequence[int], ptr: int, dtype: str) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory an array of ``shape`` and ``strides`` (elements) at
+    ``ptr`` addresses (empty when a dim is 0)."""
     if any(int(d) == 0 for d in shape):
         return ptr, ptr
     last = sum((int(d) - 1) * abs(int(st)) for d, st in zip(shape, strides))

@@ -227,7 +227,8 @@ def build(
 ) -> Built:
     """The heuristics' choice for a key (:func:`build_plans`), with what the plan cache records of it."""
     t0 = time.perf_counter()
-    g = (lowered := build_plans(pattern, specs, attrs, handle, heuristics, where=where)).graph
+    lowered = build_plans(pattern, specs, attrs, handle, heuristics, where=where)
+    g = lowered.graph
     index = int(getattr(g, "_plan_index", 0))  # the walk's selection; the frontend has no public getter
     engine_id, knobs = engine_and_knobs(g, index)
     return Built(
