@@ -208,16 +208,17 @@ def main() -> None:
         "python": platform.python_version(), "iters": args.iters, "trials": args.trials,
     }
     recs = []
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, gpu.replace(" ", "-") + "-pipeline")
     for name, batch in cases:
         log(f"{name} batch {batch} ...")
         recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode,
                                args.agreement if batch > 1 else 0))
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, gpu.replace(" ", "-") + "-pipeline")
-    with open(stem + ".json", "w") as fh:
-        json.dump({"meta": meta, "records": recs}, fh, indent=2)
-    with open(stem + ".md", "w") as fh:
-        fh.write(markdown(gpu, recs, meta))
+        # written after every case, so a run cut short keeps what it measured
+        with open(stem + ".json", "w") as fh:
+            json.dump({"meta": meta, "records": recs}, fh, indent=2)
+        with open(stem + ".md", "w") as fh:
+            fh.write(markdown(gpu, recs, meta))
     log(f"wrote {stem}.json and {stem}.md")
     print(markdown(gpu, recs, meta))
 

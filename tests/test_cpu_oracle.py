@@ -183,7 +183,52 @@ def test_operand_count_and_attrs_checked(rng):
     w = rng.standard_normal((3, 2, 3, 3))
     with pytest.raises(TypeError, match=r"conv_bias_relu takes 3 operands"):
         oracle.evaluate("conv_bias_relu", x, w)
-    with pytest.raises(OperandError, match=r"'groups': unknown attribute"):
-        oracle.evaluate("conv", x, w, groups=2)
+    with pytest.raises(OperandError, match=r"'groups_of': unknown attribute"):
+        oracle.evaluate("conv", x, w, groups_of=2)
     with pytest.raises(OperandError, match=r"'stride': expected values >= 1"):
         oracle.evaluate("conv", x, w, stride=0)
+
+
+def _block_diagonal(w: np.ndarray, groups: int) -> np.ndarray:
+    """The dense (K, C, R, S) filter equal to a grouped one: zeros outside each group's block."""
+    k, cg, r, s = w.shape
+    full = np.zeros((k, cg * groups, r, s))
+    kg = k // groups
+    for g in range(groups):
+        full[g * kg : (g + 1) * kg, g * cg : (g + 1) * cg] = w[g * kg : (g + 1) * kg]
+    return full
+
+
+@pytest.mark.parametrize("groups,c,k", [(2, 4, 6), (3, 3, 3), (4, 4, 8)])  # (3, 3, 3): depthwise
+def test_grouped_conv_equals_block_diagonal_dense_conv(rng, groups, c, k):
+    """A grouped convolution forward, dgrad and wgrad equal the dense ones with a block-diagonal
+    filter: an independent check of the oracle's group split."""
+    x = rng.standard_normal((2, c, 7, 6))
+    w = rng.standard_normal((k, c // groups, 3, 3))
+    attrs = dict(padding=1, stride=2, dilation=1)
+    (y,) = oracle.evaluate("conv", x, w, groups=groups, **attrs)
+    (y_dense,) = oracle.evaluate("conv", x, _block_diagonal(w, groups), **attrs)
+    np.testing.assert_allclose(y, y_dense, rtol=1e-12, atol=1e-12)
+    dy = rng.standard_normal(y.shape)
+    (dx,) = oracle.evaluate("conv_dgrad", dy, w, groups=groups, output_padding=(0, 1), **attrs)
+    (dx_dense,) = oracle.evaluate("conv_dgrad", dy, _block_diagonal(w, groups), output_padding=(0, 1), **attrs)
+    assert dx.shape == x.shape
+    np.testing.assert_allclose(dx, dx_dense, rtol=1e-12, atol=1e-12)
+    (dw,) = oracle.evaluate("conv_wgrad", x, dy, groups=groups, kernel=(3, 3), **attrs)
+    (dw_dense,) = oracle.evaluate("conv_wgrad", x, dy, kernel=(3, 3), **attrs)
+    assert dw.shape == w.shape
+    kg, cg = k // groups, c // groups
+    for g in range(groups):  # each group's filter gradient is its diagonal block of the dense one
+        np.testing.assert_allclose(dw[g * kg : (g + 1) * kg], dw_dense[g * kg : (g + 1) * kg, g * cg : (g + 1) * cg], rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_conv_shape_errors_name_the_operand(rng):
+    x = rng.standard_normal((1, 6, 5, 5))
+    with pytest.raises(OperandError, match=r"operand 'w': expected 2 input channels \(6 channels / 3 groups\)"):
+        oracle.evaluate("conv", x, rng.standard_normal((3, 6, 3, 3)), groups=3)
+    with pytest.raises(OperandError, match=r"operand 'w': 4 filters do not split into 3 groups"):
+        oracle.evaluate("conv", x, rng.standard_normal((4, 2, 3, 3)), groups=3)
+    with pytest.raises(OperandError, match=r"operand 'x': 6 channels do not split into 4 groups"):
+        oracle.evaluate("conv", x, rng.standard_normal((4, 1, 3, 3)), groups=4)
+    with pytest.raises(OperandError, match=r"'groups': expected values >= 1"):
+        oracle.evaluate("conv", x, rng.standard_normal((4, 6, 3, 3)), groups=0)

@@ -136,8 +136,8 @@ MALFORMED = {
         r"ops\[0\] \(conv_fprop\): attribute\(s\) \['dilation'\] not given",
     ),
     "unknown_op_attr": (
-        lambda t: t.replace('attrs = ["padding", "stride", "dilation"]', 'attrs = ["padding", "stride", "dilation", "groups"]'),
-        r"unknown op attribute 'groups'",
+        lambda t: t.replace('attrs = ["padding", "stride", "dilation"]', 'attrs = ["padding", "stride", "dilation", "kernel"]'),
+        r"unknown op attribute 'kernel'",
     ),
     "wrong_ports": (
         lambda t: t.replace('in = { input = "pre" }', 'in = { x = "pre" }'),
@@ -291,7 +291,7 @@ def cbr():
 
 def test_normalize_defaults_in_file_order(cbr):
     norm = cbr.normalize_attrs({})
-    assert [k for k, _ in norm] == [a.name for a in cbr.attrs] == ["padding", "stride", "dilation"]
+    assert [k for k, _ in norm] == [a.name for a in cbr.attrs] == ["padding", "stride", "dilation", "groups"]
     assert dict(norm) == {a.name: a.default for a in cbr.attrs}
     hash(norm)
 
@@ -299,8 +299,8 @@ def test_normalize_defaults_in_file_order(cbr):
 @pytest.mark.parametrize("value", [0, 1, 2, 5])
 def test_normalize_int_broadcasts_to_pair(cbr, value):
     norm = dict(cbr.normalize_attrs({"padding": value, "stride": value + 1, "dilation": value + 1}))
-    assert norm == {"padding": (value, value), "stride": (value + 1,) * 2, "dilation": (value + 1,) * 2}
-    assert all(type(v) is tuple and all(type(i) is int for i in v) for v in norm.values())
+    assert norm == {"padding": (value, value), "stride": (value + 1,) * 2, "dilation": (value + 1,) * 2, "groups": 1}
+    assert all(type(v) is tuple and all(type(i) is int for i in v) for k, v in norm.items() if k != "groups")
 
 
 def test_normalize_sequences(cbr):
@@ -337,9 +337,9 @@ def test_normalize_bad_values(cbr, attr, value, message):
 
 
 def test_normalize_unknown_attribute(cbr):
-    with pytest.raises(OperandError, match=r"'groups': unknown attribute; this pattern takes \['dilation', 'padding', 'stride'\]") as ei:
-        cbr.normalize_attrs({"padding": 1, "groups": 2})
-    assert ei.value.operand == "groups"
+    with pytest.raises(OperandError, match=r"'group': unknown attribute; this pattern takes \['dilation', 'groups', 'padding', 'stride'\]") as ei:
+        cbr.normalize_attrs({"padding": 1, "group": 2})
+    assert ei.value.operand == "group"
 
 
 # ----------------------------------------------------------------------------------------------

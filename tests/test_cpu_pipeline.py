@@ -75,12 +75,13 @@ def test_fx_stage_kinds_and_fallbacks(small):
     prog = fp.lower_model(small, torch.zeros(2, 3, 20, 20))
     pats = [s.pattern for s in prog.stages]
     assert pats == [
-        "conv_bias_relu", "max_pool2d", "conv_bias_relu", "conv_bias_add_relu", "torch", "torch",
+        "conv_bias_relu", "max_pool2d", "conv_bias_relu", "conv_bias_add_relu", "conv_bias", "torch",
         "avg_pool2d", "reshape", "linear_bias_relu", "linear_bias", "softmax",
     ], str(prog)
     assert not any(s.kind in ("bn", "relu", "add", "identity") for s in prog.stages), "BN/ReLU/add left unfused"
+    assert prog.stages[4].attrs["groups"] == 4 and prog.stages[4].weights["w"].shape == (8, 2, 3, 3)  # grouped conv: fused
     fb = prog.fallbacks
-    assert len(fb) == 2 and any("groups=4" in f for f in fb) and any("sigmoid" in f for f in fb)
+    assert len(fb) == 1 and any("sigmoid" in f for f in fb)
     tail = prog.stages[3]
     assert tail.inputs[1] == prog.stages[1].output  # the residual operand: the block's input
     assert "bn2" in tail.name and "add" in tail.name
@@ -242,7 +243,7 @@ def test_onnx_export_of_torch_model_if_available(small, rng, tmp_path):
     want = small.double()(torch.from_numpy(x)).detach().numpy()
     small.float()
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-9
-    assert sum(s.pattern.startswith("conv_bias") for s in prog.stages) == 3
+    assert sum(s.pattern.startswith("conv_bias") for s in prog.stages) == 4  # the grouped conv fused too
 
 
 # ------------------------------------------------------------------------------------------------

@@ -301,10 +301,10 @@ def test_non_dense_strides(fake):
 
 def test_unknown_attribute(fake):
     x, w, b = good_operands()
-    with raises_operand("groups", what="attribute", match=r"unknown attribute; this pattern takes \['dilation', 'padding', 'stride'\]"):
-        fusekit.call("conv_bias_relu", x, w, b, groups=2)
+    with raises_operand("group", what="attribute", match=r"unknown attribute; this pattern takes \['dilation', 'groups', 'padding', 'stride'\]"):
+        fusekit.call("conv_bias_relu", x, w, b, group=2)
     with pytest.raises(TypeError):  # the typed wrapper has no such keyword at all
-        fusekit.conv_bias_relu(x, w, b, groups=2)
+        fusekit.conv_bias_relu(x, w, b, group=2)
 
 
 @pytest.mark.parametrize(

@@ -225,18 +225,18 @@ def torch_references() -> dict[str, TorchRef]:
     import torch.nn.functional as F
 
     def conv(relu: bool) -> Callable[..., Any]:
-        def f(x, w, b=None, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1)):
-            y = F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation)
+        def f(x, w, b=None, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1):
+            y = F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
             return y.relu_() if relu else y
 
         return f
 
-    def conv_add_relu(x, w, b, z, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1)):
-        return F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation).add_(z).relu_()
+    def conv_add_relu(x, w, b, z, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1):
+        return F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups).add_(z).relu_()
 
     def conv_t(relu: bool) -> Callable[..., Any]:
-        def f(x, w, b, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1), output_padding=(0, 0)):
-            y = F.conv_transpose2d(x, w, b, stride=stride, padding=padding, output_padding=output_padding, dilation=dilation)
+        def f(x, w, b, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1), output_padding=(0, 0), groups=1):
+            y = F.conv_transpose2d(x, w, b, stride=stride, padding=padding, output_padding=output_padding, dilation=dilation, groups=groups)
             return y.relu_() if relu else y
 
         return f

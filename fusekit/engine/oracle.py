@@ -98,6 +98,18 @@ def _norm(i: Mapping[str, np.ndarray], a: Mapping[str, Any], axes: tuple[int, ..
     return (x - mean) * inv * i["scale"] + i["bias"], mean, inv
 
 
+def _grouped(f: Callable, groups: int, *args: Any, axis: int = 1) -> np.ndarray:
+    """A grouped convolution as ``groups`` independent ones: each (array, channel axis) pair in
+    ``args`` is split along that axis, the rest passed through; results joined along ``axis``."""
+    if groups == 1:
+        return f(*(a[0] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], np.ndarray) else a for a in args))
+    parts = []
+    for g in range(groups):
+        call = [np.split(a[0], groups, axis=a[1])[g] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], np.ndarray) else a for a in args]
+        parts.append(f(*call))
+    return np.concatenate(parts, axis=axis)
+
+
 def _norm_backward(i: Mapping[str, np.ndarray], axes: tuple[int, ...], affine_sum: tuple[int, ...]) -> tuple:
     dy, x, gamma, mean, inv = i["loss"], i["input"], i["scale"], i["mean"], i["inv_variance"]
     m = np.prod([x.shape[k] for k in axes])
@@ -108,9 +120,13 @@ def _norm_backward(i: Mapping[str, np.ndarray], axes: tuple[int, ...], affine_su
 
 
 EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
-    "conv_fprop": lambda i, a: conv2d_nchw(i["image"], i["weight"], a["padding"], a["stride"], a["dilation"]),
-    "conv_dgrad": lambda i, a: conv2d_dgrad_nchw(i["loss"], i["filter"], a["_out"][2:], a["padding"], a["stride"], a["dilation"]),
-    "conv_wgrad": lambda i, a: conv2d_wgrad_nchw(i["image"], i["loss"], a["kernel"], a["padding"], a["stride"], a["dilation"]),
+    "conv_fprop": lambda i, a: _grouped(conv2d_nchw, a["groups"], (i["image"], 1), (i["weight"], 0), a["padding"], a["stride"], a["dilation"]),
+    "conv_dgrad": lambda i, a: _grouped(
+        conv2d_dgrad_nchw, a["groups"], (i["loss"], 1), (i["filter"], 0), a["_out"][2:], a["padding"], a["stride"], a["dilation"]
+    ),
+    "conv_wgrad": lambda i, a: _grouped(
+        conv2d_wgrad_nchw, a["groups"], (i["image"], 1), (i["loss"], 1), a["kernel"], a["padding"], a["stride"], a["dilation"], axis=0
+    ),
     "matmul": lambda i, a: np.matmul(i["a"], i["b"]),
     "relu_backward": lambda i, a: i["loss"] * (i["input"] > 0),
     "channel_sum": lambda i, a: _channel_sum(i["input"]),

@@ -78,6 +78,7 @@ class OpSig:
     explicit_dims: bool = False  # cuDNN cannot infer the output dims: the lowering sets them
     outputs: tuple[str, ...] = ("out",)
     scalars: tuple[str, ...] = ()  # attributes given to cuDNN as pass-by-value float32 tensors
+    defaults: tuple[tuple[str, Any], ...] = ()  # op attributes a pattern may leave out, and their values
 
 
 class _Ctx:
@@ -93,8 +94,12 @@ class _Ctx:
 def _conv_fprop_shape(c: _Ctx) -> Shape:
     x, w = c.shapes["image"], c.shapes["weight"]
     pad, stride, dil = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"]
-    if w[1] != x[1]:
-        raise c.fail("weight", f"expected {x[1]} input channels to match '{c.names['image']}' (shape {x}), got filter shape {w}")
+    g = c.attrs["groups"]
+    _check_groups(c, "image", x[1], "channels")
+    if w[1] * g != x[1]:
+        per = f" ({x[1]} channels / {g} groups)" if g > 1 else ""
+        raise c.fail("weight", f"expected {x[1] // g} input channels{per} to match '{c.names['image']}' (shape {x}), got filter shape {w}")
+    _check_groups(c, "weight", w[0], "filters")
     out = [x[0], w[0]]
     for i in range(2):
         eff = (w[2 + i] - 1) * dil[i] + 1
@@ -113,7 +118,8 @@ def _conv_dgrad_shape(c: _Ctx) -> Shape:
     pad, stride, dil, opad = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"], c.attrs["output_padding"]
     if w[0] != dy[1]:
         raise c.fail("filter", f"expected {dy[1]} filters to match the channels of '{c.names['loss']}' (shape {dy}), got filter shape {w}")
-    out = [dy[0], w[1]]
+    _check_groups(c, "filter", w[0], "filters")
+    out = [dy[0], w[1] * c.attrs["groups"]]
     for i in range(2):
         if opad[i] >= max(stride[i], dil[i]):
             raise c.fail("loss", f"output_padding {tuple(opad)} must be smaller than the stride or the dilation")
@@ -132,7 +138,15 @@ def _conv_wgrad_shape(c: _Ctx) -> Shape:
     want = tuple((x[2 + i] + 2 * pad[i] - (kernel[i] - 1) * dil[i] - 1) // stride[i] + 1 for i in range(2))
     if tuple(dy[2:]) != want:
         raise c.fail("loss", f"expected spatial size {want} (the convolution of {x[2:]} with a {tuple(kernel)} filter), got {dy[2:]}")
-    return (dy[1], x[1], kernel[0], kernel[1])
+    _check_groups(c, "image", x[1], "channels")
+    _check_groups(c, "loss", dy[1], "channels")
+    return (dy[1], x[1] // c.attrs["groups"], kernel[0], kernel[1])
+
+
+def _check_groups(c: _Ctx, port: str, count: int, what: str) -> None:
+    g = c.attrs["groups"]
+    if count % g:
+        raise c.fail(port, f"{count} {what} do not split into {g} groups (groups must divide the input and output channels)")
 
 
 def _same_shape(port: str) -> Callable[[_Ctx], Shape]:
@@ -247,6 +261,8 @@ def _genstats_shape(c: _Ctx) -> tuple:
     return (st, st)
 
 
+_GROUPS = (("groups", 1),)
+
 OPS: dict[str, OpSig] = {
     "batchnorm": OpSig(
         ("input", "scale", "bias", "in_running_mean", "in_running_var"), ("epsilon", "momentum"), _bn_train_shape,
@@ -258,9 +274,10 @@ OPS: dict[str, OpSig] = {
     "layernorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _norm_backward_shape((0,), (1, 2, 3)), outputs=("dx", "dscale", "dbias")),
     "instancenorm": OpSig(("input", "scale", "bias"), ("epsilon",), _norm_shape((0, 1), (1,)), outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
     "instancenorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _norm_backward_shape((0, 1), (1,)), outputs=("dx", "dscale", "dbias")),
-    "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation"), _conv_fprop_shape),
-    "conv_dgrad": OpSig(("loss", "filter"), ("padding", "stride", "dilation", "output_padding"), _conv_dgrad_shape, True),
-    "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel"), _conv_wgrad_shape, True),
+    # groups: cuDNN reads the group count from the channel counts (filter C = image C / groups)
+    "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation", "groups"), _conv_fprop_shape, defaults=_GROUPS),
+    "conv_dgrad": OpSig(("loss", "filter"), ("padding", "stride", "dilation", "output_padding", "groups"), _conv_dgrad_shape, True, defaults=_GROUPS),
+    "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel", "groups"), _conv_wgrad_shape, True, defaults=_GROUPS),
     "matmul": OpSig(("a", "b"), (), _matmul_shape),
     "bias": OpSig(("input", "bias"), (), _bias_shape),
     "relu": OpSig(("input",), (), _same_shape("input")),
@@ -469,6 +486,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         for k, v in op_attrs.items():
             need(k in sig.attrs, f"ops[{i}] ({opname}): unknown op attribute {k!r}; known: {list(sig.attrs)}")
             need(not isinstance(v, str) or v in attr_names, f"ops[{i}] ({opname}): attribute {k!r} refers to undeclared pattern attribute {v!r}")
+        op_attrs = {**dict(sig.defaults), **op_attrs}
         missing = set(sig.attrs) - set(op_attrs)
         need(not missing, f"ops[{i}] ({opname}): attribute(s) {sorted(missing)} not given")
         out = spec.get("out")

@@ -10,39 +10,41 @@ from ..tensors import adapter_for
 from .common import cast_like, relu_bias_grad, tag
 from .norm import affine_identity
 
-_CONV_ATTRS = ("padding", "stride", "dilation")
+_CONV_ATTRS = ("padding", "stride", "dilation", "groups")
 
 
-def conv_bias_relu(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+def conv_bias_relu(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``relu(conv2d(x, w) + b)`` as one cuDNN graph. x: (N, C, H, W), w: (K, C, R, S), b: (K,)."""
-    return run("conv_bias_relu", _CONV_ATTRS, (padding, stride, dilation), (x, w, b), out)
+    return run("conv_bias_relu", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b), out)
 
 
-def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``conv2d(x, w) + b`` as one cuDNN graph."""
-    return run("conv_bias", _CONV_ATTRS, (padding, stride, dilation), (x, w, b), out)
+    return run("conv_bias", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b), out)
 
 
-def conv2d(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+def conv2d(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``conv2d(x, w)`` (cross-correlation, as in PyTorch) as a cuDNN graph."""
-    return run("conv", _CONV_ATTRS, (padding, stride, dilation), (x, w), out)
+    return run("conv", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w), out)
 
 
-_CONVT_ATTRS = ("padding", "stride", "dilation", "output_padding")
+_CONVT_ATTRS = ("padding", "stride", "dilation", "output_padding", "groups")
 
 
 def conv_transpose_bias_relu(
-    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
+    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, groups: int = 1,
+    out: Any = None,
 ) -> Any:
     """``relu(conv_transpose2d(x, w) + b)``: cuDNN dgrad as the forward op. w: (C_in, C_out, R, S)."""
-    return _conv_transpose(True, x, w, b, (padding, stride, dilation, output_padding), out)
+    return _conv_transpose(True, x, w, b, (padding, stride, dilation, output_padding, groups), out)
 
 
 def conv_transpose_bias(
-    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, out: Any = None
+    x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, output_padding: Any = 0, groups: int = 1,
+    out: Any = None,
 ) -> Any:
     """``conv_transpose2d(x, w) + b`` as one cuDNN graph. w: (C_in, C_out, R, S)."""
-    return _conv_transpose(False, x, w, b, (padding, stride, dilation, output_padding), out)
+    return _conv_transpose(False, x, w, b, (padding, stride, dilation, output_padding, groups), out)
 
 
 def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any) -> Any:
@@ -68,8 +70,8 @@ def _output_padding(x_hw: Sequence[int], dy_hw: Sequence[int], k_hw: Sequence[in
     return tuple(int(x_hw[i]) - ((int(dy_hw[i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(k_hw[i]) - 1) + 1) for i in range(2))  # type: ignore[return-value]
 
 
-def _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu):
-    conv = dict(padding=padding, stride=stride, dilation=dilation)
+def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu):
+    conv = dict(padding=padding, stride=stride, dilation=dilation, groups=groups)
     dx = dw = None
     if need_dx:
         op = _output_padding(x.shape[2:], dz.shape[2:], w.shape[2:], padding, stride, dilation)
@@ -92,7 +94,7 @@ def relu_backward(dy: Any, y: Any) -> Any:
 
 
 def conv_bias_relu_backward(
-    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
     needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = relu(conv2d(x, w) + b)``; saved: x, w, y.
@@ -101,37 +103,37 @@ def conv_bias_relu_backward(
     fused dgrad + dReLU graph), so the caller skips it."""
     need_dx, need_dw, need_db = needs
     dz, db = relu_bias_grad(dy, y, need_db)
-    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
+    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu)
     return dx, dw, cast_like(db, dy)
 
 
 def conv_bias_backward(
-    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
     needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = conv2d(x, w) + b``; saved: x, w."""
     need_dx, need_dw, need_db = needs
     db = call("bias_grad", dy) if need_db else None
-    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, need_dx, need_dw, input_relu)
+    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu)
     return dx, dw, cast_like(db, dy)
 
 
 def conv2d_backward(
-    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
     needs: Sequence[bool] = (True, True), input_relu: bool = False,
 ) -> tuple[Any, Any]:
     """(dx, dw) of ``y = conv2d(x, w)``; saved: x, w."""
-    return _conv_grads(dy, x, w, padding, stride, dilation, needs[0], needs[1], input_relu)
+    return _conv_grads(dy, x, w, padding, stride, dilation, groups, needs[0], needs[1], input_relu)
 
 
 def conv_transpose_bias_relu_backward(
-    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
     needs: Sequence[bool] = (True, True, True), relu: bool = True,
 ) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = [relu](conv_transpose2d(x, w) + b)``: dx is a forward convolution of
     dz with w, dw is wgrad with the roles of image and gradient swapped; saved: x, w, y."""
     need_dx, need_dw, need_db = needs
-    conv = dict(padding=padding, stride=stride, dilation=dilation)
+    conv = dict(padding=padding, stride=stride, dilation=dilation, groups=groups)
     if relu:
         dz, db = relu_bias_grad(dy, y, need_db)
     else:
@@ -141,12 +143,12 @@ def conv_transpose_bias_relu_backward(
     return dx, dw, cast_like(db, dy)
 
 
-def conv_bias_add_relu(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, out: Any = None) -> Any:
+def conv_bias_add_relu(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``relu(conv2d(x, w) + b + z)``: a residual block's tail in one cuDNN graph."""
-    return run("conv_bias_add_relu", _CONV_ATTRS, (padding, stride, dilation), (x, w, b, z), out)
+    return run("conv_bias_add_relu", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b, z), out)
 
 
-def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1) -> tuple[Any, Any, Any]:
+def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1) -> tuple[Any, Any, Any]:
     """(y, sum, sq_sum): a training convolution that also emits the per-channel sums of its output
     the next batch norm needs (cuDNN genstats), in one graph."""
-    return run("conv_genstats", _CONV_ATTRS, (padding, stride, dilation), (x, w), None, None)
+    return run("conv_genstats", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w), None, None)

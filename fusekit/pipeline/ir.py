@@ -305,7 +305,7 @@ def lower(prog: Program) -> Program:
             continue  # broadcasting adds stay in PyTorch
         for ci, zi in ((0, 1), (1, 0)):
             c = single_use_conv(a.inputs[ci], uses)
-            if c is not None and int(c.attrs.get("groups", 1)) == 1:
+            if c is not None:
                 break
         else:
             continue
@@ -339,10 +339,7 @@ def lower(prog: Program) -> Program:
         if s.pattern:
             continue
         if s.kind == "conv":
-            if int(s.attrs.get("groups", 1)) != 1:
-                s.pattern, s.reason = "torch", f"grouped convolution (groups={s.attrs['groups']}): fusekit has no groups attribute"
-            else:
-                s.pattern = "conv_bias_add_relu" if s.attrs.get("add") else ("conv_bias_relu" if s.attrs.get("relu") else "conv_bias")
+            s.pattern = "conv_bias_add_relu" if s.attrs.get("add") else ("conv_bias_relu" if s.attrs.get("relu") else "conv_bias")
             if "b" not in s.weights:
                 s.weights["b"] = np.zeros(s.weights["w"].shape[0])
         elif s.kind == "linear":

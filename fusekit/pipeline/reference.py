@@ -15,7 +15,8 @@ from .ir import Program, Stage, run_torch_stage
 
 
 def _conv_attrs(s: Stage) -> dict[str, Any]:
-    return {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
+    attrs = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
+    return {**attrs, "groups": int(s.attrs.get("groups", 1))}
 
 
 def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
