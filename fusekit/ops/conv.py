@@ -14,13 +14,37 @@ _CONV_ATTRS = ("padding", "stride", "dilation", "groups")
 
 
 def conv_bias_relu(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
-    """``relu(conv2d(x, w) + b)`` as one cuDNN graph. x: (N, C, H, W), w: (K, C, R, S), b: (K,)."""
-    return run("conv_bias_relu", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b), out)
+    """``relu(conv2d(x, w) + b)`` as one cuDNN graph. x: (N, C, H, W), w: (K, C / groups, R, S), b: (K,)."""
+    return _conv_epilogue("conv_bias_relu", (x, w, b), (padding, stride, dilation, groups), out)
 
 
 def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``conv2d(x, w) + b`` as one cuDNN graph."""
-    return run("conv_bias", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b), out)
+    return _conv_epilogue("conv_bias", (x, w, b), (padding, stride, dilation, groups), out)
+
+
+def _conv_epilogue(name: str, operands: tuple, values: tuple, out: Any) -> Any:
+    """A conv with a bias (+ residual add) (+ ReLU) epilogue as one graph. Grouped convolutions,
+    for which cuDNN may have no fused engine, fall back to the conv graph and a pointwise one."""
+    if values[-1] == 1:
+        return run(name, _CONV_ATTRS, values, operands, out)
+    x, w, b = operands[:3]
+
+    def split() -> Any:
+        y = call("conv", x, w, **dict(zip(_CONV_ATTRS, values)))
+        if name == "conv_bias_add_relu":
+            return call("add_relu", _bias_act(y, b, False, None), operands[3], out=out)
+        return _bias_act(y, b, name == "conv_bias_relu", out)
+
+    return fused_or_split(tag(name, *operands), lambda: run(name, _CONV_ATTRS, values, operands, out), split)
+
+
+def _bias_act(y: Any, b: Any, relu: bool, out: Any) -> Any:
+    """``[relu](y + b)`` per channel as a pointwise graph (the bias in float32, as the fused graphs take it)."""
+    b32 = adapter_for(b).astype(b, "float32")
+    if relu:
+        return call("channel_scale_shift_relu", y, affine_identity(y)[0], b32, out=out)
+    return call("channel_shift", y, b32, out=out)
 
 
 def conv2d(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
@@ -51,11 +75,7 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
     name = "conv_transpose_bias_relu" if relu else "conv_transpose_bias"
 
     def split() -> Any:  # dgrad alone, then bias (and ReLU) as a pointwise graph
-        y = call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values)))
-        b32 = adapter_for(b).astype(b, "float32")
-        if relu:
-            return call("channel_scale_shift_relu", y, affine_identity(y)[0], b32, out=out)
-        return call("channel_shift", y, b32, out=out)
+        return _bias_act(call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values))), b, relu, out)
 
     return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), split)
 
@@ -145,7 +165,7 @@ def conv_transpose_bias_relu_backward(
 
 def conv_bias_add_relu(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``relu(conv2d(x, w) + b + z)``: a residual block's tail in one cuDNN graph."""
-    return run("conv_bias_add_relu", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b, z), out)
+    return _conv_epilogue("conv_bias_add_relu", (x, w, b, z), (padding, stride, dilation, groups), out)
 
 
 def conv_genstats(x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1) -> tuple[Any, Any, Any]:
