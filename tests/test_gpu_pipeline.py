@@ -1,6 +1,7 @@
 """fusekit.pipeline on the GPU: torchvision models and an ONNX CNN compiled in float16
 channels-last, replayed from one CUDA graph, against PyTorch float32 eager."""
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -188,3 +189,40 @@ def test_autotune_path_small():
     assert float((y - want).norm() / want.norm()) < 2e-2
     srcs = [src for src, s in zip(pipe.sources, pipe.stages) if s.pattern.startswith(("conv", "linear"))]
     assert any(src == "tuned" for src in srcs), srcs
+
+
+def test_input_bound_when_it_is_the_input_buffer():
+    _, pipe = _compiled("resnet18", 1)
+    x = torch.randn(1, 3, 224, 224, device="cuda")
+    want = pipe(x)
+    pipe.input_buffer.copy_(x)
+    got = pipe(pipe.input_buffer)  # the bound buffer itself: no copy, same result
+    assert torch.equal(got, want)
+
+
+def test_fusekit_nn_sequential_compiles_with_cupy_in_and_out():
+    cp = pytest.importorskip("cupy")
+    import fusekit
+    import fusekit.nn as fnn
+    import fusekit.pipeline as fp
+
+    bn = fnn.BatchNorm2d(16, relu=True)
+    rs = cp.random.RandomState(5)
+    bn.running_mean = rs.uniform(-0.2, 0.2, 16).astype(cp.float32)
+    bn.running_var = rs.uniform(0.5, 1.5, 16).astype(cp.float32)
+    bn.weight.data = rs.uniform(0.5, 1.5, 16).astype(cp.float32)
+    seq = fnn.Sequential(
+        fnn.Conv2d(3, 16, 3, padding=1, seed=0), bn, fnn.MaxPool2d(2),
+        fnn.Conv2d(16, 32, 3, stride=2, padding=1, activation="relu", seed=1), fnn.Flatten(), fnn.Linear(32 * 4 * 4, 10, seed=2),
+    ).eval()
+    x = fusekit.nhwc(rs.standard_normal((4, 16, 16, 3)).astype(cp.float32))
+    want = cp.asnumpy(seq(x)).astype(np.float64)
+    pipe = fp.compile(seq, x, dtype="float16")
+    assert pipe.graph_captured, pipe.capture_error
+    assert [s.pattern for s in pipe.stages] == ["conv_bias_relu", "max_pool2d", "conv_bias_relu", "reshape", "linear_bias"]
+    y = pipe(x)
+    assert isinstance(y, cp.ndarray) and y.shape == (4, 10) and y.dtype == cp.float16
+    got = cp.asnumpy(y).astype(np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    host = pipe(cp.asnumpy(x))  # NumPy in, NumPy out
+    assert isinstance(host, np.ndarray) and np.array_equal(host, cp.asnumpy(y))

@@ -2,7 +2,8 @@
 
     import fusekit.pipeline as fp
     pipe = fp.compile(torchvision.models.resnet50().eval(), torch.randn(8, 3, 224, 224), dtype="float16")
-    y = pipe(x)            # copies x into the static input, replays the graph, returns a clone of the output
+    y = pipe(x)            # copies x into the static input, replays the graph, returns a copy of the output
+                           # in x's array type (torch, CuPy or NumPy)
     print(pipe.report())
 
 On the CPU (no GPU needed): ``fp.lower_model(model_or_onnx, example_input)`` gives the lowered
@@ -31,10 +32,16 @@ def _is_onnx(model: Any) -> bool:
 
 
 def trace(model: Any, example_input: Any = None) -> Program:
-    """Primitive (not yet rewritten) stages of a torch ``nn.Module`` or an ONNX model.
+    """Primitive (not yet rewritten) stages of a torch ``nn.Module``, a ``fusekit.nn.Sequential`` or an ONNX model.
 
     ``example_input``: a tensor/array or a shape; for ONNX it may be None (the graph's input shape,
     batch 1, 224 where dynamic)."""
+    from .nn_import import import_sequential, is_sequential
+
+    if is_sequential(model):
+        if example_input is None:
+            raise TypeError("pipeline.trace: a fusekit.nn.Sequential needs an example input (array or shape)")
+        return import_sequential(model, example_input)
     if _is_onnx(model):
         from .onnx_import import import_onnx
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import FusekitError
+from ..errors import FusekitError, OperandError
 from . import reference as _reference
 from .ir import FUSEKIT_PATTERNS, Program, Stage, run_torch_stage
 from .memory import MemoryPlan, plan_memory
@@ -254,23 +254,42 @@ class Pipeline:
 
     # -- run -----------------------------------------------------------------------------------
     def run(self, x: Any, *, clone: bool = True) -> Any:
-        """Copy ``x`` into the static input, run the forward (graph replay, or eagerly if capture
-        failed); returns a clone of the output, or with ``clone=False`` the static output buffer."""
+        """Copy ``x`` (torch tensor, CuPy or NumPy array) into the static input, unless it is that
+        buffer itself, and run the forward (graph replay, or eagerly if capture failed). Returns a
+        copy of the output in x's array type; with ``clone=False`` the static output buffer itself
+        (a torch tensor, overwritten by the next call)."""
         import torch
 
         if not self.built:
             raise FusekitError("pipeline: not built for a GPU (use fusekit.pipeline.compile)")
-        if tuple(x.shape) != tuple(self.input_buffer.shape):
-            raise FusekitError(f"pipeline: compiled for input shape {tuple(self.input_buffer.shape)}, got {tuple(x.shape)}")
-        if not isinstance(x, torch.Tensor):
-            x = torch.as_tensor(np.asarray(x))
+        shape = tuple(getattr(x, "shape", ()))
+        if shape != tuple(self.input_buffer.shape):
+            raise OperandError("pipeline", "x", f"expected shape {tuple(self.input_buffer.shape)} (shapes are fixed per compiled "
+                               f"pipeline: compile another for another batch size), got {shape}")
+        kind = "torch" if isinstance(x, torch.Tensor) else ("cupy" if hasattr(x, "__cuda_array_interface__") else "numpy")
         with torch.cuda.device(self.device):
-            self.input_buffer.copy_(x)
+            if kind == "numpy":
+                xt = torch.from_numpy(np.ascontiguousarray(x))
+            else:  # CuPy: a zero-copy torch view through the CUDA array interface
+                xt = x if kind == "torch" else torch.as_tensor(x, device=self.device)
+            bound = xt.data_ptr() == self.input_buffer.data_ptr() and xt.stride() == self.input_buffer.stride() and xt.dtype == self.torch_dtype
+            if not bound:
+                self.input_buffer.copy_(xt)
             if self._graph is not None:
                 self._graph.replay()
             else:
                 self.forward_eager()
-            return self.output_buffer.clone() if clone else self.output_buffer
+            if not clone:
+                return self.output_buffer
+            if kind == "numpy":  # NumPy has no bfloat16: those come back as float32
+                y = self.output_buffer
+                return (y.float() if y.dtype == torch.bfloat16 else y).cpu().numpy()
+            y = self.output_buffer.clone()
+            if kind == "cupy":
+                import cupy
+
+                return cupy.from_dlpack(y)
+            return y
 
     __call__ = run
 
