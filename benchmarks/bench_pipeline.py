@@ -78,6 +78,13 @@ def bench_case(
     rec["fusekit_graph_captured"] = pipe.graph_captured
     rec["fallbacks"] = len(pipe.fallbacks)
     rec["fused_stages"] = sum(s.pattern.startswith(("conv", "linear")) for s in pipe.stages)
+    roof = pipe.roofline()
+    rec["stages"] = roof
+    rec["stage_sum_ms"] = round(sum(r["ms"] or 0.0 for r in roof), 4)
+    rec["floor_ms"] = round(sum(r["floor_ms"] for r in roof), 4)
+    rec["floor_compute_ms"] = round(sum(r["floor_ms"] for r in roof if r["bound"] == "compute"), 4)
+    rec["floor_memory_ms"] = round(sum(r["floor_ms"] for r in roof if r["bound"] == "memory"), 4)
+    rec["peaks"] = pipe._peaks_text()
     log(f"{name} b{batch}: fusekit {rec['fusekit_ms']:.3f} ms (build {rec['fusekit_build_s']} s, {rec['fallbacks']} fallbacks)")
     if agreement_inputs and name.startswith("resnet"):
         rec.update(agreement(pipe, cpu_model, shape, agreement_inputs))
@@ -176,6 +183,27 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
             f"{f(r['torch_compile_over_fusekit'], '{:.2f}')} | {r['peak_mem_mb_fusekit']} | {r['peak_mem_mb_eager']} | {r['fallbacks']} | "
             f"{f(r.get('top1_agreement'), '{:.3f}')} |"
         )
+    lines += [
+        "", "## What bounds each model",
+        "Per stage: the profiled eager pass's time against its roofline floor max(flops / peak, bytes / bandwidth), peaks "
+        "measured in the same process (fp16 8192^3 matmul, 256 MiB device copy). Sums over stages; the graph replay time "
+        "(fusekit ms above) is lower than the eager stage sum, which includes launch gaps.", "",
+        "| model | batch | graph ms | stage sum ms | floor ms | compute-bound floor ms | memory-bound floor ms | graph / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in recs:
+        if "floor_ms" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_ms']:.3f} | {r['stage_sum_ms']:.3f} | {r['floor_ms']:.3f} | "
+                         f"{r['floor_compute_ms']:.3f} | {r['floor_memory_ms']:.3f} | {r['fusekit_ms'] / max(r['floor_ms'], 1e-9):.1f} |")
+    for r in recs:
+        if r.get("stages"):
+            top = sorted(r["stages"], key=lambda t: -(t["ms"] or 0))[:8]
+            lines += ["", f"### {r['model']} batch {r['batch']}: the 8 slowest stages ({r.get('peaks', '')})", "",
+                      "| # | pattern | in -> out | ms | floor ms | bound | x floor |", "|---:|---|---|---:|---:|---|---:|"]
+            for t in top:
+                shp = ", ".join("x".join(map(str, x)) for x in t["in"]) + " -> " + "x".join(map(str, t["out"]))
+                xf = "n/a" if t["x_floor"] is None else f"{t['x_floor']:.1f}"
+                lines.append(f"| {t['stage']} | {t['pattern']} | {shp} | {t['ms'] or 0:.4f} | {t['floor_ms']:.4f} | {t['bound']} | {xf} |")
     notes = [r for r in recs if r.get("torch_compile_note")]
     if notes:
         lines += ["", "torch.compile notes:"] + [f"- {r['model']} b{r['batch']}: {r['torch_compile_note']}" for r in notes]

@@ -293,3 +293,16 @@ def test_compile_without_gpu_raises_cleanly(small):
 
     with pytest.raises(NoGPUError):
         fp.compile(small, torch.zeros(1, 3, 20, 20))
+
+
+def test_stage_cost_counts_conv_and_linear_work(small):
+    from fusekit.pipeline.ir import stage_cost
+
+    prog = fp.lower_model(small, torch.zeros(2, 3, 20, 20))
+    stem, dw, fc1 = prog.stages[0], prog.stages[4], prog.stages[8]
+    flops, nbytes = stage_cost(stem, 2)  # 3 -> 8 channels, 3x3, stride 2: 2 x 3 x 20 x 20 -> 2 x 8 x 10 x 10
+    assert flops == 2 * (2 * 8 * 10 * 10) * 3 * 3 * 3
+    assert nbytes == 2 * (2 * 3 * 20 * 20 + 2 * 8 * 10 * 10 + 8 * 3 * 3 * 3 + 8)
+    assert stage_cost(dw, 2)[0] == 2 * (2 * 8 * 5 * 5) * 2 * 3 * 3  # groups=4: 2 input channels per filter
+    assert stage_cost(fc1, 4)[0] == 2 * 2 * 16 * 8
+    assert stage_cost(prog.stages[1], 2)[0] == 0  # pooling: bytes only

@@ -93,6 +93,23 @@ class Program:
 
 
 # ----------------------------------------------------------------------------------------------
+# Cost (for the roofline floor of each stage)
+# ----------------------------------------------------------------------------------------------
+def stage_cost(s: Stage, itemsize: int) -> tuple[float, float]:
+    """(tensor-core flops, DRAM bytes) a stage needs at least: multiply-adds of its convolution or
+    matmul (0 for the rest) and one read of every input and weight plus one write of its output."""
+    elems = sum(math.prod(sh) for sh in s.in_shapes) + math.prod(s.out_shape)
+    weights = sum(int(np.asarray(w).size) for w in s.weights.values())
+    flops = 0.0
+    if s.kind == "conv" and "w" in s.weights:
+        k, cg, r, q = s.weights["w"].shape
+        flops = 2.0 * math.prod(s.out_shape) * cg * r * q
+    elif s.kind == "linear":
+        flops = 2.0 * math.prod(s.out_shape) * s.weights["w"].shape[1]
+    return flops, float((elems + weights) * itemsize)
+
+
+# ----------------------------------------------------------------------------------------------
 # Shapes
 # ----------------------------------------------------------------------------------------------
 def _pair(v: Any) -> tuple[int, int]:

@@ -294,20 +294,57 @@ class Pipeline:
     __call__ = run
 
     # -- report --------------------------------------------------------------------------------
+    def roofline(self) -> list[dict[str, Any]]:
+        """Per stage: profiled time, flops and bytes, and the roofline floor max(flops / peak FLOP/s,
+        bytes / peak bytes/s) with the peaks measured on this GPU (``bench.measured_peaks``);
+        ``bound`` says which term sets the floor. Needs a built pipeline."""
+        from .bench import measured_peaks
+        from .ir import stage_cost
+
+        if not self.built:
+            raise FusekitError("pipeline: roofline needs a built pipeline (fusekit.pipeline.compile)")
+        peak_flops, peak_bw = measured_peaks(self.device, self.dtype)
+        item = 4 if self.dtype == "float32" else 2
+        rows = []
+        for i, s in enumerate(self.stages):
+            flops, nbytes = stage_cost(s, item)
+            t_c, t_m = flops / peak_flops * 1e3, nbytes / peak_bw * 1e3
+            ms = self.times_ms[i]
+            rows.append({
+                "stage": i, "pattern": s.pattern, "in": [list(x) for x in s.in_shapes], "out": list(s.out_shape),
+                "ms": ms, "gflop": flops / 1e9, "mbytes": nbytes / 1e6, "floor_ms": max(t_c, t_m),
+                "bound": "compute" if t_c >= t_m else "memory",
+                "x_floor": None if ms is None or max(t_c, t_m) == 0 else ms / max(t_c, t_m),
+            })
+        return rows
+
+    def _peaks_text(self) -> str:
+        from .bench import measured_peaks
+
+        f, b = measured_peaks(self.device, self.dtype)
+        return f"{f / 1e12:.0f} TFLOP/s {self.dtype} matmul, {b / 1e12:.2f} TB/s copy"
+
     def report(self) -> str:
-        """A table of stages (pattern, shapes, engine, plan source, eager time), the fallbacks and memory."""
+        """A table of stages (pattern, shapes, engine, plan source, eager time and its roofline floor),
+        the fallbacks and memory."""
         from rich.console import Console
         from rich.table import Table
 
+        roof = self.roofline() if self.built else None
         t = Table(title=f"fusekit pipeline ({self.program.source}, {self.dtype}, channels-last)")
-        for col in ("#", "kind", "pattern", "shapes (in -> out)", "engine", "plan", "ms", "source nodes"):
+        cols = ("#", "kind", "pattern", "shapes (in -> out)", "engine", "plan", "ms", "floor ms", "bound", "x floor", "source nodes")
+        for col in cols:
             wrap = col in ("engine", "source nodes")
-            t.add_column(col, justify="right" if col in ("#", "ms") else "left", overflow="fold" if wrap else "ellipsis", no_wrap=not wrap)
+            t.add_column(col, justify="right" if col in ("#", "ms", "floor ms", "x floor") else "left",
+                         overflow="fold" if wrap else "ellipsis", no_wrap=not wrap)
         for i, s in enumerate(self.stages):
             ins = ", ".join("x".join(map(str, sh)) for sh in s.in_shapes)
             ms = self.times_ms[i]
+            r = roof[i] if roof else None
+            floor = ("-", "-", "-") if r is None else (
+                f"{r['floor_ms']:.4f}", r["bound"], "-" if r["x_floor"] is None else f"{r['x_floor']:.1f}")
             t.add_row(str(i), s.kind, s.pattern, f"{ins} -> {'x'.join(map(str, s.out_shape))}", self.engines[i], self.sources[i],
-                      "-" if ms is None else f"{ms:.3f}", s.name)
+                      "-" if ms is None else f"{ms:.3f}", *floor, s.name)
         buf = io.StringIO()
         con = Console(file=buf, width=220, force_terminal=False, color_system=None)
         con.print(t)
@@ -317,6 +354,10 @@ class Pipeline:
             f"stages: {len(self.stages)} ({sum(s.pattern in FUSEKIT_PATTERNS for s in self.stages)} fused cuDNN graphs, "
             f"{sum(s.fallback for s in self.stages) + len(self.build_fallbacks)} PyTorch fallbacks)",
             f"eager profiled pass: {sum(total):.3f} ms" if total else "eager profiled pass: not run (no GPU build)",
+        ] + ([
+            f"roofline floor (peaks measured here: {self._peaks_text()}): {sum(r['floor_ms'] for r in roof):.3f} ms, "
+            f"{sum(r['bound'] == 'compute' for r in roof)} stages compute-bound, {sum(r['bound'] == 'memory' for r in roof)} memory-bound",
+        ] if roof else []) + [
             f"CUDA graph: {'captured' if self.graph_captured else ('failed: ' + self.capture_error if self.capture_error else 'not captured')}",
             f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
             f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)",
