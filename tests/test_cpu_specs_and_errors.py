@@ -421,6 +421,39 @@ def test_not_capturable_must_be_a_string():
         fusekit.parse_pattern(text)
 
 
+def test_memory_only_pattern_is_never_loaded_from_or_written_to_disk():
+    """instance-norm backward plans stay in memory: the planner offers no loader, so the plan cache
+    builds them without reading or writing its disk store."""
+    from types import SimpleNamespace
+
+    from fusekit.engine.cache import DiskStore, PlanCache
+    from fusekit.engine.planner import planner
+
+    pat = fusekit.get_pattern("instancenorm_backward")
+    assert "serialized" in pat.memory_only and fusekit.get_pattern("instancenorm").memory_only == ""
+    key = SimpleNamespace(specs=((n, SimpleNamespace(device=0)) for n in pat.operand_names), attrs=())
+    build, load = planner(pat, key, adapter=None, handle=None, cache=None)
+    assert load is None and callable(build)
+
+    class Store(DiskStore):
+        def __init__(self):
+            self.touched = []
+
+        def read(self, key):
+            self.touched.append("read")
+
+        def write(self, *a):
+            self.touched.append("write")
+
+    store = Store()
+    cache = PlanCache(store=store)
+    plan = SimpleNamespace(key="k", graph=None)
+    assert cache.get_or_build("k", lambda: plan, None) is plan
+    assert store.touched == [] and cache.stats.builds == 1
+    with pytest.raises(fusekit.PatternError, match="'memory_only' must be a string"):
+        fusekit.parse_pattern(fusekit.get_pattern("relu").text.replace('saved = ["y"]', 'saved = ["y"]\nmemory_only = true'))
+
+
 def test_out_overlapping_an_input_is_refused(fake):
     """``out=`` sharing memory with an operand (conv's x, a view into it, another output) is an
     OperandError naming both, before cuDNN; a separate output goes on to cuDNN."""

@@ -260,5 +260,6 @@ def _tune_key(
     with adapter.use_device(device):
         plan, result = tune(pat, specs, dict(norm), key, adapter, handle, options)
     cache.put(plan)
-    cache.save(plan)
+    if not pat.memory_only:
+        cache.save(plan)
     return result

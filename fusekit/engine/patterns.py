@@ -373,6 +373,7 @@ class Pattern:
     saved: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
     not_capturable: str = ""  # why calls must not be captured in a CUDA graph ("" when they may)
+    memory_only: str = ""  # why plans must not be stored on disk and loaded back ("" when they may)
     in_place: Mapping[str, str] = field(default_factory=dict)  # output -> operand it may be exactly (out=)
     source: str = "<memory>"
     digest: str = ""
@@ -420,7 +421,7 @@ class Pattern:
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward", "not_capturable", "in_place"}
+_TOP_KEYS = {"name", "summary", "operands", "attrs", "ops", "outputs", "saved", "backward", "not_capturable", "memory_only", "in_place"}
 
 
 def _freeze(v: Any) -> Any:
@@ -530,6 +531,8 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     )
     not_capturable = doc.get("not_capturable", "")
     need(isinstance(not_capturable, str), "'not_capturable' must be a string saying why the pattern cannot be captured")
+    memory_only = doc.get("memory_only", "")
+    need(isinstance(memory_only, str), "'memory_only' must be a string saying why the pattern's plans are not stored on disk")
     # Order matters (operands and attributes are positional), so the digest keeps file order.
     canon = json.dumps(doc, separators=(",", ":"))
     return Pattern(
@@ -544,6 +547,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         saved=saved,
         backward=tuple(backward),
         not_capturable=not_capturable,
+        memory_only=memory_only,
         in_place=dict(in_place),
         source=source,
         digest=hashlib.sha256(canon.encode()).hexdigest()[:16],

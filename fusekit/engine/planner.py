@@ -15,9 +15,9 @@ from .patterns import Pattern
 
 def planner(
     pattern: Pattern, key: PlanKey, adapter: Adapter, handle: Any, cache: PlanCache, tune_options: TuneOptions | None = None
-) -> tuple[Callable[[], Plan], Callable[[Entry], Plan]]:
+) -> tuple[Callable[[], Plan], Callable[[Entry], Plan] | None]:
     """(build, load) for ``key``: heuristics (or autotuning in "autotune" mode / with options), and
-    deserialization of a stored entry."""
+    deserialization of a stored entry (None for a ``memory_only`` pattern: built in every process)."""
     specs = dict(key.specs)
     attrs = dict(key.attrs)
     device = specs[pattern.operand_names[0]].device
@@ -42,7 +42,7 @@ def planner(
             _restream(handle)
         return Plan.from_entry(key, g, entry.header["plan"], ms)
 
-    return build, load
+    return build, (None if pattern.memory_only else load)  # type: ignore[return-value]
 
 
 def _restream(handle: Any) -> None:
