@@ -185,9 +185,9 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         )
     lines += [
         "", "## What bounds each model",
-        "Per stage: the profiled eager pass's time against its roofline floor max(flops / peak, bytes / bandwidth), peaks "
-        "measured in the same process (fp16 8192^3 matmul, 256 MiB device copy). Sums over stages; the graph replay time "
-        "(fusekit ms above) is lower than the eager stage sum, which includes launch gaps.", "",
+        "Per stage: its GPU time (the stage alone captured in a CUDA graph, median of 10 replays) against its roofline "
+        "floor max(flops / peak, bytes / bandwidth), peaks measured in the same process (fp16 8192^3 matmul, 256 MiB "
+        "device copy). Sums over stages; graph / floor: the whole forward's replay time over the summed floors.", "",
         "| model | batch | graph ms | stage sum ms | floor ms | compute-bound floor ms | memory-bound floor ms | graph / floor |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]

@@ -315,3 +315,21 @@ def test_gpu_operand_errors():
         pool.softmax(cp.zeros((2, 3, 4), cp.float32))
     with pytest.raises(OperandError, match="expected dtype float32 like 'dy'"):
         pool.softmax_backward(cp.zeros((2, 3), cp.float32), cp.zeros((2, 3), cp.float16))
+
+
+@pytest.mark.parametrize("out_layout", LAYOUTS)
+@pytest.mark.parametrize("lib", LIBS)
+def test_pooling_into_out_without_indices(lib, out_layout):
+    """out= (any dense layout) receives the same values as a fresh result; indices=False makes no
+    argmax; a wrong out shape or array type is an OperandError naming 'out'."""
+    x = make(lib, (2, 8, 9, 11), "float16", "NHWC")
+    want, _ = pool.max_pool2d(x, 3, 2, 1)
+    out = make(lib, tuple(want.shape), "float16", out_layout) * float("nan")
+    y, am = pool.max_pool2d(x, 3, 2, 1, out=out, indices=False)
+    assert y is out and am is None
+    assert np.array_equal(to_np(y), to_np(want))
+    out2 = make(lib, tuple(want.shape), "float16", out_layout) * float("nan")
+    assert pool.avg_pool2d(x, 3, 2, 1, out=out2) is out2
+    assert np.array_equal(to_np(out2), to_np(pool.avg_pool2d(x, 3, 2, 1)))
+    with pytest.raises(OperandError, match=r"max_pool2d: operand 'out': expected a \w+ array of shape \(2, 8, 5, 6\)"):
+        pool.max_pool2d(x, 3, 2, 1, out=make(lib, (2, 8, 5, 5), "float16", "NCHW"))

@@ -267,7 +267,7 @@ extern "C" __global__ void max_pool_fwd(
     const T* x, T* y, int* am, long long total, int C, int H, int W, int Ho, int Wo,
     int kh, int kw, int sh, int sw, int ph, int pw,
     long long xn, long long xc, long long xh, long long xw,
-    long long yn, long long yc, long long yh, long long yw, int cl) {
+    long long yn, long long yc, long long yh, long long yw, int cl, int want_idx) {
     GRID_LOOP(i, total) {
         int n, c, ho, wo;
         decode(i, C, Ho, Wo, cl, n, c, ho, wo);
@@ -285,7 +285,7 @@ extern "C" __global__ void max_pool_fwd(
         }
         const long long o = n * yn + c * yc + ho * yh + wo * yw;
         st(y, o, best);
-        am[o] = arg;
+        if (want_idx) am[o] = arg;
     }
 }
 
@@ -644,12 +644,15 @@ class _Launch:
 # ----------------------------------------------------------------------------------------------
 # Pooling
 # ----------------------------------------------------------------------------------------------
-def max_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0) -> tuple[Any, Any]:
+def max_pool2d(
+    x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *, out: Any = None, indices: bool = True
+) -> tuple[Any, Any]:
     """Max pooling of an (N, C, H, W) image, as torch.nn.functional.max_pool2d(return_indices=True).
 
-    Padding is -inf (it never wins). Returns (y, argmax): y of x's dtype and memory layout, shape
-    (N, C, Ho, Wo); argmax int32 of the same shape and layout, holding the flat index h*W+w of the
-    maximum in the input plane (first position in row-major window order on ties; NaN wins).
+    Padding is -inf (it never wins). Returns (y, argmax): y of x's dtype and memory layout (or
+    ``out``, dense NCHW or NHWC, if given), shape (N, C, Ho, Wo); argmax int32 of y's shape and
+    layout, holding the flat index h*W+w of the maximum in the input plane (first position in
+    row-major window order on ties; NaN wins), or None with ``indices=False`` (inference: not made).
     """
     P = "max_pool2d"
     xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
@@ -659,13 +662,26 @@ def max_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0) -
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
     with _Launch(P, xo) as L:
-        y, yv = L.empty(xo, yshape, xo.layout)
-        am, amv = L.empty(xo, yshape, xo.layout, "int32")
+        y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
+        am, amv = L.empty(xo, yshape, ylayout, "int32") if indices else (None, yv)
         L.run(xo.dtype, "max_pool_fwd", total, [
             L.view(xo), yv, amv, *_i64(total), *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw),
-            *_i64(*xo.strides), *_i64(*_layout_strides(yshape, xo.layout)), *_i32(xo.layout == "NHWC"),
+            *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC", bool(indices)),
         ])
     return y, am
+
+
+def _result(P: str, L: "_Launch", like: _Operand, out: Any, shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...], str]:
+    """(result, its CuPy view, its strides, its layout): a new array dense in ``like``'s layout, or
+    the caller's ``out`` checked against the expected shape, dtype, device and array type."""
+    if out is None:
+        y, yv = L.empty(like, shape, like.layout)
+        return y, yv, _layout_strides(shape, like.layout), like.layout
+    o = _operand(P, "out", out, (len(shape),), FLOAT_DTYPES)
+    _same_place(P, ("x", like), ("out", o))
+    if o.shape != tuple(shape) or o.lib != like.lib:
+        raise OperandError(P, "out", f"expected a {like.lib} array of shape {tuple(shape)}, got a {o.lib} array of shape {o.shape}")
+    return out, L.view(o), o.strides, o.layout
 
 
 def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any:
@@ -702,9 +718,11 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
     return dx
 
 
-def avg_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True) -> Any:
+def avg_pool2d(
+    x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, *, out: Any = None
+) -> Any:
     """Average pooling of an (N, C, H, W) image, as torch.nn.functional.avg_pool2d (zero padding,
-    ceil_mode=False); y has x's dtype and memory layout."""
+    ceil_mode=False); y has x's dtype and memory layout, or is ``out`` (dense NCHW or NHWC) if given."""
     P = "avg_pool2d"
     xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
     g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P)
@@ -712,11 +730,11 @@ def avg_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, c
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
     with _Launch(P, xo) as L:
-        y, yv = L.empty(xo, yshape, xo.layout)
+        y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
         L.run(xo.dtype, "avg_pool_fwd", total, [
             L.view(xo), yv, *_i64(total),
             *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad)),
-            *_i64(*xo.strides), *_i64(*_layout_strides(yshape, xo.layout)), *_i32(xo.layout == "NHWC"),
+            *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC"),
         ])
     return y
 
