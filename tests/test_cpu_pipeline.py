@@ -306,3 +306,32 @@ def test_stage_cost_counts_conv_and_linear_work(small):
     assert stage_cost(dw, 2)[0] == 2 * (2 * 8 * 5 * 5) * 2 * 3 * 3  # groups=4: 2 input channels per filter
     assert stage_cost(fc1, 4)[0] == 2 * 2 * 16 * 8
     assert stage_cost(prog.stages[1], 2)[0] == 0  # pooling: bytes only
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand + ReLU6, depthwise 3x3 + ReLU6, 1x1 project, linear residual add."""
+
+    def __init__(self, c, e=4):
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(c, c * e, 1, bias=False), nn.BatchNorm2d(c * e), nn.ReLU6(inplace=True))
+        self.dw = nn.Sequential(nn.Conv2d(c * e, c * e, 3, padding=1, groups=c * e, bias=False), nn.BatchNorm2d(c * e))
+        self.project = nn.Sequential(nn.Conv2d(c * e, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.project(torch.nn.functional.relu6(self.dw(self.expand(x))))
+
+
+def test_relu6_and_linear_residual_tails_fuse(rng):
+    """ReLU6 (module and functional) fuses as conv_bias_relu6, a residual add without activation as
+    conv_bias_add, depthwise convs included; the float64 reference matches the model."""
+    torch.manual_seed(5)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), InvertedResidual(8), nn.Hardtanh(0.0, 3.0)).eval()
+    _randomize_bn(m, torch.Generator().manual_seed(6))
+    x = rng.standard_normal((2, 3, 10, 10)) * 3
+    prog = fp.lower_model(m, x.shape)
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu6", "conv_bias_relu6", "conv_bias_add", "torch"], str(prog)
+    assert prog.stages[2].attrs["groups"] == 32
+    assert len(prog.fallbacks) == 1 and "clipped ReLU (max 3.0) not after a single-use convolution" in prog.fallbacks[0]
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12

@@ -19,7 +19,7 @@ SHAPES = [
     (1, 128, 7, 7, 33, 1, 1, 0, 1, 1),  # batch 1, odd K
 ]
 IDS = [f"n{s[0]}c{s[1]}h{s[2]}w{s[3]}k{s[4]}r{s[5]}s{s[6]}p{s[7]}st{s[8]}d{s[9]}" for s in SHAPES]
-PATTERNS = ["conv_bias_relu", "conv_bias", "conv"]
+PATTERNS = ["conv_bias_relu", "conv_bias", "conv", "conv_bias_relu6", "conv_bias_add"]
 # Normwise relative error bounds against float64 (inputs rounded to the dtype first): fp16 and bf16
 # outputs carry one rounding of 2^-11 / 2^-8; fp32 may run on TF32 tensor cores (10-bit mantissa).
 TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 2e-3}
@@ -29,9 +29,9 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-def _make(lib, shape, dtype, layout, rng):
-    """(device array, its exact values as float64) from fresh random data."""
-    data = rng.standard_normal(shape).astype(np.float32)
+def _make(lib, shape, dtype, layout, rng, scale=1.0):
+    """(device array, its exact values as float64) from fresh random data (times scale)."""
+    data = (rng.standard_normal(shape) * scale).astype(np.float32)
     if lib == "torch":
         torch = _torch()
         t = torch.from_numpy(data).to("cuda").to(getattr(torch, dtype))
@@ -82,7 +82,8 @@ def _check(y, ref, dtype):
 
 def _run_case(lib, pattern, shape, dtype, layout, rng):
     n, c, h, w, k, r, s, pad, st, dil = shape
-    x, xr = _make(lib, (n, c, h, w), dtype, layout, rng)
+    # ReLU6: x scaled up so that a good share of outputs is clipped at 6
+    x, xr = _make(lib, (n, c, h, w), dtype, layout, rng, 4.0 if pattern == "conv_bias_relu6" else 1.0)
     wt, wr = _make(lib, (k, c, r, s), dtype, layout, rng)
     operands, refs = [x, wt], [xr, wr]
     if pattern != "conv":
@@ -90,6 +91,11 @@ def _run_case(lib, pattern, shape, dtype, layout, rng):
         operands.append(b)
         refs.append(br)
     attrs = dict(padding=pad, stride=st, dilation=dil)
+    if pattern.startswith("conv_bias_add"):  # the residual z, shaped like the output
+        shape_y = oracle.evaluate("conv", xr, wr, **attrs)[0].shape
+        z, zr = _make(lib, shape_y, dtype, layout, rng)
+        operands.append(z)
+        refs.append(zr)
     (ref,) = oracle.evaluate(pattern, *refs, **attrs)
     # output allocated by fusekit, in the input's layout and array type
     y = fusekit.call(pattern, *operands, **attrs)

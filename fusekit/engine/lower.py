@@ -6,6 +6,7 @@ is testable on any machine through ``graph.inspect()``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -35,6 +36,11 @@ def _conv_kw(a: Mapping[str, Any]) -> dict:
     return dict(padding=list(a["padding"]), stride=list(a["stride"]), dilation=list(a["dilation"]))
 
 
+def _relu(g: Any, x: Any, upper_clip: float, name: str) -> Any:
+    """max(x, 0), clipped above at ``upper_clip`` when finite (ReLU6: 6)."""
+    return g.relu(x, upper_clip=float(upper_clip), name=name) if math.isfinite(upper_clip) else g.relu(x, name=name)
+
+
 def _first(res: Any, k: int) -> tuple:
     """The first k real outputs of a node (optional outputs it did not make are dropped)."""
     return tuple(t for t in res if t is not None)[:k]
@@ -55,7 +61,7 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "conv_wgrad": lambda g, i, a, n: g.conv_wgrad(i["image"], i["loss"], **_conv_kw(a), name=n),
     "matmul": lambda g, i, a, n: g.matmul(i["a"], i["b"], name=n),
     "bias": lambda g, i, a, n: g.bias(i["input"], i["bias"], name=n),
-    "relu": lambda g, i, a, n: g.relu(i["input"], name=n),
+    "relu": lambda g, i, a, n: _relu(g, i["input"], a["upper_clip"], n),
     "relu_backward": lambda g, i, a, n: g.relu_backward(i["loss"], i["input"], name=n),
     "channel_sum": lambda g, i, a, n: _reduce_add(g, i["input"], n),
     "batchnorm": lambda g, i, a, n: g.batchnorm(

@@ -138,7 +138,7 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
     "instancenorm_backward": lambda i, a: _norm_backward(i, (2, 3), (0, 2, 3)),
     "genstats": lambda i, a: (i["input"].sum(axis=(0, 2, 3), keepdims=True), (i["input"] ** 2).sum(axis=(0, 2, 3), keepdims=True)),
     "bias": lambda i, a: i["input"] + i["bias"],
-    "relu": lambda i, a: np.maximum(i["input"], 0.0),
+    "relu": lambda i, a: np.minimum(np.maximum(i["input"], 0.0), a["upper_clip"]),
     "add": lambda i, a: i["a"] + i["b"],
     "mul": lambda i, a: i["a"] * i["b"],
     "sub": lambda i, a: i["a"] - i["b"],

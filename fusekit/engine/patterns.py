@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 import os
 import sys
@@ -280,7 +281,7 @@ OPS: dict[str, OpSig] = {
     "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel", "groups"), _conv_wgrad_shape, True, defaults=_GROUPS),
     "matmul": OpSig(("a", "b"), (), _matmul_shape),
     "bias": OpSig(("input", "bias"), (), _bias_shape),
-    "relu": OpSig(("input",), (), _same_shape("input")),
+    "relu": OpSig(("input",), ("upper_clip",), _same_shape("input"), defaults=(("upper_clip", math.inf),)),  # ReLU6: 6.0
     "relu_backward": OpSig(("loss", "input"), (), _pair_shape),
     "channel_sum": OpSig(("input",), (), _channel_sum_shape, True),
     "add": OpSig(("a", "b"), (), _broadcast_shape),

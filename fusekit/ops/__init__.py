@@ -11,9 +11,11 @@ from .conv import (
     conv2d,
     conv2d_backward,
     conv_bias,
+    conv_bias_add,
     conv_bias_add_relu,
     conv_bias_backward,
     conv_bias_relu,
+    conv_bias_relu6,
     conv_bias_relu_backward,
     conv_genstats,
     conv_transpose_bias,
@@ -41,8 +43,8 @@ from .norm import (
 
 __all__ = [
     "call", "plan_for", "pool",
-    "conv2d", "conv2d_backward", "conv_bias", "conv_bias_add_relu", "conv_bias_backward", "conv_bias_relu",
-    "conv_bias_relu_backward", "conv_genstats", "conv_transpose_bias", "conv_transpose_bias_relu",
+    "conv2d", "conv2d_backward", "conv_bias", "conv_bias_add", "conv_bias_add_relu", "conv_bias_backward", "conv_bias_relu",
+    "conv_bias_relu6", "conv_bias_relu_backward", "conv_genstats", "conv_transpose_bias", "conv_transpose_bias_relu",
     "conv_transpose_bias_relu_backward", "relu_backward",
     "linear_bias", "linear_bias_backward", "linear_bias_relu", "linear_bias_relu_backward",
     "affine_identity", "batchnorm", "batchnorm_backward", "batchnorm_inference", "bn_normalize", "bn_normalize_backward",

@@ -23,6 +23,16 @@ def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dila
     return _conv_epilogue("conv_bias", (x, w, b), (padding, stride, dilation, groups), out)
 
 
+def conv_bias_relu6(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
+    """``min(max(conv2d(x, w) + b, 0), 6)`` (ReLU6, as MobileNet) as one cuDNN graph."""
+    return run("conv_bias_relu6", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b), out)
+
+
+def conv_bias_add(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
+    """``conv2d(x, w) + b + z``: a residual tail without activation (MobileNetV2) in one cuDNN graph."""
+    return run("conv_bias_add", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b, z), out)
+
+
 def _conv_epilogue(name: str, operands: tuple, values: tuple, out: Any) -> Any:
     """A conv with a bias (+ residual add) (+ ReLU) epilogue as one graph. Grouped convolutions,
     for which cuDNN may have no fused engine, fall back to the conv graph and a pointwise one."""

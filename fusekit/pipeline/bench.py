@@ -113,7 +113,7 @@ class TorchProgram:
             p = s.pattern
             if p.startswith(("conv", "linear")) or p == "torch":
                 if p != "torch":
-                    a = dict(a, relu=p.endswith("relu"), add=p == "conv_bias_add_relu")
+                    a = dict(a, relu=p.endswith(("relu", "relu6")), add=p.startswith("conv_bias_add"))
                     st = type(s)(s.kind, s.inputs, s.output, p, s.weights, a)
                 else:
                     st = s

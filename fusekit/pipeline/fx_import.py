@@ -138,6 +138,8 @@ def import_module(model: Any, example_input: Any) -> Program:
                 }, attrs={"epsilon": float(mod.eps)}, name=name)
             elif single and isinstance(mod, nn.ReLU):
                 st = Stage("relu", [x.name], name, name=name)
+            elif single and isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
+                st = Stage("relu", [x.name], name, attrs={"upper_clip": float(mod.max_val)}, name=name)
             elif single and isinstance(mod, nn.MaxPool2d) and not mod.ceil_mode and not mod.return_indices and _pairs_one(mod.dilation):
                 st = Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding)), name=name)
             elif single and isinstance(mod, nn.AvgPool2d) and not mod.ceil_mode and mod.divisor_override is None:
@@ -165,6 +167,8 @@ def import_module(model: Any, example_input: Any) -> Program:
                 st = Stage("add", [node.args[0].name, node.args[1].name], name, name=name)
             elif t in (F.relu, torch.relu, torch.relu_, "relu", "relu_") and is_t(x):  # inplace or not: same value
                 st = Stage("relu", [x.name], name, name=name)
+            elif t in (F.relu6,) and is_t(x):
+                st = Stage("relu", [x.name], name, attrs={"upper_clip": 6.0}, name=name)
             elif t in (torch.flatten, "flatten", "view", "reshape") and is_t(x) and flatten_ok(node) and (
                     t not in (torch.flatten, "flatten") or (arg(node, 1, "start_dim", 0) == 1 and arg(node, 2, "end_dim", -1) == -1)):
                 st = Stage("flatten", [x.name], name, name=name)

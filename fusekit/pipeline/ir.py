@@ -7,7 +7,8 @@ Importers (``fx_import``, ``onnx_import``) emit *primitive* stages in topologica
 
 :func:`lower` rewrites them into *lowered* stages, each with a ``pattern``:
 
-    conv_bias_relu / conv_bias / conv_bias_add_relu   (BN folded, bias + ReLU (+ residual add) epilogues)
+    conv_bias_relu / conv_bias_relu6 / conv_bias / conv_bias_add_relu / conv_bias_add
+                                                      (BN folded, bias (+ residual add) (+ ReLU / ReLU6) epilogues)
     linear_bias / linear_bias_relu
     max_pool2d / avg_pool2d / softmax                 (fusekit.ops.pool kernels; GAP is avg_pool2d
                                                        with the whole plane as its window)
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 
-FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias", "conv_bias_add_relu", "linear_bias", "linear_bias_relu")
+FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "linear_bias", "linear_bias_relu")
 POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax")
 
 
@@ -179,7 +180,7 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
                      dilation=_pair(a["dilation"]), groups=int(a.get("groups", 1)))
         if a.get("add"):
             y = y + env[s.inputs[1]]
-        return torch.relu(y) if a.get("relu") else y
+        return _relu(y, a) if a.get("relu") else y
     if k == "linear":
         y = F.linear(env[s.inputs[0]], weights["w"], weights.get("b"))
         return torch.relu(y) if s.attrs.get("relu") else y
@@ -188,7 +189,7 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         shape = (1, -1) + (1,) * (x.dim() - 2)
         return x * weights["scale"].reshape(shape) + weights["shift"].reshape(shape)
     if k == "relu":
-        return torch.relu(env[s.inputs[0]])
+        return _relu(env[s.inputs[0]], s.attrs)
     if k == "add":
         return env[s.inputs[0]] + env[s.inputs[1]]
     if k == "torch":
@@ -211,6 +212,14 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         kwargs = sub(s.attrs.get("kwargs", {}))
         return fn(*args, **kwargs)
     raise UnsupportedError(f"pipeline: stage kind {k!r} has no torch implementation")
+
+
+def _relu(y: Any, attrs: dict[str, Any]) -> Any:
+    """torch ReLU, clipped above at ``attrs["upper_clip"]`` when set (ReLU6)."""
+    import torch
+
+    clip = attrs.get("upper_clip")
+    return torch.relu(y) if clip is None else torch.clamp(y, 0.0, float(clip))
 
 
 def torch_fallback(name: str, inputs: list[str], output: str, fn: Callable, args: list | None = None,
@@ -314,7 +323,7 @@ def lower(prog: Program) -> Program:
 
     # 2. residual tails: relu(conv(x) + b + z) when the add has a single-use conv operand
     uses = _uses(stages, output)
-    for s in [s for s in stages if s.kind == "relu"]:
+    for s in [s for s in stages if s.kind == "relu" and s.attrs.get("upper_clip") is None]:
         a = producer.get(s.inputs[0])
         if a is None or a.kind != "add" or uses.get(a.output, 0) != 1 or len(a.inputs) != 2:
             continue
@@ -338,12 +347,38 @@ def lower(prog: Program) -> Program:
         del producer[old]
         producer[c.output] = c
 
-    # 3. ReLU epilogues of convs and linears
+    # 2b. linear residual tails: conv(x) + b + z (no activation after the add, as MobileNetV2)
+    uses = _uses(stages, output)
+    for a in [s for s in stages if s.kind == "add" and len(s.inputs) == 2]:
+        if not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]):
+            continue
+        for ci, zi in ((0, 1), (1, 0)):
+            c = single_use_conv(a.inputs[ci], uses)
+            if c is not None:
+                break
+        else:
+            continue
+        c.inputs = [c.inputs[0], a.inputs[zi]]
+        c.attrs["add"] = True
+        c.name += f"+{a.name}"
+        stages.remove(c)
+        stages[stages.index(a)] = c
+        del producer[c.output]
+        c.output = a.output
+        producer[c.output] = c
+        uses = _uses(stages, output)
+
+    # 3. ReLU (ReLU6 for convs) epilogues of convs and linears
     uses = _uses(stages, output)
     for s in [s for s in stages if s.kind == "relu"]:
         p = producer.get(s.inputs[0])
+        clip = s.attrs.get("upper_clip")
+        if clip is not None and (p is None or p.kind != "conv" or p.attrs.get("add") or float(clip) != 6.0):
+            continue  # clipped ReLUs fuse as ReLU6 into plain conv tails only
         if p is not None and p.kind in ("conv", "linear") and uses.get(p.output, 0) == 1 and not p.attrs.get("relu"):
             p.attrs["relu"] = True
+            if clip is not None:
+                p.attrs["upper_clip"] = float(clip)
             p.name += "+" + s.name
             stages.remove(s)
             _rename(stages, s.output, p.output)
@@ -356,7 +391,13 @@ def lower(prog: Program) -> Program:
         if s.pattern:
             continue
         if s.kind == "conv":
-            s.pattern = "conv_bias_add_relu" if s.attrs.get("add") else ("conv_bias_relu" if s.attrs.get("relu") else "conv_bias")
+            relu, add = bool(s.attrs.get("relu")), bool(s.attrs.get("add"))
+            if add:
+                s.pattern = "conv_bias_add_relu" if relu else "conv_bias_add"
+            elif relu:
+                s.pattern = "conv_bias_relu6" if s.attrs.get("upper_clip") is not None else "conv_bias_relu"
+            else:
+                s.pattern = "conv_bias"
             if "b" not in s.weights:
                 s.weights["b"] = np.zeros(s.weights["w"].shape[0])
         elif s.kind == "linear":
@@ -372,9 +413,10 @@ def lower(prog: Program) -> Program:
         elif s.kind == "flatten":
             s.pattern = "reshape"
         elif s.kind == "relu":
-            s.pattern, s.reason = "torch", "ReLU not after a single-use convolution or linear layer"
+            s.pattern, s.reason = "torch", ("ReLU not after a single-use convolution or linear layer" if s.attrs.get("upper_clip") is None
+                                            else f"clipped ReLU (max {s.attrs['upper_clip']}) not after a single-use convolution")
         elif s.kind == "add":
-            s.pattern, s.reason = "torch", "add not followed by a ReLU over a single-use convolution"
+            s.pattern, s.reason = "torch", "add without a single-use convolution operand"
         elif s.kind == "torch":
             s.pattern = "torch"
             s.reason = s.reason or "no fusekit pattern"

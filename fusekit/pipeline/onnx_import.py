@@ -121,6 +121,8 @@ def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
                 "gamma": consts[ins[1]], "beta": consts[ins[2]], "mean": consts[ins[3]], "var": consts[ins[4]]})
         elif op == "Relu":
             st = Stage("relu", [v(ins[0])], out, name=name)
+        elif op == "Clip" and _clip_bounds(a, ins, consts)[0] == 0.0 and _clip_bounds(a, ins, consts)[1] is not None:
+            st = Stage("relu", [v(ins[0])], out, attrs={"upper_clip": _clip_bounds(a, ins, consts)[1]}, name=name)
         elif op == "Add" and len(ins) == 2 and all(v(i) in tensors for i in ins):
             st = Stage("add", [v(ins[0]), v(ins[1])], out, name=name)
         elif op == "Add" and len(stages) and stages[-1].kind == "linear" and stages[-1].output == v(ins[0]) \
@@ -170,9 +172,7 @@ def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
                 args: list = [[Ref(v(i)) if i not in consts else consts[i] for i in ins]]
                 kwargs = {"dim": int(a.get("axis", 1))}
             elif op == "Clip":
-                lo = a.get("min", consts.get(ins[1]) if len(ins) > 1 and ins[1] else None)
-                hi = a.get("max", consts.get(ins[2]) if len(ins) > 2 and ins[2] else None)
-                args, kwargs = [Ref(v(ins[0])), None if lo is None else float(np.asarray(lo)), None if hi is None else float(np.asarray(hi))], {}
+                args, kwargs = [Ref(v(ins[0])), *_clip_bounds(a, ins, consts)], {}
             elif op == "LeakyRelu":
                 args, kwargs = [Ref(v(ins[0])), float(a.get("alpha", 0.01))], {}
             else:
@@ -200,3 +200,10 @@ def _opset(m: Any) -> int:
         if o.domain in ("", "ai.onnx"):
             return int(o.version)
     return 13
+
+
+def _clip_bounds(a: dict, ins: list, consts: dict) -> tuple[float | None, float | None]:
+    """(min, max) of an ONNX Clip: attributes (opset < 11) or constant inputs; None where absent."""
+    lo = a.get("min", consts.get(ins[1]) if len(ins) > 1 and ins[1] else None)
+    hi = a.get("max", consts.get(ins[2]) if len(ins) > 2 and ins[2] else None)
+    return (None if lo is None else float(np.asarray(lo)), None if hi is None else float(np.asarray(hi)))

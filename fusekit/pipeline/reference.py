@@ -22,8 +22,8 @@ def _conv_attrs(s: Stage) -> dict[str, Any]:
 def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
     xs = [env[n] for n in s.inputs]
     p = s.pattern
-    if p in ("conv_bias_relu", "conv_bias", "conv_bias_add_relu"):
-        ops = [xs[0], s.weights["w"], s.weights["b"]] + ([xs[1]] if p == "conv_bias_add_relu" else [])
+    if p.startswith("conv_bias"):
+        ops = [xs[0], s.weights["w"], s.weights["b"]] + ([xs[1]] if p.startswith("conv_bias_add") else [])
         return oracle.evaluate(p, *ops, **_conv_attrs(s))[0]
     if p in ("linear_bias", "linear_bias_relu"):
         return oracle.evaluate(p, xs[0], s.weights["w"], s.weights["b"])[0]

@@ -119,7 +119,7 @@ class Pipeline:
         """(operands, attrs) of a fusekit-pattern stage."""
         x = self.views[s.inputs[0]]
         if s.pattern.startswith("conv"):
-            ops = (x, w["w"], w["b"]) + ((self.views[s.inputs[1]],) if s.pattern == "conv_bias_add_relu" else ())
+            ops = (x, w["w"], w["b"]) + ((self.views[s.inputs[1]],) if s.pattern.startswith("conv_bias_add") else ())
             attrs = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
             return ops, {**attrs, "groups": int(s.attrs.get("groups", 1))}
         return (x, w["w"], w["b"]), {}
