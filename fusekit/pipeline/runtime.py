@@ -44,6 +44,7 @@ class Pipeline:
         self.dtype = dtype
         self.memory_plan: MemoryPlan = plan_memory(program, _DTYPES[dtype])
         self.build_fallbacks: list[str] = []  # fusekit stages cuDNN refused at build (run by torch)
+        self.choices: list[str] = []  # fused stages PyTorch's kernel runs because it measured faster
         self.engines: list[str] = ["-"] * len(program.stages)
         self.sources: list[str] = ["-"] * len(program.stages)
         self.times_ms: list[float | None] = [None] * len(program.stages)
@@ -93,6 +94,7 @@ class Pipeline:
             if autotune:
                 self._autotune()
             self._warmup()
+            self._choose()
             self._profile()
             if capture:
                 self._capture()
@@ -220,35 +222,48 @@ class Pipeline:
                     p = fusekit.plan_for(st.pattern, *operands, out=self.views[st.output], **attrs)
                     self.engines[i], self.sources[i] = p.engine, p.source
 
-    def _profile(self, replays: int = 10) -> None:
-        """Each stage's GPU time: the stage alone captured in a CUDA graph and replayed (as the whole
+    def _stage_ms(self, runner: Callable[[], None], replays: int = 10) -> float:
+        """GPU time of one stage: the stage alone captured in a CUDA graph and replayed (as the whole
         forward runs), median of ``replays`` event-timed replays; a stage that cannot be captured
         alone is timed eagerly (then its time includes the host's launch gaps)."""
         import torch
 
         s = self.stream
         s.wait_stream(torch.cuda.current_stream(self.device))
-        times: list[float | None] = []
-        for r in self._runners:
-            g = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(g, stream=s):
-                    r()
-                run = g.replay
-            except Exception:  # noqa: BLE001 - time it eagerly instead
-                torch.cuda.synchronize(self.device)
-                run = r
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-            with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, stream=s):
+                runner()
+            run = g.replay
+        except Exception:  # noqa: BLE001 - time it eagerly instead
+            torch.cuda.synchronize(self.device)
+            run = runner
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        with torch.cuda.stream(s):
+            run()
+            ev[0].record()
+            for e in ev[1:]:
                 run()
-                ev[0].record()
-                for e in ev[1:]:
-                    run()
-                    e.record()
-            s.synchronize()
-            times.append(statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(replays)))
-            del g
-        self.times_ms = times
+                e.record()
+        s.synchronize()
+        return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(replays))
+
+    def _profile(self) -> None:
+        self.times_ms = [self._stage_ms(r) for r in self._runners]
+
+    def _choose(self) -> None:
+        """Grouped / depthwise convolutions: cuDNN's graph engines for them can be far slower than
+        PyTorch's own kernels (depthwise 3x3 on the H200: about 20x). Time both on the stage's
+        buffers and keep the faster; the choice is listed in ``choices`` and the report."""
+        for i, s in enumerate(self.stages):
+            if s.pattern not in FUSEKIT_PATTERNS or int(s.attrs.get("groups", 1)) == 1 or self.engines[i].startswith("torch"):
+                continue
+            alt = self._torch_runner(s, self._weights(s))
+            t_fk, t_pt = self._stage_ms(self._runners[i]), self._stage_ms(alt)
+            if t_pt < t_fk:
+                self._runners[i] = alt
+                self.engines[i], self.sources[i] = f"torch (faster: {t_pt:.3f} vs cuDNN graph {t_fk:.3f} ms)", "-"
+                self.choices.append(f"{s.name}: PyTorch's kernel {t_pt:.3f} ms < fused cuDNN graph {t_fk:.3f} ms (groups={s.attrs['groups']})")
 
     def _capture(self) -> None:
         import torch
@@ -378,7 +393,8 @@ class Pipeline:
             f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
             f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)",
             "fallbacks (run by PyTorch):" if self.fallbacks else "fallbacks: none",
-        ] + [f"  - {f}" for f in self.fallbacks]
+        ] + [f"  - {f}" for f in self.fallbacks] + (
+            ["run by PyTorch because it measured faster:"] + [f"  - {c}" for c in self.choices] if self.choices else [])
         return buf.getvalue() + "\n".join(lines) + "\n"
 
 
