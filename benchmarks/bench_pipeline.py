@@ -51,7 +51,8 @@ def _reset_mem() -> int:
 
 
 def bench_case(
-    name: str, batch: int, dtype: str, iters: int, trials: int, compile_limit_s: float, compile_mode: str, agreement_inputs: int = 0
+    name: str, batch: int, dtype: str, iters: int, trials: int, compile_limit_s: float, compile_mode: str, agreement_inputs: int = 0,
+    autotune: bool = False,
 ) -> dict:
     tdt = getattr(torch, dtype)
     shape = (batch, 3, 224, 224)
@@ -90,8 +91,25 @@ def bench_case(
         rec.update(agreement(pipe, cpu_model, shape, agreement_inputs))
         log(f"{name} b{batch}: top-1 agreement with float32 eager {rec['top1_agreement']:.4f} on {rec['top1_inputs']} inputs, "
             f"median relative error {rec['rel_err_vs_fp32_median']:.2e}")
+    rec["choices"] = pipe.choices
     pipe = None  # noqa: F841 - free the pipeline's buffers and graph
     _reset_mem()
+    rec["fusekit_tuned_ms"] = None
+    if autotune:  # every stage's key tuned (plans kept in the cache), then compiled and timed the same way
+        t0 = time.perf_counter()
+        tuned = fp.compile(cpu_model, shape, dtype=dtype, autotune=True)
+        rec["fusekit_tune_s"] = round(time.perf_counter() - t0, 1)
+
+        def fresh_t() -> None:
+            x.normal_()
+            tuned.input_buffer.copy_(x)
+
+        rec["fusekit_tuned_ms"] = cuda_time_ms(tuned._graph.replay if tuned.graph_captured else tuned.forward_eager,
+                                               iters=iters, trials=trials, before_trial=fresh_t)
+        log(f"{name} b{batch}: fusekit autotuned {rec['fusekit_tuned_ms']:.3f} ms (tuning and build {rec['fusekit_tune_s']} s)")
+        tuned = None  # noqa: F841
+        _reset_mem()
+    rec["fusekit_best_ms"] = min(v for v in (rec["fusekit_ms"], rec["fusekit_tuned_ms"]) if v is not None)
 
     # PyTorch eager and eager in a CUDA graph
     base = _reset_mem()
@@ -139,7 +157,7 @@ def bench_case(
         log(f"{name} b{batch}: torch.compile {rec['torch_compile_ms']} ms {rec.get('torch_compile_note', '')}")
     for k in ("torch_eager_ms", "torch_graph_ms", "torch_compile_ms"):
         v = rec.get(k)
-        rec[k.replace("_ms", "_over_fusekit")] = None if v is None else round(v / rec["fusekit_ms"], 3)
+        rec[k.replace("_ms", "_over_fusekit")] = None if v is None else round(v / rec["fusekit_best_ms"], 3)
     model = None  # noqa: F841
     _reset_mem()
     return rec
@@ -168,9 +186,10 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         f"# fusekit.pipeline vs PyTorch on {gpu}", "",
         f"- date: {meta['date']}", f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN backend {meta['cudnn']}, fusekit {meta['fusekit']}",
         f"- float16 channels-last, random weights, eval mode; median of {meta['trials']} trials of {meta['iters']} calls (CUDA events), "
-        "fresh random input before each trial; ratio = PyTorch time / fusekit time (> 1: fusekit faster)", "",
-        "| model | batch | fusekit ms | eager ms | eager graph ms | torch.compile ms | eager/fk | graph/fk | compile/fk | peak MB fk | peak MB eager | fallbacks | top-1 vs fp32 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "fresh random input before each trial; fk = the better of fusekit with heuristic plans and fusekit autotuned; "
+        "ratio = PyTorch time / fk time (> 1: fusekit faster)", "",
+        "| model | batch | fusekit ms | autotuned ms | eager ms | eager graph ms | torch.compile ms | eager/fk | graph/fk | compile/fk | peak MB fk | peak MB eager | fallbacks | top-1 vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(v, fmt="{:.3f}"):
@@ -178,7 +197,7 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
     for r in recs:
         lines.append(
-            f"| {r['model']} | {r['batch']} | {f(r['fusekit_ms'])} | {f(r['torch_eager_ms'])} | {f(r['torch_graph_ms'])} | "
+            f"| {r['model']} | {r['batch']} | {f(r['fusekit_ms'])} | {f(r.get('fusekit_tuned_ms'))} | {f(r['torch_eager_ms'])} | {f(r['torch_graph_ms'])} | "
             f"{f(r['torch_compile_ms'])} | {f(r['torch_eager_over_fusekit'], '{:.2f}')} | {f(r['torch_graph_over_fusekit'], '{:.2f}')} | "
             f"{f(r['torch_compile_over_fusekit'], '{:.2f}')} | {r['peak_mem_mb_fusekit']} | {r['peak_mem_mb_eager']} | {r['fallbacks']} | "
             f"{f(r.get('top1_agreement'), '{:.3f}')} |"
@@ -193,8 +212,8 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
     ]
     for r in recs:
         if "floor_ms" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_ms']:.3f} | {r['stage_sum_ms']:.3f} | {r['floor_ms']:.3f} | "
-                         f"{r['floor_compute_ms']:.3f} | {r['floor_memory_ms']:.3f} | {r['fusekit_ms'] / max(r['floor_ms'], 1e-9):.1f} |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_best_ms']:.3f} | {r['stage_sum_ms']:.3f} | {r['floor_ms']:.3f} | "
+                         f"{r['floor_compute_ms']:.3f} | {r['floor_memory_ms']:.3f} | {r['fusekit_best_ms'] / max(r['floor_ms'], 1e-9):.1f} |")
     for r in recs:
         if r.get("stages"):
             top = sorted(r["stages"], key=lambda t: -(t["ms"] or 0))[:8]
@@ -210,6 +229,34 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(recs: list[dict], gpu: str, path: str) -> None:
+    """Bars of time per forward (log scale) for each model and batch: fusekit and the PyTorch variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    variants = [("fusekit_best_ms", "fusekit pipeline"), ("torch_eager_ms", "PyTorch eager"),
+                ("torch_graph_ms", "PyTorch eager, CUDA graph"), ("torch_compile_ms", "torch.compile")]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for j, (key, label) in enumerate(variants):
+        xs = [i + (j - 1.5) * width for i, r in enumerate(recs) if r.get(key)]
+        ys = [r[key] for r in recs if r.get(key)]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(recs)), [f"{r['model']}\nbatch {r['batch']}" for r in recs])
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.set_ylabel("ms per forward (median, log scale)")
+    ax.set_title(f"Whole-network inference, float16 channels-last, {gpu}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON and markdown results")
@@ -220,6 +267,7 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--agreement", type=int, default=256, help="random inputs for the top-1 agreement check (ResNets; 0: skip)")
     ap.add_argument("--quick", action="store_true", help="resnet50 batch 1 only, fewer trials, no torch.compile")
+    ap.add_argument("--autotune", action="store_true", help="also compile with every stage autotuned and time that")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_pipeline: needs a CUDA GPU")
@@ -241,13 +289,14 @@ def main() -> None:
     for name, batch in cases:
         log(f"{name} batch {batch} ...")
         recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode,
-                               args.agreement if batch > 1 else 0))
+                               args.agreement if batch > 1 else 0, args.autotune))
         # written after every case, so a run cut short keeps what it measured
         with open(stem + ".json", "w") as fh:
             json.dump({"meta": meta, "records": recs}, fh, indent=2)
         with open(stem + ".md", "w") as fh:
             fh.write(markdown(gpu, recs, meta))
-    log(f"wrote {stem}.json and {stem}.md")
+    plot(recs, gpu, stem + ".png")
+    log(f"wrote {stem}.json, {stem}.md and {stem}.png")
     print(markdown(gpu, recs, meta))
 
 
