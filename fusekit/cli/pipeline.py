@@ -41,8 +41,15 @@ def compile_cmd(model: str, batch: int, dtype: str, autotune: bool, size: int, n
         shape = _shape(model, batch, size)
         if no_gpu:
             pipe = fp.Pipeline(fp.lower_model(model, shape), dtype=dtype)
+        elif autotune:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("autotune {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+                task = bar.add_task("", total=None)
+                pipe = fp.compile(model, shape, dtype=dtype, autotune=True,
+                                  progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
         else:
-            pipe = fp.compile(model, shape, dtype=dtype, autotune=autotune)
+            pipe = fp.compile(model, shape, dtype=dtype)
     except (FusekitError, OSError, ValueError) as e:
         raise _fail(e) from None
     click.echo(pipe.report(), nl=False)

@@ -68,7 +68,10 @@ class Pipeline:
         return _reference.evaluate(self.program, x)
 
     # -- build ---------------------------------------------------------------------------------
-    def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True) -> "Pipeline":
+    def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True,
+              progress: Callable[[int, int, str], None] | None = None) -> "Pipeline":
+        """Build on the GPU: buffers, runners, (autotune), warm-up, per-stage choice and timing, capture.
+        ``progress(done, total, what)`` is called as autotuning goes, stage by stage."""
         import torch
 
         if not torch.cuda.is_available():
@@ -92,7 +95,7 @@ class Pipeline:
             self.stream = torch.cuda.Stream(dev)
             self._graph = None
             if autotune:
-                self._autotune()
+                self._autotune(progress)
             self._warmup()
             self._choose()
             self._profile()
@@ -191,16 +194,21 @@ class Pipeline:
         for r in self._runners:
             r()
 
-    def _autotune(self) -> None:
+    def _autotune(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         import fusekit
 
-        for i, s in enumerate(self.stages):
-            if s.pattern in FUSEKIT_PATTERNS and self.sources[i] == "pending":
-                operands, attrs = self._fused[i]
-                try:
-                    fusekit.autotune(s.pattern, *operands, out=self.views[s.output], **attrs)
-                except FusekitError as e:
-                    warnings.warn(f"fusekit pipeline: autotune of stage {i} ({s.pattern}) failed, keeping the heuristic plan: {e}", stacklevel=3)
+        todo = [i for i, s in enumerate(self.stages) if s.pattern in FUSEKIT_PATTERNS and self.sources[i] == "pending"]
+        for done, i in enumerate(todo):
+            s = self.stages[i]
+            if progress is not None:
+                progress(done, len(todo), f"stage {i} {s.pattern} {'x'.join(map(str, s.out_shape))}")
+            operands, attrs = self._fused[i]
+            try:
+                fusekit.autotune(s.pattern, *operands, out=self.views[s.output], **attrs)
+            except FusekitError as e:
+                warnings.warn(f"fusekit pipeline: autotune of stage {i} ({s.pattern}) failed, keeping the heuristic plan: {e}", stacklevel=3)
+        if progress is not None:
+            progress(len(todo), len(todo), "tuned")
         self.autotuned = True
 
     def _warmup(self) -> None:
@@ -399,9 +407,11 @@ class Pipeline:
 
 
 def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
-            capture: bool = True, device: Any = None) -> Pipeline:
-    """Trace/import ``model`` (torch ``nn.Module`` or ONNX path/ModelProto), lower it to fusekit
-    stages, plan its buffers and build it on the GPU (warm-up, profile, CUDA graph capture)."""
+            capture: bool = True, device: Any = None, progress: Callable[[int, int, str], None] | None = None) -> Pipeline:
+    """Trace/import ``model`` (torch ``nn.Module``, ``fusekit.nn.Sequential``, ONNX path/ModelProto),
+    lower it to fusekit stages, plan its buffers and build it on the GPU (warm-up, per-stage timing,
+    CUDA graph capture); see :meth:`Pipeline.build` for ``progress``."""
     from . import lower_model
 
-    return Pipeline(lower_model(model, example_input), dtype=dtype).build(device=device, autotune=autotune, capture=capture)
+    return Pipeline(lower_model(model, example_input), dtype=dtype).build(
+        device=device, autotune=autotune, capture=capture, progress=progress)
