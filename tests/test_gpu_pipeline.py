@@ -183,8 +183,10 @@ def test_autotune_path_small():
     torch.manual_seed(4)
     m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 8)).eval().cuda()
-    pipe = fp.compile(m, torch.zeros(2, 16, 16, 16), dtype="float16", autotune=True)
+    seen = []
+    pipe = fp.compile(m, torch.zeros(2, 16, 16, 16), dtype="float16", autotune=True, progress=lambda *a: seen.append(a))
     assert pipe.autotuned
+    assert seen[0][:2] == (0, 3) and seen[-1][:2] == (3, 3), seen  # two convs and the linear, then done
     x = torch.randn(2, 16, 16, 16, device="cuda")
     y = pipe(x).float()
     want = m(x)
