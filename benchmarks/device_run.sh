@@ -22,6 +22,11 @@ for part in "$@"; do
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
+    notebooks)  # needs the nbclient/ipykernel wheels in .whl (see notebooks/execute.py); executed copies and key figures under $OUT
+      timeout -k 10 ${NOTEBOOKS_TIMEOUT:-240} python3 notebooks/execute.py --out "$OUT/notebooks" --figures "$OUT/figures" > "$OUT/notebooks.log" 2>&1
+      rc=$?; echo "notebooks: execute.py exit $rc$([ $rc -eq 124 ] && echo ", timed out after ${NOTEBOOKS_TIMEOUT:-240} s")"
+      grep -E "^python |ipynb: |error: |passed, |stopped by|cannot run" "$OUT/notebooks.log" | cut -c1-400 | tail -20
+      ls "$OUT/figures" 2>/dev/null | tr '\n' ' '; echo ;;
     bench-*)
       timeout ${BENCH_TIMEOUT:-150} python3 "benchmarks/${part//-/_}.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/${part}.log" 2>&1
       tail -8 "$OUT/${part}.log" | cut -c1-400 ;;

@@ -385,7 +385,7 @@ class Pipeline:
             t.add_row(str(i), s.kind, s.pattern, f"{ins} -> {'x'.join(map(str, s.out_shape))}", self.engines[i], self.sources[i],
                       "-" if ms is None else f"{ms:.3f}", *floor, s.name)
         buf = io.StringIO()
-        con = Console(file=buf, width=220, force_terminal=False, color_system=None)
+        con = Console(file=buf, width=220, force_terminal=False, force_jupyter=False, color_system=None)
         con.print(t)
         mp = self.memory_plan
         total = [m for m in self.times_ms if m is not None]
