@@ -25,11 +25,13 @@ from .errors import (
     FusionWarning,
     LayoutWarning,
     NoGPUError,
+    NumericsWarning,
     OperandError,
     PatternError,
     PatternWarning,
     SettingError,
     UnsupportedError,
+    WorkspaceWarning,
 )
 from .ops import (
     conv2d,
@@ -62,6 +64,7 @@ __all__ = [
     "autotune", "autotune_shapes", "configure",
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
     "CacheWarning", "CaptureError", "FusionWarning", "LayoutWarning", "PatternWarning", "SettingError",
+    "NumericsWarning", "WorkspaceWarning",
     "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache",
     "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
     "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",

@@ -4,6 +4,8 @@ can change the environment at run time), and the package version."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .errors import SettingError
@@ -16,6 +18,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "FUSEKIT_CACHE_DIR": ("plan cache directory, or off / none / 0 for memory only", "the user cache directory"),
     "FUSEKIT_CACHE_SIZE": ("plans kept in memory (LRU)", "512"),
     "FUSEKIT_MODE": ("heuristic (first plan offered) or autotune (time every candidate on first use)", "heuristic"),
+    "FUSEKIT_ALLOW_TF32": (
+        "op families whose float32 graphs may run on TF32 tensor cores: conv, matmul, all or none (1/0), or a comma list",
+        "conv (PyTorch's defaults)",
+    ),
 }
 MODES = ("heuristic", "autotune")
 _OFF = ("off", "none", "0")
@@ -71,6 +77,84 @@ def mode() -> str:
     return raw
 
 
+@dataclass(frozen=True)
+class Tf32Policy:
+    """The numerics policy: which op families' float32 graphs may run on TF32 tensor cores (inputs
+    rounded to 10 mantissa bits: about 1e-3 relative error instead of float32's 1e-6, for several times
+    the speed). The other families' float32 keys get IEEE float32 plans only. The defaults are
+    PyTorch's: ``torch.backends.cudnn.allow_tf32`` (convolutions) is True and
+    ``torch.backends.cuda.matmul.allow_tf32`` (matmuls, so Linear layers) is False. fusekit reads
+    neither flag: set this policy with ``fusekit.configure(allow_tf32=...)`` or $FUSEKIT_ALLOW_TF32.
+    Float16 and bfloat16 keys, and graphs without a convolution or matmul, are not affected."""
+
+    conv: bool = True  # conv_fprop, conv_dgrad, conv_wgrad (so transposed convolutions too)
+    matmul: bool = False  # matmul (linear layers and their gradients)
+
+    def allows(self, family: str) -> bool:
+        """Whether float32 graphs of op ``family`` ("conv" or "matmul") may use TF32."""
+        return bool(getattr(self, family))
+
+    def __str__(self) -> str:
+        on = [f for f in TF32_FAMILIES if self.allows(f)]
+        return "all" if len(on) == len(TF32_FAMILIES) else ",".join(on) or "none"
+
+
+#: The op families the numerics policy names.
+TF32_FAMILIES: tuple[str, ...] = tuple(f.name for f in fields(Tf32Policy))
+#: What ``allow_tf32`` takes: True / False for every family; {family: bool} (families left out keep
+#: PyTorch's default); a string as $FUSEKIT_ALLOW_TF32 takes; a Tf32Policy; None for the defaults.
+Tf32Setting = bool | str | Mapping[str, bool] | Tf32Policy | None
+_YES = ("1", "true", "yes", "on", "all")
+_NO = ("0", "false", "no", "off", "none")
+_TF32_EXPECTED = (
+    f"True / False, a mapping of {' / '.join(TF32_FAMILIES)} to bools, or a string: all, none, default, "
+    f"1 / 0 or a comma list of {', '.join(TF32_FAMILIES)}"
+)
+
+
+def tf32_policy(value: Tf32Setting, name: str = "allow_tf32") -> Tf32Policy:
+    """The policy ``value`` names (see Tf32Setting): None, "" or "default" give PyTorch's defaults;
+    "all" / "none" (1 / 0, true / false, on / off) every family or none; "conv", "matmul" or
+    "conv,matmul" exactly those families. SettingError naming ``name`` for anything else."""
+    if value is None or isinstance(value, Tf32Policy):
+        return value or Tf32Policy()
+    if isinstance(value, bool):
+        return Tf32Policy(**{f: value for f in TF32_FAMILIES})
+    if isinstance(value, str):
+        raw = value.strip().lower()
+        if raw in ("", "default"):
+            return Tf32Policy()
+        if raw in _YES or raw in _NO:
+            return tf32_policy(raw in _YES)
+        named = {part.strip() for part in raw.replace("+", ",").split(",") if part.strip()}
+        if named and named <= set(TF32_FAMILIES):
+            return Tf32Policy(**{f: f in named for f in TF32_FAMILIES})
+    elif isinstance(value, Mapping) and set(value) <= set(TF32_FAMILIES) and all(isinstance(v, bool) for v in value.values()):
+        return Tf32Policy(**dict(value))
+    raise SettingError(name, value, _TF32_EXPECTED)
+
+
+_tf32_set: Tf32Policy | None = None  # what fusekit.configure(allow_tf32=...) set, if anything
+
+
+def allow_tf32() -> Tf32Policy:
+    """The numerics policy in force: the one ``fusekit.configure(allow_tf32=...)`` set, else
+    $FUSEKIT_ALLOW_TF32, else PyTorch's defaults. SettingError if the variable is invalid. Read when
+    a call's plan key is made (its first call), so the policy is part of every plan key."""
+    if _tf32_set is not None:
+        return _tf32_set
+    raw = os.environ.get("FUSEKIT_ALLOW_TF32")
+    return Tf32Policy() if raw is None else tf32_policy(raw, "FUSEKIT_ALLOW_TF32")
+
+
+def set_allow_tf32(value: Tf32Setting) -> None:
+    """Set the process's numerics policy (None: back to $FUSEKIT_ALLOW_TF32 or the defaults). Use
+    ``fusekit.configure(allow_tf32=...)``, which also drops the calls already resolved (they would
+    keep running the plans of the old policy)."""
+    global _tf32_set
+    _tf32_set = None if value is None else tf32_policy(value)
+
+
 def pattern_dirs_from_env() -> list[Path]:
     """The directories named by $FUSEKIT_PATTERNS, in order."""
     return [Path(d) for d in os.environ.get("FUSEKIT_PATTERNS", "").split(os.pathsep) if d]
@@ -79,7 +163,7 @@ def pattern_dirs_from_env() -> list[Path]:
 def problems() -> list[str]:
     """One line per invalid setting (empty when every setting is usable); ``fusekit doctor`` shows them."""
     out = []
-    for read in (cache_dir, cache_size, mode):
+    for read in (cache_dir, cache_size, mode, allow_tf32):
         try:
             read()
         except SettingError as e:

@@ -8,6 +8,9 @@
          - ``alternatives``: other descriptions of the same call when cuDNN refuses one (one-channel
            views, channels-last copies: LayoutWarning once per pattern);
          - ``fused_or_split``: an op family's fused graph, else its split graphs (FusionWarning once).
+         A key run on TF32 against the numerics policy (no IEEE plan) is said once (NumericsWarning);
+         a workspace the device has no room for falls back to a plan of the key with a smaller one
+         (WorkspaceWarning once).
       3. execute: ``graph.execute`` with the ordered buffers (or through channels-last copies).
 
 ``run`` is the one place that binds pointers.
@@ -15,18 +18,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
-from threading import get_ident
 import warnings
+import weakref
+from collections import OrderedDict
+from threading import get_ident
 from typing import Any, Callable, Mapping, Sequence
 
+from .engine import lower
 from .engine.cache import Plan, PlanCache, PlanKey, default_cache
 from .engine.keys import as_outs, check_operands, make_key
 from .engine.patterns import Pattern, get_pattern
 from .engine.planner import planner
 from .engine.lower import load_cudnn
-from .engine.runtime import RUNTIME
-from .errors import CaptureError, FusionWarning, LayoutWarning, OperandError, UnsupportedError
+from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory
+from .errors import CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
 from .tensors import SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
@@ -35,33 +43,43 @@ __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_d
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
-    __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout")
+    __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout", "origin")
 
     def __init__(
         self, plan: Plan, handle: Any, stream: int, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter,
-        relayout: frozenset = frozenset(),
+        relayout: frozenset = frozenset(), origin: Plan | None = None,
     ):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
         self.handle, self.stream = handle, stream  # the thread's handle, set to this call's stream before execute
         self.workspace, self.outs, self.out_adapter = workspace, outs, out_adapter
         self.relayout = relayout  # positions (operands, then outputs) run through channels-last copies
+        self.origin = origin or plan  # the cached plan it runs (or stands in for): its eviction drops the call
 
 
 _FAST: dict[tuple, _Call] = {}
 _FAST_LOCK = threading.Lock()
-_WATCHED: set[int] = set()
+_WATCHED: weakref.WeakSet[PlanCache] = weakref.WeakSet()  # caches whose evictions drop dispatch entries
 
 
 def _drop_plan(plan: Plan) -> None:
     with _FAST_LOCK:
-        for k in [k for k, c in _FAST.items() if c.plan is plan]:
+        for k in [k for k, c in _FAST.items() if c.origin is plan]:
+            del _FAST[k]
+
+
+def _drop_workspace(ws: Workspace) -> None:
+    """Forget the calls bound to ``ws`` (it lost its buffer): they resolve again and regrow it."""
+    with _FAST_LOCK:
+        for k in [k for k, c in _FAST.items() if c.workspace is ws]:
             del _FAST[k]
 
 
 def _watch(cache: PlanCache) -> None:
-    if id(cache) not in _WATCHED:
+    """Drop dispatch entries when their plans leave ``cache`` (the caches themselves, not their ids:
+    a new cache may reuse the id of one that is gone)."""
+    if cache not in _WATCHED:
         cache.on_evict(_drop_plan)
-        _WATCHED.add(id(cache))
+        _WATCHED.add(cache)
 
 
 def clear_dispatch() -> None:
@@ -90,7 +108,8 @@ def _resolve(
 
     def attempt(specs_: Mapping[str, TensorSpec], aligns_: Sequence[int]) -> Plan | UnsupportedError:
         key = make_key(pattern, specs_, norm, aligns_, adapter)
-        if key not in _NO_ENGINE:
+        refusal = _NO_ENGINE.get(key)
+        if refusal is None:
             if capturing and cache.get(key) is None:
                 raise CaptureError(
                     f"fusekit: no plan yet for {key.describe()} and a CUDA-graph capture is under way (building one "
@@ -99,8 +118,8 @@ def _resolve(
             try:
                 return cache.get_or_build(key, *planner(pattern, key, adapter, handle, cache))
             except UnsupportedError as e:
-                _NO_ENGINE[key] = e
-        return _NO_ENGINE[key]
+                refusal = _refused(key, e, cache.maxsize)
+        return refusal
 
     plan = attempt(specs, aligns)
     relayout: frozenset = frozenset()
@@ -118,14 +137,95 @@ def _resolve(
                     f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({refusal}); running it on channels-last copies "
                     "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
                 )
+    if plan.engine.endswith(lower.TF32_FALLBACK) and plan.key not in _TF32_WARNED:
+        _TF32_WARNED.add(plan.key)
+        fams = " and ".join(sorted(lower.tf32_families(pattern, dict(plan.key.specs))))
+        warnings.warn(
+            f"fusekit: cuDNN has no IEEE float32 plan for {plan.key.describe()}, and the numerics policy forbids TF32 for "
+            f"float32 {fams}: running its TF32 tensor-core plan (inputs rounded to 10 mantissa bits, about 1e-3 relative "
+            f"error). fusekit.configure(allow_tf32=...) or FUSEKIT_ALLOW_TF32 allows TF32 for {fams} and silences this",
+            NumericsWarning, stacklevel=_user_level(),
+        )
     ws = RUNTIME.workspace(adapter, device, stream)
     if capturing and ws.size < plan.workspace_size and not adapter.allocates_in_capture:
         raise CaptureError(
             f"fusekit: {pattern.name} needs a {plan.workspace_size}-byte cuDNN workspace on the capturing stream and "
             f"{adapter.name} cannot allocate during a capture: call it once on that stream before capturing (warm-up)"
         )
-    ws.ensure(plan.workspace_size)
-    return _Call(plan, handle, stream, ws, outs, adapter, relayout)
+    runs = _with_workspace(pattern, plan, ws, adapter, handle, cache, capturing)
+    return _Call(runs, handle, stream, ws, outs, adapter, relayout, origin=plan)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the user's line: the
+    first frame outside fusekit and PyTorch (whose autograd and module calls run fusekit.torch's
+    layers), however deep in the op layers it was issued."""
+    torch = sys.modules.get("torch")
+    inside = (_PACKAGE,) + ((os.path.dirname(torch.__file__) + os.sep,) if getattr(torch, "__file__", None) else ())
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _ensure(ws: Workspace, nbytes: int) -> BaseException | None:
+    """Grow ``ws`` to ``nbytes`` (Workspace.ensure): None, or the out-of-memory error it raised (other
+    errors propagate). Calls bound to ``ws`` are dropped if it came out smaller than it was."""
+    before = ws.size
+    try:
+        ws.ensure(nbytes)
+        return None
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        if ws.size < before:
+            _drop_workspace(ws)
+        return e
+
+
+def _with_workspace(
+    pattern: Pattern, plan: Plan, ws: Workspace, adapter: Adapter, handle: Any, cache: PlanCache, capturing: bool
+) -> Plan:
+    """``plan`` once ``ws`` holds its workspace (Workspace.ensure frees cached memory and retries).
+    If the device has no room even then, the plan of the same key that cuDNN offers next within a
+    smaller workspace (as PyTorch's cuDNN convolutions fall back), down to none; said once per key
+    (WorkspaceWarning). The stand-in serves this call signature only (it is neither cached nor
+    stored): later calls of the key get the cache's plan. Raises the out-of-memory error when no
+    plan fits, or inside a capture (a build would break it)."""
+    oom = _ensure(ws, plan.workspace_size)
+    if oom is None:
+        return plan
+    if capturing:
+        raise oom
+    key, need = plan.key, plan.workspace_size
+    specs = dict(key.specs)
+    device = specs[pattern.operand_names[0]].device
+    while need > 0:
+        try:
+            with adapter.use_device(device):
+                b = lower.build(
+                    pattern, specs, dict(key.attrs), handle, cache.heuristics, key.describe(), workspace_limit=need - 1, tf32=key.tf32
+                )
+        except UnsupportedError:
+            break  # nothing within a smaller workspace
+        finally:
+            forget_stream(handle)
+        if b.workspace_size >= need or _ensure(ws, b.workspace_size) is not None:
+            need = min(need - 1, b.workspace_size)
+            continue
+        smaller = Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
+        if key not in _WORKSPACE_WARNED:
+            _WORKSPACE_WARNED.add(key)
+            warnings.warn(
+                f"fusekit: no room for the {plan.workspace_size}-byte cuDNN workspace of {key.describe()}, even after freeing "
+                f"cached memory ({oom}); running plan {smaller.engine} with a {smaller.workspace_size}-byte workspace instead",
+                WorkspaceWarning, stacklevel=_user_level(),
+            )
+        return smaller
+    raise oom
 
 
 def _alternative(
@@ -141,9 +241,23 @@ def _alternative(
     return None, frozenset(), specs
 
 
-_NO_ENGINE: dict[PlanKey, UnsupportedError] = {}  # keys cuDNN refused (not retried in this process)
+_NO_ENGINE: OrderedDict[PlanKey, UnsupportedError] = OrderedDict()  # keys cuDNN refused: not rebuilt while remembered
+_NO_ENGINE_LOCK = threading.Lock()
 _RELAYOUT_WARNED: set[str] = set()
+_TF32_WARNED: set[PlanKey] = set()  # keys said to run TF32 against the policy (NumericsWarning)
+_WORKSPACE_WARNED: set[PlanKey] = set()  # keys said to run a smaller-workspace plan (WorkspaceWarning)
 _ELEMENTWISE = frozenset({"add", "mul", "sub", "bias", "relu", "relu_backward", "channel_sum"})
+
+
+def _refused(key: PlanKey, e: UnsupportedError, limit: int) -> UnsupportedError:
+    """Remember that cuDNN refused ``key``: the latest ``limit`` refusals (as many as the plan cache
+    keeps plans), each as its message alone (the error's traceback holds the graphs that failed)."""
+    refusal = UnsupportedError(str(e))
+    with _NO_ENGINE_LOCK:
+        _NO_ENGINE[key] = refusal
+        while len(_NO_ENGINE) > limit:
+            _NO_ENGINE.popitem(last=False)
+    return refusal
 
 
 def alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tuple[dict[str, TensorSpec], frozenset]]:

@@ -46,14 +46,25 @@ class CacheWarning(UserWarning):
     """A plan-cache entry was ignored (corrupt, foreign versions or GPU) and rebuilt."""
 
 
+class NumericsWarning(UserWarning):
+    """A float32 key runs on TF32 tensor cores although the numerics policy asks for IEEE float32
+    (``fusekit.configure(allow_tf32=...)``): cuDNN offers no IEEE plan for it. Warned once per key
+    and process; ``warnings.filterwarnings("error", category=fusekit.NumericsWarning)`` makes it an error."""
+
+
+class WorkspaceWarning(UserWarning):
+    """A plan's cuDNN workspace could not be allocated even after freeing cached memory; the call
+    runs on a plan of the same key with a smaller workspace (warned once per key and process)."""
+
+
 class CaptureError(FusekitError):
     """A call needs work that a CUDA-graph capture forbids (a plan build, a new cuDNN handle): warm up first."""
 
 
 class SettingError(FusekitError, ValueError):
-    """A ``FUSEKIT_*`` environment variable has a value fusekit cannot use."""
+    """A setting (a ``FUSEKIT_*`` environment variable or a ``fusekit.configure`` argument) has a value fusekit cannot use."""
 
-    def __init__(self, var: str, value: str, expected: str) -> None:
+    def __init__(self, var: str, value: object, expected: str) -> None:
         super().__init__(f"{var}={value!r} is invalid: expected {expected}")
         self.var = var
         self.value = value

@@ -24,6 +24,7 @@ BASE = dict(
     cc=(9, 0),
     cudnn_backend=91000,
     frontend="1.32.0",
+    tf32=False,
 )
 
 

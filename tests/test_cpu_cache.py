@@ -29,6 +29,7 @@ VARIANTS = {
     "cc": (8, 0),
     "cudnn_backend": 90500,
     "frontend": "1.31.0",
+    "tf32": True,
 }
 
 

@@ -53,6 +53,9 @@ class PlanKey:
     cc: tuple[int, int]
     cudnn_backend: int
     frontend: str
+    #: Whether the key's float32 convolutions / matmuls may run on TF32 tensor cores (the numerics
+    #: policy, config.allow_tf32(), for its op families); False where TF32 does not apply (other dtypes, ops).
+    tf32: bool = False
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -65,6 +68,9 @@ class PlanKey:
         def tup(v: Any) -> Any:
             return tuple(tup(x) for x in v) if isinstance(v, list) else v
 
+        missing = sorted({f.name for f in dataclasses.fields(PlanKey)} - set(d))
+        if missing:  # a key of an older format (before ``tf32``): its plan may not follow the policy now asked for
+            raise ValueError(f"the key has no {', '.join(missing)} (an entry of an older fusekit)")
         specs = tuple((n, TensorSpec(**{k: tup(v) for k, v in sd.items()})) for n, sd in d["specs"])
         fields = {k: tup(v) for k, v in d.items() if k != "specs"}
         return PlanKey(specs=specs, **fields)
@@ -77,7 +83,8 @@ class PlanKey:
     def describe(self) -> str:
         shapes = ", ".join(f"{n}={s.dtype}{list(s.shape)}:{s.layout}" for n, s in self.specs)
         attrs = ", ".join(f"{k}={v}" for k, v in self.attrs)
-        return f"{self.pattern}({shapes}; {attrs}) on {self.gpu} sm_{self.cc[0]}{self.cc[1]}"
+        tf32 = ", TF32 allowed" if self.tf32 else ""
+        return f"{self.pattern}({shapes}; {attrs}{tf32}) on {self.gpu} sm_{self.cc[0]}{self.cc[1]}"
 
 
 @dataclass(eq=False)
@@ -576,12 +583,22 @@ def default_cache() -> PlanCache:
 
 
 def configure(
-    *, cache_dir: str | os.PathLike[str] | None = None, disk: bool = True, mode: str | None = None, maxsize: int | None = None
+    *, cache_dir: str | os.PathLike[str] | None = None, disk: bool = True, mode: str | None = None, maxsize: int | None = None,
+    allow_tf32: config.Tf32Setting = None,
 ) -> PlanCache:
-    """Replace the process-wide cache (e.g. ``configure(mode="autotune", cache_dir=...)``)."""
+    """Replace the process-wide cache and numerics policy (e.g. ``configure(mode="autotune", cache_dir=...)``);
+    what is not given comes from the environment ($FUSEKIT_*), as at start-up.
+
+    ``allow_tf32``: which op families' float32 graphs may run on TF32 tensor cores (config.Tf32Policy):
+    True / False for all, ``{"conv": True, "matmul": False}`` (PyTorch's defaults, used when None and
+    $FUSEKIT_ALLOW_TF32 is unset), or a string as that variable takes ("conv", "matmul", "all", "none").
+    A bad value raises SettingError and leaves everything as it was."""
     global _default
     old = _default
-    _default = PlanCache(maxsize=maxsize, store=DiskStore(cache_dir) if disk else None, mode=mode)
+    config.tf32_policy(allow_tf32)  # checked before anything changes
+    new = PlanCache(maxsize=maxsize, store=DiskStore(cache_dir) if disk else None, mode=mode)
+    config.set_allow_tf32(allow_tf32)
+    _default = new
     if old is not None:
         old.clear()  # dispatch tables drop its plans
     return _default

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import OperandError
 from ..tensors import LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, logical_shape, make_spec, view_shape
 from .cache import PlanKey
-from .lower import COMPUTE_DTYPE
+from .lower import COMPUTE_DTYPE, tf32_allowed
 from .patterns import Pattern
 from .runtime import RUNTIME, versions
 
@@ -135,7 +135,8 @@ def shape_specs(pattern: Pattern, shapes: Mapping[str, Sequence[int]], dtype: st
 
 
 def make_key(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple, aligns: Sequence[int], adapter: Adapter) -> PlanKey:
-    """The PlanKey of a checked call: pattern, specs, alignments, attributes, GPU and library versions."""
+    """The PlanKey of a checked call: pattern, specs, alignments, attributes, GPU and library versions,
+    and whether the numerics policy lets it use TF32 (PlanKey.tf32)."""
     device = specs[pattern.operand_names[0]].device
     facts = RUNTIME.device_facts(adapter, device)
     v = versions()
@@ -150,4 +151,5 @@ def make_key(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple, ali
         cc=facts.cc,
         cudnn_backend=v.cudnn_backend,
         frontend=v.frontend,
+        tf32=tf32_allowed(pattern, specs),
     )

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .. import config
 from ..errors import NoGPUError, UnsupportedError
 from .patterns import OPS, Pattern
 from ..tensors import LAYOUT_STRIDES, TensorSpec
@@ -149,18 +151,49 @@ class Built:
     knobs: dict | None = None
 
 
-#: Numerical notes of plans kept out of float32 convolution and matmul graphs, so float32 means IEEE
-#: float32 (as PyTorch's cuDNN convolutions by default): TF32 tensor cores round inputs to 10 mantissa bits.
+#: Numerical notes of TF32 plans: TF32 tensor cores round float32 inputs to 10 mantissa bits. Plans
+#: with them are kept out of a float32 key whose numerics policy forbids TF32 (as PyTorch filters
+#: its cuDNN engine configs when TF32 is off).
 FP32_EXCLUDED_NOTES = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
-_TENSOR_CORE_OPS = frozenset({"conv_fprop", "conv_dgrad", "conv_wgrad", "matmul"})
+#: The ops with TF32 engines for float32 graphs, and the numerics policy's family of each.
+TF32_FAMILY = {"conv_fprop": "conv", "conv_dgrad": "conv", "conv_wgrad": "conv", "matmul": "matmul"}
+#: Appended to the name of a plan taken with TF32 because its float32 key, whose policy forbids TF32,
+#: had no IEEE plan. The name is recorded with the plan (disk store, ``fusekit cache``), so a plan
+#: loaded in another process says so too; dispatch warns once per key (NumericsWarning).
+TF32_FALLBACK = " [TF32: no IEEE float32 plan]"
+_TF32_FALLBACK_GRAPHS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def tf32_families(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> frozenset[str]:
+    """The op families (config.TF32_FAMILIES) of this call that have TF32 engines: those of its
+    convolutions and matmuls when its I/O (the first operand) is float32; empty otherwise."""
+    if specs[pattern.operands[0].name].dtype != "float32":
+        return frozenset()
+    return frozenset(TF32_FAMILY[op.op] for op in pattern.ops if op.op in TF32_FAMILY)
+
+
+def tf32_allowed(pattern: Pattern, specs: Mapping[str, TensorSpec], policy: config.Tf32Policy | None = None) -> bool:
+    """Whether this call's plans may use TF32: it has TF32 families and ``policy`` (default: the one in
+    force, config.allow_tf32()) allows every one of them. The plan key records the answer (PlanKey.tf32)."""
+    fams = tf32_families(pattern, specs)
+    if not fams:
+        return False
+    policy = policy or config.allow_tf32()
+    return all(policy.allows(f) for f in fams)
 
 
 def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> tuple[str, ...]:
-    """The notes to exclude for this call: FP32_EXCLUDED_NOTES when its I/O is float32 and it has a
-    convolution or matmul (the ops with TF32 engines); none otherwise."""
-    if specs[pattern.operands[0].name].dtype != "float32" or not any(op.op in _TENSOR_CORE_OPS for op in pattern.ops):
-        return ()
-    return FP32_EXCLUDED_NOTES
+    """The notes that mark this call's TF32 plans: FP32_EXCLUDED_NOTES when it has TF32 families
+    (tf32_families), none otherwise. build_plans excludes them unless the policy allows TF32."""
+    return FP32_EXCLUDED_NOTES if tf32_families(pattern, specs) else ()
+
+
+def is_tf32_fallback(graph: Any) -> bool:
+    """Whether ``graph`` was built by build_plans with TF32 plans because its key had no IEEE plan."""
+    try:
+        return graph in _TF32_FALLBACK_GRAPHS
+    except TypeError:  # not weakly referenceable: not one of ours
+        return False
 
 
 def build_plans(
@@ -174,14 +207,21 @@ def build_plans(
     deterministic: bool = False,
     workspace_limit: int | None = None,
     every_plan: bool = False,
+    tf32: bool | None = None,
 ) -> Lowered:
-    """The one build sequence: lower, validate, query ``heuristics`` in order, filter (float32
-    convolutions/matmuls: IEEE plans only, then TF32 when a key has none; NONDETERMINISTIC with
-    ``deterministic``; workspaces over ``workspace_limit``), check support, and build the first plan
-    that builds (``every_plan``: all of them, for the autotuner). Raises UnsupportedError when cuDNN
-    offers nothing for the key."""
+    """The one build sequence: lower, validate, query ``heuristics`` in order, filter (TF32 plans of
+    a float32 convolution/matmul unless ``tf32``; NONDETERMINISTIC with ``deterministic``;
+    workspaces over ``workspace_limit``), check support, and build the first plan that builds
+    (``every_plan``: all of them, for the autotuner). Raises UnsupportedError when cuDNN offers
+    nothing for the key.
+
+    ``tf32``: whether the key allows TF32 (PlanKey.tf32; default: :func:`tf32_allowed` under the
+    policy in force). A key that forbids TF32 and has no IEEE plan takes the TF32 plans rather than
+    fail; its graph is then marked (:func:`is_tf32_fallback`, TF32_FALLBACK in the plan's name)."""
     cudnn = load_cudnn()
-    precision = precision_notes(pattern, specs)
+    if tf32 is None:
+        tf32 = tf32_allowed(pattern, specs)
+    precision = () if tf32 else precision_notes(pattern, specs)
     for notes in (precision, ()) if precision else ((),):
         lowered = lower(pattern, specs, attrs, handle=handle)
         g = lowered.graph
@@ -201,10 +241,12 @@ def build_plans(
                 g.build_plans(cudnn.build_plan_policy.ALL)
             else:
                 g.build_plans()
+            if precision and not notes:  # the IEEE attempt failed: this graph runs TF32 plans
+                _TF32_FALLBACK_GRAPHS.add(g)
             return lowered
         except Exception as e:
             if notes:
-                continue  # no IEEE float32 plan for this key: let cuDNN use TF32 tensor cores rather than fail
+                continue  # no IEEE float32 plan for this key: take TF32 rather than fail (marked, warned by dispatch)
             if isinstance(e, (NoGPUError, UnsupportedError)):
                 raise
             raise UnsupportedError(f"cuDNN cannot run {where or pattern.name}: {type(e).__name__}: {e}") from e
@@ -221,19 +263,24 @@ def engine_and_knobs(g: Any, index: int) -> tuple[int | None, dict[str, int]]:
 
 
 def plan_name(g: Any, index: int) -> str:
+    """Plan ``index``'s name, with TF32_FALLBACK appended for a graph that took TF32 plans against its policy."""
     try:
-        return str(g.get_plan_name_at_index(index))
+        name = str(g.get_plan_name_at_index(index))
     except Exception:  # noqa: BLE001 - the name is informative only
-        return f"plan {index}"
+        name = f"plan {index}"
+    return name + TF32_FALLBACK if is_tf32_fallback(g) else name
 
 
 def build(
     pattern: Pattern, specs: Mapping[str, TensorSpec], attrs: Mapping[str, Any], handle: Any,
-    heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "",
+    heuristics: Sequence[str] = ("A", "FALLBACK"), where: str = "", workspace_limit: int | None = None,
+    tf32: bool | None = None,
 ) -> Built:
-    """The heuristics' choice for a key (:func:`build_plans`), with what the plan cache records of it."""
+    """The heuristics' choice for a key (:func:`build_plans`; ``workspace_limit``: the first plan
+    within that many workspace bytes; ``tf32``: the key's PlanKey.tf32), with what the plan cache
+    records of it."""
     t0 = time.perf_counter()
-    lowered = build_plans(pattern, specs, attrs, handle, heuristics, where=where)
+    lowered = build_plans(pattern, specs, attrs, handle, heuristics, where=where, workspace_limit=workspace_limit, tf32=tf32)
     g = lowered.graph
     index = int(getattr(g, "_plan_index", 0))  # the walk's selection; the frontend has no public getter
     engine_id, knobs = engine_and_knobs(g, index)

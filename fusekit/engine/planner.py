@@ -11,6 +11,7 @@ from . import lower
 from .autotune import TuneOptions, tune
 from .cache import Entry, Plan, PlanCache, PlanKey
 from .patterns import Pattern
+from .runtime import forget_stream
 
 
 def planner(
@@ -29,7 +30,7 @@ def planner(
                     return tune(pattern, specs, attrs, key, adapter, handle, tune_options)[0]
                 b = lower.build(pattern, specs, attrs, handle, cache.heuristics, key.describe())
         finally:
-            _restream(handle)
+            forget_stream(handle)
         return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
 
     def load(entry: Entry) -> Plan:
@@ -39,15 +40,8 @@ def planner(
                 g = lower.deserialize(entry.blob, handle)
                 ms = (time.perf_counter() - t0) * 1e3
         finally:
-            _restream(handle)
+            forget_stream(handle)
         return Plan.from_entry(key, g, entry.header["plan"], ms)
 
     return build, (None if pattern.memory_only else load)  # type: ignore[return-value]
 
-
-def _restream(handle: Any) -> None:
-    """Forget the stream ``handle`` remembers, so the next call sets it again: building or loading
-    some plans runs a capture on a scratch stream of the frontend's that it sets on the handle
-    (seen with instance-norm backward on cuDNN 9.19), and the Handle would skip the unchanged stream."""
-    if hasattr(handle, "stream"):
-        handle.stream = None

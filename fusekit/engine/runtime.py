@@ -3,6 +3,8 @@ workspace per (device, stream), and the facts about the GPU and libraries a plan
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,34 @@ def versions() -> Versions:
     return _versions
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an array library's device out-of-memory error (torch.OutOfMemoryError,
+    CuPy's OutOfMemoryError, a CUDA "out of memory" runtime error)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
+
+
+def release_cached_memory() -> None:
+    """Hand the device memory the array libraries' pools hold unused back to the driver
+    (``torch.cuda.empty_cache()``, CuPy's ``free_all_blocks()``), so that an allocation that failed
+    can be tried again. Only libraries already imported are touched; failures are ignored."""
+    torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")
+    with contextlib.suppress(Exception):  # best effort
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    with contextlib.suppress(Exception):  # best effort (no device, a CuPy without a pool)
+        if cupy is not None:
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def forget_stream(handle: Any) -> None:
+    """Make the next ``set_stream`` on ``handle`` take effect: building or loading some plans runs a
+    capture on a scratch stream of the frontend's that it sets on the handle (instance-norm backward
+    on cuDNN 9.19), and the frontend's Handle skips a stream it believes unchanged. Call it after
+    every build or load (engine.planner's builds and loads, and dispatch's smaller-workspace rebuilds)."""
+    if hasattr(handle, "stream"):
+        handle.stream = None
+
+
 class Workspace:
     """A device buffer that only grows; ``ptr`` is read at every execute."""
 
@@ -50,11 +80,31 @@ class Workspace:
         self.size, self.ptr, self._owner = 0, 0, None
 
     def ensure(self, nbytes: int) -> None:
-        if nbytes > self.size:
+        """Grow to at least ``nbytes``. If the device is out of memory, this workspace's own buffer
+        is let go and the libraries' cached blocks are released (release_cached_memory), and it is
+        tried once more; if that fails too, the buffer of the old size is taken back (``size`` is 0
+        when even that fails) and the library's out-of-memory error propagates."""
+        if nbytes <= self.size:
+            return
+        try:
             # The old buffer goes back to its stream-ordered pool; work queued on this stream
             # that still reads it runs before any reuse on the same stream.
             self._owner, self.ptr = self.adapter.bytes(nbytes, self.device)
-            self.size = nbytes
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            old = self.size
+            self._owner, self.ptr, self.size = None, 0, 0  # its memory may complete the request
+            release_cached_memory()
+            try:
+                self._owner, self.ptr = self.adapter.bytes(nbytes, self.device)
+            except Exception as e2:
+                if is_out_of_memory(e2) and old:
+                    with contextlib.suppress(Exception):  # else size stays 0: dispatch drops the calls bound to it
+                        self._owner, self.ptr = self.adapter.bytes(old, self.device)
+                        self.size = old
+                raise
+        self.size = nbytes
 
 
 class Runtime:
