@@ -19,6 +19,16 @@ for part in "$@"; do
     tests)
       timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TEST_FILES:-tests/} > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -45 ;;
+    tests-par)  # the GPU suite in SHARDS processes sharing the GPU (files dealt largest first), each with its own cache
+      mapfile -t files < <(ls -S tests/test_*.py)
+      n=${SHARDS:-3}; pids=()
+      for ((k = 0; k < n; k++)); do
+        shard=(); for ((j = k; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
+        FUSEKIT_CACHE_DIR=/tmp/fk-cache-$k timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf "${shard[@]}" \
+          > "$OUT/gpu_tests_$k.log" 2>&1 & pids+=($!)
+      done
+      wait "${pids[@]}"
+      for ((k = 0; k < n; k++)); do grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
