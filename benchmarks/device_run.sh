@@ -37,8 +37,12 @@ for part in "$@"; do
       rc=$?; echo "notebooks: execute.py exit $rc$([ $rc -eq 124 ] && echo ", timed out after ${NOTEBOOKS_TIMEOUT:-240} s")"
       grep -E "^python |ipynb: |error: |passed, |stopped by|cannot run" "$OUT/notebooks.log" | cut -c1-400 | tail -20
       ls "$OUT/figures" 2>/dev/null | tr '\n' ' '; echo ;;
+    bg-bench-*)  # a benchmark in the background (memory figures, not timings), waited for at the end
+      name=${part#bg-}
+      timeout ${BG_TIMEOUT:-250} python3 "benchmarks/${name//-/_}.py" --out "$OUT" ${BG_ARGS:-} > "$OUT/${name}.log" 2>&1 & ;;
     bench-*)
       timeout ${BENCH_TIMEOUT:-150} python3 "benchmarks/${part//-/_}.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/${part}.log" 2>&1
       tail -8 "$OUT/${part}.log" | cut -c1-400 ;;
   esac
 done
+wait  # background parts
