@@ -1,14 +1,36 @@
-"""PyTorch integration: autograd Functions over fusekit's fused forward and backward graphs, and
-drop-in modules (subclasses of torch.nn.Conv2d / ConvTranspose2d / Linear, so initialization and
-state dicts are PyTorch's own).
+"""PyTorch integration: drop-in modules over fusekit's fused forward and backward graphs, the
+autograd Functions under them, and :func:`convert`, which moves a whole model onto them.
+
+The modules subclass their ``torch.nn`` counterparts: same constructor arguments, initialization,
+parameters, buffers and state-dict keys. ``Conv2d``, ``ConvTranspose2d``, ``Linear`` and
+``BatchNorm2d`` take ``activation="relu"`` to fuse a ReLU into their graph.
 
     import fusekit.torch as ft
-    model = torch.nn.Sequential(ft.Conv2d(3, 16, 3, stride=2, padding=1, activation="relu"), ...)
+    model, report = ft.convert(torchvision.models.resnet50())
+    print(report)                      # what was replaced, fused, left alone
     model = model.cuda().to(memory_format=torch.channels_last)
+
+Where a module runs:
+
+- CUDA tensors of float16, bfloat16 or float32 (4-D images for convolutions, batch norm and
+  pooling): on fusekit's graphs. Under ``torch.autocast("cuda")`` they compute as ``torch.nn`` does:
+  convolutions and Linear in the autocast dtype (their float32 parameters get float32 gradients),
+  Softmax in float32, batch norm, ReLU and pooling in their input's dtype.
+- Empty batches and ``torch.fx`` tracing: PyTorch's own implementation (exact ``torch.nn``
+  behaviour, gradients included).
+- CPU tensors, float64 and input ranks the graphs do not take: PyTorch's own implementation, with a
+  :class:`TorchFallbackWarning` once per module type and case.
+
+Inputs that are neither dense NCHW nor dense channels-last (slices, transposes) run on a dense copy,
+with a :class:`fusekit.errors.LayoutWarning` once per module type.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import import_or_explain
@@ -16,8 +38,85 @@ from .errors import import_or_explain
 torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import ops
+from .errors import LayoutWarning, OperandError
 from .ops import pool
-from .errors import OperandError
+
+F = torch.nn.functional
+
+__all__ = [
+    "AvgPool2d",
+    "BatchNorm2d",
+    "BatchNormAct",
+    "ChannelScaleShift",
+    "Conv2d",
+    "ConvBiasAct",
+    "ConvTranspose2d",
+    "ConvTransposeBiasAct",
+    "ConvertReport",
+    "FxTracer",
+    "Linear",
+    "LinearBiasAct",
+    "LogSoftmax",
+    "MaxPool2d",
+    "ReLU",
+    "ScaleShiftAct",
+    "Softmax",
+    "TorchFallbackWarning",
+    "convert",
+]
+
+
+class TorchFallbackWarning(UserWarning):
+    """A fusekit.torch module got an input fusekit's graphs do not take (a CPU tensor, float64, an
+    unsupported rank) and ran PyTorch's own implementation instead."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Input handling shared by the modules
+# ----------------------------------------------------------------------------------------------
+_GRAPH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FALLBACK_WARNED: set[tuple[str, str]] = set()
+_LAYOUT_WARNED: set[str] = set()
+
+
+def _on_graphs(x: Any, who: str, ranks: tuple[int, ...] | None = (4,)) -> bool:
+    """Whether ``x`` runs on fusekit's graphs; else the caller runs PyTorch's implementation (warned
+    once per module type and reason, except for empty tensors and fx Proxies, which are exact)."""
+    if not isinstance(x, torch.Tensor):
+        return False  # a torch.fx Proxy: record PyTorch's ops
+    if x.is_cuda and x.dtype in _GRAPH_DTYPES and (ranks is None or x.dim() in ranks):
+        return x.numel() > 0
+    if x.numel() == 0:
+        return False
+    if not x.is_cuda:
+        reason = f"a {x.device.type} tensor (fusekit's graphs run on CUDA)"
+    elif x.dtype not in _GRAPH_DTYPES:
+        reason = f"a {x.dtype} tensor (fusekit's graphs take float16, bfloat16 and float32)"
+    else:
+        reason = f"a {x.dim()}-D input (fusekit's {who} takes rank {' or '.join(map(str, ranks or ()))})"
+    if (who, reason) not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add((who, reason))
+        warnings.warn(f"fusekit.torch.{who} got {reason}: running PyTorch's own implementation", TorchFallbackWarning, stacklevel=4)
+    return False
+
+
+def _is_dense(x: torch.Tensor) -> bool:
+    return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+
+
+def _dense(x: torch.Tensor, who: str, rows: bool = False) -> torch.Tensor:
+    """``x`` if dense NCHW or channels-last (``rows``: row-major only), else a dense copy (LayoutWarning once per ``who``)."""
+    if x.is_contiguous() or (not rows and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)):
+        return x
+    if who not in _LAYOUT_WARNED:
+        _LAYOUT_WARNED.add(who)
+        warnings.warn(
+            f"fusekit.torch.{who}: input strides {tuple(x.stride())} are not dense "
+            f"{'row-major' if rows else 'NCHW or channels-last'}; running on a dense copy (pass a contiguous tensor to avoid it)",
+            LayoutWarning, stacklevel=4,
+        )
+    channels_last = not rows and x.dim() == 4 and x.stride(1) == min(x.stride())
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -27,133 +126,182 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _amp_dtype() -> Any:
+    """The CUDA autocast dtype when autocast is on, else None."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+
+
+def _cast(t: Any, dtype: Any) -> Any:
+    """``t`` in ``dtype`` as autocast casts (differentiably; None, float64 and matching tensors stay)."""
+    if t is None or dtype is None or t.dtype == dtype or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+_ZERO_BIAS: dict[tuple, torch.Tensor] = {}
+
+
+def _zero_bias(n: int, like: torch.Tensor) -> torch.Tensor:
+    """A cached zero bias of ``n`` channels in ``like``'s dtype and device (bias=False with a fused epilogue)."""
+    key = (like.device, like.dtype, n)
+    z = _ZERO_BIAS.get(key)
+    if z is None:
+        z = _ZERO_BIAS[key] = torch.zeros(n, device=like.device, dtype=like.dtype)
+    return z
+
+
+# Fusion across modules (set up by convert): a producer computes its followers' work too and tags
+# its output with them; each follower, given exactly that tensor (same object, unmodified), passes
+# it on instead of computing again. Any other input is computed as usual.
+_DONE = "_fusekit_done"
+
+
+def _hand_on(y: torch.Tensor, followers: tuple) -> torch.Tensor:
+    if followers:
+        setattr(y, _DONE, (tuple(id(m) for m in followers), y._version))
+    return y
+
+
+def _already_done(x: Any, m: torch.nn.Module) -> bool:
+    """Whether ``x`` is a producer's output that already holds ``m``'s work (then ``m`` passes it on)."""
+    tag = getattr(x, _DONE, None) if isinstance(x, torch.Tensor) else None
+    if tag is None:
+        return False
+    ids, version = tag
+    if ids[0] != id(m) or version != x._version:
+        return False
+    if len(ids) > 1:
+        setattr(x, _DONE, (ids[1:], version))
+    else:
+        delattr(x, _DONE)
+    return True
+
+
+def _check_act(act: str | None, who: str = "fusekit.torch") -> str | None:
+    if act not in (None, "relu"):
+        raise OperandError(who, "activation", f"expected None or 'relu', got {act!r}", what="argument")
+    return act
+
+
+def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tuple[int, int], tuple[int, int, int, int] | None]:
+    """(symmetric padding, extra (left, right, top, bottom) zero padding of the input or None) of a
+    Conv2d ``padding``. "same" pads d * (k - 1) in all, the odd one at the bottom / right as PyTorch
+    does; cuDNN pads symmetrically, so that row / column is padded onto the input first."""
+    if not isinstance(padding, str):
+        return (int(padding[0]), int(padding[1])), None
+    if padding == "valid":
+        return (0, 0), None
+    total = [int(d) * (int(k) - 1) for k, d in zip(kernel, dilation)]
+    left = [t // 2 for t in total]
+    extra = [t - 2 * p for t, p in zip(total, left)]
+    return (left[0], left[1]), ((0, extra[1], 0, extra[0]) if any(extra) else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd Functions
+# ----------------------------------------------------------------------------------------------
 class ConvBiasAct(torch.autograd.Function):
-    """y = act(conv2d(x, w) + b), act in {None, "relu"}: one cuDNN graph forward, fused graphs backward."""
+    """y = act(conv2d(x, w) [+ b]), act in {None, "relu"}: one cuDNN graph forward, fused graphs
+    backward. ``b`` None: the plain conv graph (a zero bias when the ReLU is fused), no bias gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x, w, b, padding, stride, dilation, act):  # type: ignore[override]
+    def forward(ctx: Any, x, w, b, padding, stride, dilation, groups, act):  # type: ignore[override]
         w = _like(w, x)
-        kw = dict(padding=padding, stride=stride, dilation=dilation)
-        y = ops.conv_bias_relu(x, w, b, **kw) if act == "relu" else ops.conv_bias(x, w, b, **kw)
-        ctx.save_for_backward(x, w, y if act == "relu" else None)
-        ctx.kw, ctx.act = kw, act
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy):  # type: ignore[override]
-        x, w, y = ctx.saved_tensors
-        dy = _like(dy, x)
-        needs = ctx.needs_input_grad[:3]
-        if ctx.act == "relu":
-            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, **ctx.kw)
+        kw = {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}
+        relu = act == "relu"
+        if b is None and not relu:
+            y = ops.conv2d(x, w, **kw)
         else:
-            dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **ctx.kw)
-        return dx, dw, db, None, None, None, None
-
-
-class ConvTransposeBiasAct(torch.autograd.Function):
-    """y = act(conv_transpose2d(x, w) + b): cuDNN dgrad as the forward op; backward by conv fprop and wgrad."""
-
-    @staticmethod
-    def forward(ctx: Any, x, w, b, padding, stride, dilation, output_padding, act):  # type: ignore[override]
-        w = _like(w, x)
-        kw = dict(padding=padding, stride=stride, dilation=dilation)
-        f = ops.conv_transpose_bias_relu if act == "relu" else ops.conv_transpose_bias
-        y = f(x, w, b, output_padding=output_padding, **kw)
-        ctx.save_for_backward(x, w, y if act == "relu" else None)
-        ctx.kw, ctx.act = kw, act
+            bias = b if b is not None else _zero_bias(int(w.shape[0]), x)
+            y = (ops.conv_bias_relu if relu else ops.conv_bias)(x, w, bias, **kw)
+        ctx.save_for_backward(x, w, y if relu else None)
+        ctx.kw, ctx.relu, ctx.has_bias = kw, relu, b is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, w, y = ctx.saved_tensors
         dy = _like(dy, x)
-        dx, dw, db = ops.conv_transpose_bias_relu_backward(
-            dy, x, w, y, needs=ctx.needs_input_grad[:3], relu=ctx.act == "relu", **ctx.kw
-        )
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        needs = (nx, nw, nb and ctx.has_bias)
+        if ctx.relu:
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, **ctx.kw)
+        elif ctx.has_bias:
+            dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **ctx.kw)
+        else:
+            (dx, dw), db = ops.conv2d_backward(dy, x, w, needs=(nx, nw), **ctx.kw), None
         return dx, dw, db, None, None, None, None, None
 
 
+class ConvTransposeBiasAct(torch.autograd.Function):
+    """y = act(conv_transpose2d(x, w) [+ b]): cuDNN dgrad as the forward op; backward by conv fprop and wgrad."""
+
+    @staticmethod
+    def forward(ctx: Any, x, w, b, padding, stride, dilation, output_padding, groups, act):  # type: ignore[override]
+        w = _like(w, x)
+        kw = {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}
+        relu = act == "relu"
+        bias = b if b is not None else _zero_bias(int(w.shape[1]) * groups, x)
+        f = ops.conv_transpose_bias_relu if relu else ops.conv_transpose_bias
+        y = f(x, w, bias, output_padding=output_padding, **kw)
+        ctx.save_for_backward(x, w, y if relu else None)
+        ctx.kw, ctx.relu, ctx.has_bias = kw, relu, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        x, w, y = ctx.saved_tensors
+        dy = _like(dy, x)
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        dx, dw, db = ops.conv_transpose_bias_relu_backward(
+            dy, x, w, y, needs=(nx, nw, nb and ctx.has_bias), relu=ctx.relu, **ctx.kw
+        )
+        return dx, dw, db, None, None, None, None, None, None
+
+
 class LinearBiasAct(torch.autograd.Function):
-    """y = act(x @ w.T + b) as one cuDNN graph (matmul + epilogue); backward by fused graphs."""
+    """y = act(x @ w.T [+ b]) as one cuDNN graph (matmul + epilogue) for a dense (rows, features) x;
+    backward by fused graphs. ``b`` None runs the same graph with a zero bias (no weight transpose
+    copy, as the plain matmul pattern would need), and makes no bias gradient."""
 
     @staticmethod
     def forward(ctx: Any, x, w, b, act):  # type: ignore[override]
-        x, w = x.contiguous(), w.contiguous()
-        y = ops.linear_bias_relu(x, w, b) if act == "relu" else ops.linear_bias(x, w, b)
-        ctx.save_for_backward(x, w, y if act == "relu" else None)
-        ctx.act = act
+        w = w.contiguous()
+        relu = act == "relu"
+        bias = b if b is not None else _zero_bias(int(w.shape[0]), x)
+        y = ops.linear_bias_relu(x, w, bias) if relu else ops.linear_bias(x, w, bias)
+        ctx.save_for_backward(x, w, y if relu else None)
+        ctx.relu, ctx.has_bias = relu, b is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, w, y = ctx.saved_tensors
         dy = dy.contiguous()
-        needs = ctx.needs_input_grad[:3]
-        if ctx.act == "relu":
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        needs = (nx, nw, nb and ctx.has_bias)
+        if ctx.relu:
             dx, dw, db = ops.linear_bias_relu_backward(dy, x, w, y, needs=needs)
         else:
             dx, dw, db = ops.linear_bias_backward(dy, x, w, needs=needs)
         return dx, dw, db, None
 
 
-def _check_act(act: str | None) -> str | None:
-    if act not in (None, "relu"):
-        raise OperandError("fusekit.torch", "activation", f"expected None or 'relu', got {act!r}")
-    return act
-
-
-class Conv2d(torch.nn.Conv2d):
-    """torch.nn.Conv2d run as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"``)."""
-
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.activation = _check_act(activation)
-        if self.groups != 1 or self.padding_mode != "zeros" or self.bias is None or isinstance(self.padding, str):
-            raise OperandError("fusekit.torch.Conv2d", "arguments", "supports groups=1, zero numeric padding and bias=True")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return ConvBiasAct.apply(x, self.weight, self.bias, self.padding, self.stride, self.dilation, self.activation)
-
-
-class ConvTranspose2d(torch.nn.ConvTranspose2d):
-    """torch.nn.ConvTranspose2d as cuDNN dgrad-as-forward, with an optional fused ReLU."""
-
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.activation = _check_act(activation)
-        if self.groups != 1 or self.bias is None:
-            raise OperandError("fusekit.torch.ConvTranspose2d", "arguments", "supports groups=1 and bias=True")
-
-    def forward(self, x: torch.Tensor, output_size: Any = None) -> torch.Tensor:  # type: ignore[override]
-        if output_size is not None:
-            raise OperandError("fusekit.torch.ConvTranspose2d", "output_size", "give output_padding at construction instead")
-        return ConvTransposeBiasAct.apply(
-            x, self.weight, self.bias, self.padding, self.stride, self.dilation, self.output_padding, self.activation
-        )
-
-
-class Linear(torch.nn.Linear):
-    """torch.nn.Linear as a fused cuDNN matmul graph, with an optional fused ReLU."""
-
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.activation = _check_act(activation)
-        if self.bias is None:
-            raise OperandError("fusekit.torch.Linear", "bias", "supports bias=True")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return LinearBiasAct.apply(x, self.weight, self.bias, self.activation)
-
-
 class BatchNormAct(torch.autograd.Function):
-    """Training batch norm (+ ReLU): one cuDNN graph forward (running stats updated in place of the
-    module's buffers), the BN backward (with the dReLU fused in front) as one graph."""
+    """Training batch norm (+ ReLU): one cuDNN graph forward, the BN backward (with the dReLU fused in
+    front) as one graph. gamma and beta are float32; running stats of any dtype are updated in place
+    (computed in float32, written back in their own dtype)."""
 
     @staticmethod
     def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, relu):  # type: ignore[override]
         if running_mean is not None:
-            y, mean, inv, rm, rv = ops.batchnorm(x, gamma, beta, running_mean, running_var, epsilon=eps, momentum=momentum, relu=relu)
+            y, mean, inv, rm, rv = ops.batchnorm(
+                x, gamma, beta, _f32(running_mean), _f32(running_var), epsilon=eps, momentum=momentum, relu=relu
+            )
             running_mean.copy_(rm)
             running_var.copy_(rv)
         else:
@@ -168,34 +316,9 @@ class BatchNormAct(torch.autograd.Function):
         return dx, dg, db, None, None, None, None, None
 
 
-class BatchNorm2d(torch.nn.BatchNorm2d):
-    """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU]; eval: inference BN [+ ReLU]).
-    ``affine=False`` runs normalize only; gamma/beta gradients are then neither made nor stored."""
-
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.activation = _check_act(activation)
-
-    def _identity(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ones, zeros, _ = ops.affine_identity(x)
-        return ones, zeros
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        relu = self.activation == "relu"
-        gamma, beta = (self.weight, self.bias) if self.affine else self._identity(x)
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        if self.training or not self.track_running_stats:
-            use_running = self.training and self.track_running_stats
-            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-            return BatchNormAct.apply(
-                x, gamma, beta, self.running_mean if use_running else None, self.running_var if use_running else None,
-                self.eps, momentum, relu,
-            )
-        return ops.batchnorm_inference(x, self.running_mean, ops.inv_std(self.running_var, self.eps), gamma.detach(), beta.detach(), relu=relu)
-
-
 class ScaleShiftAct(torch.autograd.Function):
+    """y = [relu](x * gamma + beta) per channel (gamma, beta float32 (C,), either may be None)."""
+
     @staticmethod
     def forward(ctx: Any, x, gamma, beta, relu):  # type: ignore[override]
         y = ops.channel_scale_shift(x, gamma, beta, relu=relu)
@@ -211,19 +334,22 @@ class ScaleShiftAct(torch.autograd.Function):
         return dx, dg, db, None
 
 
-class ChannelScaleShift(torch.nn.Module):
-    """y = x * gamma + beta per channel (``scale``/``shift`` choose which exist), optional fused ReLU."""
+class _ReLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, inplace):  # type: ignore[override]
+        if inplace:
+            ops.call("relu", x, out=x)
+            ctx.mark_dirty(x)
+            y = x
+        else:
+            y = ops.call("relu", x)
+        ctx.save_for_backward(y)
+        return y
 
-    def __init__(self, num_features: int, scale: bool = True, shift: bool = True, activation: str | None = None, device: Any = None) -> None:
-        super().__init__()
-        self.activation = _check_act(activation)
-        if not (scale or shift) or (self.activation and not (scale and shift)):
-            raise OperandError("fusekit.torch.ChannelScaleShift", "scale", "needs a scale or a shift, and both for a fused ReLU")
-        self.weight = torch.nn.Parameter(torch.ones(num_features, device=device)) if scale else None
-        self.bias = torch.nn.Parameter(torch.zeros(num_features, device=device)) if shift else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation == "relu")
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        return ops.relu_backward(_like(dy, y), y), None
 
 
 class _MaxPool(torch.autograd.Function):
@@ -240,17 +366,6 @@ class _MaxPool(torch.autograd.Function):
         return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None
 
 
-class MaxPool2d(torch.nn.Module):
-    """Max pooling through fusekit's CuPy kernel (int32 argmax saved for the backward)."""
-
-    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
-        super().__init__()
-        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding)
-
-
 class _AvgPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad):  # type: ignore[override]
@@ -260,17 +375,6 @@ class _AvgPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, count_include_pad=ctx.cip), None, None, None, None
-
-
-class AvgPool2d(torch.nn.Module):
-    """Average pooling through fusekit's CuPy kernel (PyTorch semantics)."""
-
-    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True) -> None:
-        super().__init__()
-        self.kernel_size, self.stride, self.padding, self.count_include_pad = kernel_size, stride, padding, count_include_pad
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _AvgPool.apply(x, self.kernel_size, self.stride, self.padding, self.count_include_pad)
 
 
 class _Softmax(torch.autograd.Function):
@@ -288,12 +392,561 @@ class _Softmax(torch.autograd.Function):
         return f(_like(dy, y), y, ctx.axis), None, None
 
 
-class Softmax(torch.nn.Module):
-    """Softmax (``log=True``: log-softmax) over ``dim``; the backward reads the output, not the input."""
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+class _Fusekit:
+    """Marker and defaults of the fusekit.torch modules. ``_fk_bn`` / ``_fk_relu``: the module whose
+    work this one does too (set by :func:`convert`, never registered as submodules)."""
 
-    def __init__(self, dim: int = 1, log: bool = False) -> None:
-        super().__init__()
-        self.dim, self.log = dim, log
+    _fk_bn: Any = None
+    _fk_relu: Any = None
+    activation: str | None = None
+
+    def _fk_setup(self) -> None:
+        """Check the torch attributes and set fusekit's (also run on a torch module :func:`convert` re-classes)."""
+
+    def _fk_followers(self) -> str:
+        chain = [m for m in (self._fk_bn, self._fk_bn._fk_relu if self._fk_bn is not None else None, self._fk_relu) if m is not None]
+        return ", fused with " + " -> ".join(type(m).__name__ for m in chain) if chain else ""
+
+    def _fk_repr(self, base: str) -> str:
+        act = f", activation={self.activation!r}" if self.activation else ""
+        return base + act + self._fk_followers()
+
+
+class Conv2d(_Fusekit, torch.nn.Conv2d):
+    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"``).
+
+    Takes every torch argument cuDNN can run: ``bias=False``, ``groups`` (grouped and depthwise),
+    ``padding`` as ints, "valid" or "same" (an odd total "same" padding pads the input's last row /
+    column first, as PyTorch). ``padding_mode`` other than "zeros" is an OperandError."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup(activation)
+
+    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
+        self.activation = _check_act(activation, "fusekit.torch.Conv2d")
+        if self.padding_mode != "zeros":
+            raise OperandError(
+                "fusekit.torch.Conv2d", "padding_mode", f"{self.padding_mode!r} is not supported: cuDNN convolutions pad with "
+                "zeros (pad with torch.nn.functional.pad(x, ..., mode=...) first and use padding=0)", what="argument",
+            )
+        self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
+
+    def extra_repr(self) -> str:
+        return self._fk_repr(super().extra_repr())
+
+    def _torch_forward(self, x: Any) -> Any:
+        y = torch.nn.Conv2d.forward(self, x)
+        return F.relu(y) if self.activation == "relu" else y
+
+    def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
+        computed in float32 at every call (a few small kernels; differentiable, so gradients reach the
+        conv's and BN's parameters as in PyTorch; never stale, whatever changed the weights)."""
+        inv = torch.rsqrt(_f32(bn.running_var) + bn.eps)
+        scale = _f32(bn.weight) * inv if bn.affine else inv
+        w = (_f32(self.weight) * scale.reshape(-1, 1, 1, 1)).to(dtype)
+        mean = _f32(bn.running_mean)
+        shift = (-mean if self.bias is None else _f32(self.bias) - mean) * scale
+        if bn.affine:
+            shift = shift + _f32(bn.bias)
+        return w, shift.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _Softmax.apply(x, self.dim, self.log)
+        if not _on_graphs(x, "Conv2d"):
+            return self._torch_forward(x)
+        amp = _amp_dtype()
+        x = _cast(_dense(x, "Conv2d"), amp)
+        relu, done = self.activation == "relu", ()
+        bn = self._fk_bn
+        if bn is not None and not bn.training and bn.running_mean is not None and bn.running_var is not None:
+            w, b = self._folded(bn, x.dtype)  # eval: BN folded into this conv's weights and bias
+            after = bn._fk_relu
+            relu = bn.activation == "relu" or after is not None
+            done = (bn,) + ((after,) if after is not None else ())
+        else:
+            w, b = _cast(self.weight, amp), _cast(self.bias, amp)
+            if self._fk_relu is not None:
+                relu, done = True, (self._fk_relu,)
+        if self._fk_extra is not None:
+            x = F.pad(x, self._fk_extra)
+        y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, "relu" if relu else None)
+        return _hand_on(y, done)
+
+
+class ConvTranspose2d(_Fusekit, torch.nn.ConvTranspose2d):
+    """torch.nn.ConvTranspose2d as cuDNN dgrad-as-forward (``bias=False`` and ``groups`` too), with an
+    optional fused ReLU; ``output_size`` in forward works as in PyTorch."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup(activation)
+
+    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
+        self.activation = _check_act(activation, "fusekit.torch.ConvTranspose2d")
+        if self.padding_mode != "zeros":
+            raise OperandError("fusekit.torch.ConvTranspose2d", "padding_mode", "only 'zeros' is supported", what="argument")
+
+    def extra_repr(self) -> str:
+        return self._fk_repr(super().extra_repr())
+
+    def _torch_forward(self, x: Any, output_size: Any = None) -> Any:
+        y = torch.nn.ConvTranspose2d.forward(self, x, output_size)
+        return F.relu(y) if self.activation == "relu" else y
+
+    def forward(self, x: torch.Tensor, output_size: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if not _on_graphs(x, "ConvTranspose2d"):
+            return self._torch_forward(x, output_size)
+        amp = _amp_dtype()
+        x = _cast(_dense(x, "ConvTranspose2d"), amp)
+        op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)  # type: ignore[arg-type]
+        relu, done = self.activation == "relu", ()
+        if self._fk_relu is not None:
+            relu, done = True, (self._fk_relu,)
+        y = ConvTransposeBiasAct.apply(
+            x, _cast(self.weight, amp), _cast(self.bias, amp), self.padding, self.stride, self.dilation, tuple(op), self.groups,
+            "relu" if relu else None,
+        )
+        return _hand_on(y, done)
+
+
+class Linear(_Fusekit, torch.nn.Linear):
+    """torch.nn.Linear as a fused cuDNN matmul graph (inputs of any rank >= 1, ``bias=False`` too),
+    with an optional fused ReLU."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup(activation)
+
+    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
+        self.activation = _check_act(activation, "fusekit.torch.Linear")
+
+    def extra_repr(self) -> str:
+        return self._fk_repr(super().extra_repr())
+
+    def _torch_forward(self, x: Any) -> Any:
+        y = torch.nn.Linear.forward(self, x)
+        return F.relu(y) if self.activation == "relu" else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not _on_graphs(x, "Linear", None) or x.dim() == 0:
+            return self._torch_forward(x)
+        if x.shape[-1] != self.in_features:
+            raise OperandError("fusekit.torch.Linear", "x", f"expected last dim {self.in_features} (in_features), got shape {tuple(x.shape)}")
+        amp = _amp_dtype()
+        x2 = _cast(_dense(x, "Linear", rows=True), amp)
+        if x2.dim() != 2:
+            x2 = x2.reshape(-1, self.in_features)
+        relu, done = self.activation == "relu", ()
+        if self._fk_relu is not None:
+            relu, done = True, (self._fk_relu,)
+        y = LinearBiasAct.apply(x2, _cast(self.weight, amp), _cast(self.bias, amp), "relu" if relu else None)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return _hand_on(y, done)
+
+
+class BatchNorm2d(_Fusekit, torch.nn.BatchNorm2d):
+    """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU]; eval: one scale-shift [+ ReLU]
+    graph from the running statistics, with gradients as PyTorch's). Parameters and buffers may be
+    float16 / bfloat16 (``model.half()``): statistics are computed in float32 and the running stats
+    written back in their own dtype. ``affine=False`` runs normalize only."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup(activation)
+
+    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
+        self.activation = _check_act(activation, "fusekit.torch.BatchNorm2d")
+
+    def extra_repr(self) -> str:
+        return self._fk_repr(super().extra_repr())
+
+    def _check_input_dim(self, input: Any) -> None:
+        if isinstance(input, torch.Tensor):  # an fx Proxy (tracing) has no dim() to check
+            super()._check_input_dim(input)
+
+    def _torch_forward(self, x: Any) -> Any:
+        y = torch.nn.BatchNorm2d.forward(self, x)
+        return F.relu(y) if self.activation == "relu" else y
+
+    def _affine(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.affine:
+            return _f32(self.weight), _f32(self.bias)
+        ones, zeros, _ = ops.affine_identity(x)
+        return ones, zeros
+
+    def _scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eval mode: float32 (scale, shift) with bn(x) = x * scale + shift, from the running statistics
+        (computed at every call, differentiable in weight and bias)."""
+        inv = torch.rsqrt(_f32(self.running_var) + self.eps)
+        scale = _f32(self.weight) * inv if self.affine else inv
+        shift = -_f32(self.running_mean) * scale
+        return scale, (shift + _f32(self.bias) if self.affine else shift)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _already_done(x, self):
+            return x
+        if not _on_graphs(x, "BatchNorm2d"):
+            return self._torch_forward(x)
+        x = _dense(x, "BatchNorm2d")
+        after = self._fk_relu
+        relu = self.activation == "relu" or after is not None
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if batch_stats:
+            n, _, h, w = x.shape
+            if n * h * w == 1:
+                raise OperandError("fusekit.torch.BatchNorm2d", "x", f"expected more than 1 value per channel when training, got shape {tuple(x.shape)}")
+            track = self.training and self.track_running_stats and self.running_mean is not None
+            gamma, beta = self._affine(x)
+            y = BatchNormAct.apply(
+                x, gamma, beta, self.running_mean if track else None, self.running_var if track else None, self.eps, factor, relu
+            )
+        else:
+            scale, shift = self._scale_shift()
+            y = ScaleShiftAct.apply(x, scale, shift, relu)
+        return _hand_on(y, (after,) if after is not None else ())
+
+
+class ReLU(_Fusekit, torch.nn.ReLU):
+    """torch.nn.ReLU as a cuDNN pointwise graph (1-, 2- and 4-D inputs; ``inplace=True`` writes into x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _already_done(x, self):
+            return x
+        if not _on_graphs(x, "ReLU", (1, 2, 4)):
+            return torch.nn.ReLU.forward(self, x)
+        if not _is_dense(x):
+            if self.inplace:
+                return torch.relu_(x)  # write through the caller's strides, as PyTorch does
+            x = _dense(x, "ReLU")
+        return _ReLUFn.apply(x, self.inplace)
+
+
+class ChannelScaleShift(_Fusekit, torch.nn.Module):
+    """y = x * gamma + beta per channel (``scale``/``shift`` choose which exist), optional fused ReLU."""
+
+    def __init__(self, num_features: int, scale: bool = True, shift: bool = True, activation: str | None = None, device: Any = None) -> None:
+        super().__init__()
+        self.activation = _check_act(activation, "fusekit.torch.ChannelScaleShift")
+        if not (scale or shift) or (self.activation and not (scale and shift)):
+            raise OperandError("fusekit.torch.ChannelScaleShift", "scale", "needs a scale or a shift, and both for a fused ReLU", what="argument")
+        self.weight = torch.nn.Parameter(torch.ones(num_features, device=device)) if scale else None
+        self.bias = torch.nn.Parameter(torch.zeros(num_features, device=device)) if shift else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation == "relu")
+
+
+def _is_pair_of(v: Any, value: int) -> bool:
+    return all(int(e) == value for e in (v if isinstance(v, (tuple, list)) else (v, v)))
+
+
+class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
+    """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward).
+    ``dilation`` 1, ``return_indices=False`` and ``ceil_mode=False`` only (others: OperandError)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup()
+
+    def _fk_setup(self) -> None:
+        for name, ok in (("dilation", _is_pair_of(self.dilation, 1)), ("return_indices", not self.return_indices),
+                         ("ceil_mode", not self.ceil_mode)):
+            if not ok:
+                raise OperandError("fusekit.torch.MaxPool2d", name, f"{getattr(self, name)!r} is not supported (fusekit's kernel "
+                                   "takes dilation=1, return_indices=False, ceil_mode=False)", what="argument")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not _on_graphs(x, "MaxPool2d"):
+            return torch.nn.MaxPool2d.forward(self, x)
+        x = _dense(x, "MaxPool2d")
+        if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: no argmax written
+            return pool.max_pool2d(x, self.kernel_size, self.stride, self.padding, indices=False)[0]
+        return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding)
+
+
+class AvgPool2d(_Fusekit, torch.nn.AvgPool2d):
+    """torch.nn.AvgPool2d through fusekit's CuPy kernel (PyTorch's divisors, ``count_include_pad`` too).
+    ``ceil_mode=False`` and ``divisor_override=None`` only (others: OperandError)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup()
+
+    def _fk_setup(self) -> None:
+        for name, ok in (("ceil_mode", not self.ceil_mode), ("divisor_override", self.divisor_override is None)):
+            if not ok:
+                raise OperandError("fusekit.torch.AvgPool2d", name, f"{getattr(self, name)!r} is not supported (fusekit's kernel "
+                                   "takes ceil_mode=False, divisor_override=None)", what="argument")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not _on_graphs(x, "AvgPool2d"):
+            return torch.nn.AvgPool2d.forward(self, x)
+        stride = self.stride if self.stride is not None else self.kernel_size
+        return _AvgPool.apply(_dense(x, "AvgPool2d"), self.kernel_size, stride, self.padding, self.count_include_pad)
+
+
+def _softmax_forward(m: Any, x: Any, log: bool, who: str) -> Any:
+    if not _on_graphs(x, who, (2, 4)):
+        return (F.log_softmax if log else F.softmax)(x, m.dim)
+    if _amp_dtype() is not None:
+        x = _cast(x, torch.float32)  # autocast runs softmax and log_softmax in float32
+    dim = 1 if m.dim is None else m.dim  # PyTorch's implicit dim for 2-D and 4-D inputs
+    return _Softmax.apply(_dense(x, who), dim, log)
+
+
+class Softmax(_Fusekit, torch.nn.Softmax):
+    """Softmax (``log=True``: log-softmax) over ``dim`` (default 1) through fusekit's kernel, for 2-D
+    and 4-D inputs; the backward reads the output, not the input."""
+
+    def __init__(self, dim: int | None = 1, log: bool = False) -> None:
+        super().__init__(dim)
+        self._fk_setup(log)
+
+    def _fk_setup(self, log: bool = False) -> None:  # type: ignore[override]
+        self.log = bool(log)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _softmax_forward(self, x, self.log, "Softmax")
+
+
+class LogSoftmax(_Fusekit, torch.nn.LogSoftmax):
+    """torch.nn.LogSoftmax through fusekit's kernel (2-D and 4-D inputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _softmax_forward(self, x, True, "LogSoftmax")
+
+
+# ----------------------------------------------------------------------------------------------
+# convert
+# ----------------------------------------------------------------------------------------------
+_TARGETS: dict[type, type] = {
+    torch.nn.Conv2d: Conv2d, torch.nn.ConvTranspose2d: ConvTranspose2d, torch.nn.Linear: Linear,
+    torch.nn.BatchNorm2d: BatchNorm2d, torch.nn.ReLU: ReLU, torch.nn.MaxPool2d: MaxPool2d, torch.nn.AvgPool2d: AvgPool2d,
+    torch.nn.Softmax: Softmax, torch.nn.LogSoftmax: LogSoftmax,
+}
+
+
+@dataclass
+class ConvertReport:
+    """What :func:`convert` did. ``replaced``: (name, torch type, fusekit type); ``fused``: (module
+    names in call order, what runs); ``left_alone``: (name, type, reason) for leaf modules kept as
+    PyTorch's; ``notes``: fusion chances missed; ``analysis``: how the call order was found."""
+
+    replaced: list[tuple[str, str, str]] = field(default_factory=list)
+    fused: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
+    left_alone: list[tuple[str, str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    analysis: str = ""
+
+    def counts(self) -> dict[str, int]:
+        """Replaced modules per torch type."""
+        out: dict[str, int] = {}
+        for _, t, _ in self.replaced:
+            out[t] = out.get(t, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [
+            (f"fusekit.torch.convert: {len(self.replaced)} modules replaced, {len(self.fused)} fused groups, "
+             f"{len(self.left_alone)} left alone ({self.analysis})"),
+            "replaced: " + (", ".join(f"{t} x{n}" for t, n in self.counts().items()) or "nothing"),
+        ]
+        if self.fused:
+            lines.append("fused:")
+            lines += [f"  {' -> '.join(names)}: {what}" for names, what in self.fused]
+        if self.left_alone:
+            lines.append("left alone:")
+            groups: dict[tuple[str, str], list[str]] = {}
+            for name, t, why in self.left_alone:
+                groups.setdefault((t, why), []).append(name)
+            for (t, why), names in groups.items():
+                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                lines.append(f"  {shown} ({t}): {why}")
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+_PRODUCERS = (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.Linear, torch.nn.BatchNorm2d)
+
+
+class FxTracer(torch.fx.Tracer):
+    """A ``torch.fx`` tracer that keeps fusekit.torch modules as leaves (``call_module`` nodes), as the
+    default tracer keeps ``torch.nn`` modules; tracing through them records PyTorch's ops instead."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:  # type: ignore[override]
+        return isinstance(m, _Fusekit) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _fx_consumers(model: torch.nn.Module) -> tuple[dict[int, int], list[str]]:
+    """From ``torch.fx`` traces of ``model`` in training and in eval mode: producer -> consumer (module
+    ids) where every call of the producer feeds exactly one call of the same module and nothing else,
+    in both traces; and notes on outputs that feed a functional ReLU. Raises what tracing raises."""
+    modes = [(m, m.training) for m in model.modules()]
+    found: list[dict[int, int]] = []
+    notes: list[str] = []
+    relu_fns = {F.relu, torch.relu}
+    try:
+        for mode in (True, False):
+            model.train(mode)
+            graph = FxTracer().trace(model)
+            calls: dict[str, list[Any]] = {}
+            for n in graph.nodes:
+                if n.op == "call_module":
+                    calls.setdefault(n.target, []).append(n)
+            links: dict[int, int] = {}
+            for target, nodes in calls.items():
+                consumers = set()
+                for n in nodes:
+                    users = list(n.users)
+                    u = users[0] if len(users) == 1 else None
+                    if u is not None and u.op == "call_module" and len(u.args) == 1 and u.args[0] is n and not u.kwargs:
+                        consumers.add(u.target)
+                    else:
+                        consumers.add(None)
+                        functional_relu = u is not None and (
+                            (u.op == "call_function" and u.target in relu_fns) or (u.op == "call_method" and u.target in ("relu", "relu_"))
+                        )
+                        if mode and functional_relu and isinstance(model.get_submodule(target), _PRODUCERS):
+                            notes.append(f"{target}: its output goes to a functional ReLU in forward(); not fused (no module to swap)")
+                if len(consumers) == 1 and None not in consumers:
+                    links[id(model.get_submodule(target))] = id(model.get_submodule(consumers.pop()))
+            found.append(links)
+    finally:
+        for m, t in modes:
+            m.training = t
+    train, evaluate = found
+    return {p: c for p, c in train.items() if evaluate.get(p) == c}, notes
+
+
+def _sequential_consumers(model: torch.nn.Module) -> dict[int, int]:
+    """Producer -> consumer (module ids) for consecutive children of plain nn.Sequential containers,
+    each producer appearing once in the model."""
+    seen: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        seen[id(m)] = seen.get(id(m), 0) + 1
+    links: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Sequential) and type(m).forward is torch.nn.Sequential.forward:
+            kids = [k for k in m._modules.values() if k is not None]
+            for a, b in itertools.pairwise(kids):
+                if seen.get(id(a)) == 1:
+                    links[id(a)] = id(b)
+    return links
+
+
+def _link(producer: Any, consumer: Any) -> bool:
+    """Make ``producer`` do ``consumer``'s work too, where fusekit has the fused graph."""
+    if producer.activation is not None or producer._fk_bn is not None or producer._fk_relu is not None:
+        return False
+    if isinstance(producer, Conv2d) and isinstance(consumer, BatchNorm2d):
+        if consumer.num_features != producer.out_channels:
+            return False
+        producer.__dict__["_fk_bn"] = consumer
+        return True
+    if isinstance(producer, (Conv2d, ConvTranspose2d, Linear, BatchNorm2d)) and isinstance(consumer, ReLU):
+        producer.__dict__["_fk_relu"] = consumer
+        return True
+    return False
+
+
+def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tuple[tuple[str, ...], str]]:
+    groups: list[tuple[tuple[str, ...], str]] = []
+    in_chain: set[int] = set()
+    mods = [m for m in model.modules() if isinstance(m, _Fusekit)]
+    for m in mods:
+        bn = m._fk_bn
+        if bn is not None:
+            after = bn._fk_relu
+            in_chain.add(id(bn))
+            if after is not None:
+                groups.append(((names[id(m)], names[id(bn)], names[id(after)]),
+                               "training: conv, then BN+ReLU as one graph; eval: one conv+bias+ReLU graph (BN folded into the conv)"))
+            else:
+                groups.append(((names[id(m)], names[id(bn)]), "training: conv, then BN; eval: one conv+bias graph (BN folded into the conv)"))
+    for m in mods:
+        r = m._fk_relu
+        if r is None or id(m) in in_chain:
+            continue
+        what = {BatchNorm2d: "BN+ReLU as one graph (batch statistics in training, running statistics in eval)",
+                Conv2d: "conv+bias+ReLU as one graph", ConvTranspose2d: "transposed conv+bias+ReLU as one graph",
+                Linear: "matmul+bias+ReLU as one graph"}[type(m)]
+        groups.append(((names[id(m)], names[id(r)]), what))
+    return groups
+
+
+def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True) -> tuple[torch.nn.Module, ConvertReport]:
+    """Move ``module`` onto fusekit: every ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear``,
+    ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.Softmax`` and
+    ``nn.LogSoftmax`` (exact types, not subclasses) becomes its fusekit.torch module: the same object
+    re-classed, so parameters, buffers, hooks, state-dict keys and optimizer references stay.
+
+    With ``fuse``, modules whose every call feeds exactly one call of the next (found from a
+    ``torch.fx`` trace in training and eval mode, else from nn.Sequential order) run together:
+    conv -> BN [-> ReLU] (training: conv, then the fused BN+ReLU graph; eval: BN folded into one
+    conv+bias[+ReLU] graph), BN -> ReLU, conv / transposed conv / Linear -> ReLU. The producer then
+    computes its followers' work and they pass its output on: calling a fused producer on its own
+    returns the fused result (as torch.ao.quantization.fuse_modules does). The links are plain
+    attributes (not submodules, not in the state dict; deepcopy keeps them within the copy);
+    nn.DataParallel's replicas would share the original's, so use DistributedDataParallel or ``fuse=False``.
+
+    ``inplace=False`` converts a deep copy. Returns (model, report); ``print(report)`` lists what was
+    replaced, fused and left alone, with reasons."""
+    if not isinstance(module, torch.nn.Module):
+        raise OperandError("fusekit.torch.convert", "module", f"expected a torch.nn.Module, got {type(module).__name__}", what="argument")
+    model = module if inplace else copy.deepcopy(module)
+    report = ConvertReport()
+    names: dict[int, str] = {}
+    for name, m in model.named_modules():
+        names.setdefault(id(m), name or "(root)")
+
+    links: dict[int, int] = {}
+    if not fuse:
+        report.analysis = "fusion off"
+    else:
+        try:
+            links, report.notes = _fx_consumers(model)
+            report.analysis = "call order from torch.fx traces in training and eval mode"
+        except Exception as e:  # noqa: BLE001 - any tracing failure: fall back to Sequential order
+            links = _sequential_consumers(model)
+            report.analysis = f"call order from nn.Sequential containers only (torch.fx could not trace: {type(e).__name__}: {str(e)[:120]})"
+
+    converted: dict[int, Any] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, _Fusekit):
+            converted[id(m)] = m
+            continue
+        target = _TARGETS.get(type(m))
+        if target is None:
+            if next(m.children(), None) is None:  # a leaf: say why it stays PyTorch's
+                base = next((t.__name__ for t in _TARGETS if isinstance(m, t)), None)
+                why = (f"a subclass of torch.nn.{base} (its forward may differ): runs in PyTorch" if base
+                       else "no fusekit module: runs in PyTorch")
+                report.left_alone.append((name or "(root)", type(m).__name__, why))
+            continue
+        original = type(m)
+        try:
+            m.__class__ = target
+            m._fk_setup()
+        except OperandError as e:
+            m.__class__ = original
+            report.left_alone.append((name or "(root)", original.__name__, str(e)))
+            continue
+        converted[id(m)] = m
+        report.replaced.append((name or "(root)", original.__name__, f"fusekit.torch.{target.__name__}"))
+
+    for p, c in links.items():
+        if p in converted and c in converted:
+            _link(converted[p], converted[c])
+    report.fused = _describe_groups(model, names)
+    return model, report

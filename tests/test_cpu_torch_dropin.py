@@ -1,0 +1,821 @@
+"""CPU: fusekit.torch as a drop-in for torch.nn, without a GPU.
+
+- Construction: every torch argument cuDNN can run is taken ("same" padding computed, bias=False,
+  groups); the rest are fusekit OperandErrors at construction.
+- convert: modules re-classed in place of the originals (state-dict keys, parameters and buffers
+  identical, load_state_dict both ways), fusion found from fx traces, the report, the four
+  torchvision models.
+- The modules' own logic (autograd wiring, bias=False, "same" padding, half BatchNorm, autocast casts,
+  eval-mode BN folding, fusion hand-offs, non-dense inputs) runs against fake ops: PyTorch CPU
+  implementations of the fusekit.ops functions the modules call, which also check the contract the
+  real patterns enforce (float32 BN statistics and affine vectors, one dtype per conv, dense operands).
+  The same model in float64 then must give torch.nn's outputs and gradients to rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ft = pytest.importorskip("fusekit.torch")
+
+from fusekit.errors import LayoutWarning, OperandError
+
+F = torch.nn.functional
+F32 = torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake ops: what fusekit.ops computes, in PyTorch on the CPU, with the patterns' operand checks
+# ----------------------------------------------------------------------------------------------
+def _vjp(f, inputs, dy):
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    with torch.enable_grad():
+        out = f(*leaves)
+        return torch.autograd.grad(out, leaves, dy)
+
+
+def _channel(v, name):
+    assert v.dtype == F32, f"{name}: the pattern takes float32, got {v.dtype}"
+    assert v.dim() == 1 and v.is_contiguous(), f"{name}: expected a dense (C,) vector, got {tuple(v.shape)}"
+
+
+def _image(*ts):
+    for t in ts:
+        assert t.dim() == 4 and ft._is_dense(t), f"operand not dense NCHW / NHWC: strides {t.stride()}"
+
+
+def _same_dtype(*ts):
+    assert len({t.dtype for t in ts if t is not None}) == 1, f"mixed dtypes {[t.dtype for t in ts if t is not None]}"
+
+
+def _like_layout(y, x):
+    """y in x's memory format (the patterns' outputs take their input's layout)."""
+    return torch.empty_like(x, dtype=y.dtype).copy_(y) if y.shape == x.shape else y.contiguous(
+        memory_format=torch.channels_last if x.dim() == 4 and not x.is_contiguous() else torch.contiguous_format)
+
+
+class FakeOps:
+    def __init__(self):
+        self.calls = []
+
+    # convolutions
+    def _conv(self, name, x, w, b, kw, relu):
+        self.calls.append(name)
+        _image(x, w)
+        _same_dtype(x, w, b)
+        y = F.conv2d(x, w, b, kw["stride"], kw["padding"], kw["dilation"], kw["groups"])
+        return _like_layout(F.relu(y) if relu else y, x)
+
+    def conv2d(self, x, w, *, padding=0, stride=1, dilation=1, groups=1):
+        return self._conv("conv", x, w, None, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, False)
+
+    def conv_bias(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
+        return self._conv("conv_bias", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, False)
+
+    def conv_bias_relu(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
+        return self._conv("conv_bias_relu", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, True)
+
+    def _conv_grads(self, dz, x, w, needs, kw):
+        _image(dz, x, w)
+        _same_dtype(dz, x, w)
+        dx, dw = _vjp(lambda a, b: F.conv2d(a, b, None, kw["stride"], kw["padding"], kw["dilation"], kw["groups"]), (x, w), dz)
+        return dx if needs[0] else None, dw if needs[1] else None
+
+    def conv2d_backward(self, dy, x, w, *, needs=(True, True), **kw):
+        self.calls.append("conv_backward")
+        return self._conv_grads(dy, x, w, needs, kw)
+
+    def conv_bias_backward(self, dy, x, w, *, needs=(True, True, True), **kw):
+        self.calls.append("conv_bias_backward")
+        dx, dw = self._conv_grads(dy, x, w, needs, kw)
+        return dx, dw, dy.sum((0, 2, 3)) if needs[2] else None
+
+    def conv_bias_relu_backward(self, dy, x, w, y, *, needs=(True, True, True), **kw):
+        self.calls.append("conv_bias_relu_backward")
+        dz = dy * (y > 0)
+        dx, dw = self._conv_grads(dz, x, w, needs, kw)
+        return dx, dw, dz.sum((0, 2, 3)) if needs[2] else None
+
+    def _convt(self, name, x, w, b, output_padding, kw, relu):
+        self.calls.append(name)
+        _image(x, w)
+        _same_dtype(x, w, b)
+        y = F.conv_transpose2d(x, w, b, kw["stride"], kw["padding"], output_padding, kw["groups"], kw["dilation"])
+        return _like_layout(F.relu(y) if relu else y, x)
+
+    def conv_transpose_bias(self, x, w, b, *, output_padding=0, **kw):
+        return self._convt("conv_transpose_bias", x, w, b, output_padding, kw, False)
+
+    def conv_transpose_bias_relu(self, x, w, b, *, output_padding=0, **kw):
+        return self._convt("conv_transpose_bias_relu", x, w, b, output_padding, kw, True)
+
+    def conv_transpose_bias_relu_backward(self, dy, x, w, y, *, needs=(True, True, True), relu=True, padding=0, stride=1,
+                                          dilation=1, groups=1):
+        self.calls.append("conv_transpose_backward")
+        dz = dy * (y > 0) if relu else dy
+        s, p, d = torch.nn.modules.utils._pair(stride), torch.nn.modules.utils._pair(padding), torch.nn.modules.utils._pair(dilation)
+        op = [dz.shape[2 + i] - ((x.shape[2 + i] - 1) * s[i] - 2 * p[i] + d[i] * (w.shape[2 + i] - 1) + 1) for i in range(2)]
+        dx, dw = _vjp(lambda a, b: F.conv_transpose2d(a, b, None, s, p, op, groups, d), (x, w), dz)
+        return dx if needs[0] else None, dw if needs[1] else None, dz.sum((0, 2, 3)) if needs[2] else None
+
+    # linear
+    def _linear(self, name, x, w, b, relu):
+        self.calls.append(name)
+        assert x.dim() == 2 and x.is_contiguous() and w.is_contiguous()
+        _same_dtype(x, w, b)
+        y = F.linear(x, w, b)
+        return F.relu(y) if relu else y
+
+    def linear_bias(self, x, w, b):
+        return self._linear("linear_bias", x, w, b, False)
+
+    def linear_bias_relu(self, x, w, b):
+        return self._linear("linear_bias_relu", x, w, b, True)
+
+    def linear_bias_backward(self, dy, x, w, *, needs=(True, True, True)):
+        self.calls.append("linear_backward")
+        return (dy @ w if needs[0] else None, dy.t() @ x if needs[1] else None, dy.sum(0) if needs[2] else None)
+
+    def linear_bias_relu_backward(self, dy, x, w, y, *, needs=(True, True, True)):
+        return self.linear_bias_backward(dy * (y > 0), x, w, needs=needs)
+
+    # normalization
+    def affine_identity(self, x):
+        c = x.shape[1]
+        return torch.ones(c), torch.zeros(c), (torch.empty(c), torch.empty(c))
+
+    def batchnorm(self, x, gamma, beta, running_mean=None, running_var=None, *, epsilon=1e-5, momentum=0.1, relu=False):
+        self.calls.append("batchnorm_relu" if relu else "batchnorm")
+        _image(x)
+        for v, n in ((gamma, "gamma"), (beta, "beta")) + (((running_mean, "running_mean"), (running_var, "running_var"))
+                                                          if running_mean is not None else ()):
+            _channel(v, n)
+        xd = x.double()
+        mean, var = xd.mean((0, 2, 3)), xd.var((0, 2, 3), unbiased=False)
+        inv = (var + epsilon).rsqrt()
+        y = (xd - mean.view(1, -1, 1, 1)) * (inv * gamma.double()).view(1, -1, 1, 1) + beta.double().view(1, -1, 1, 1)
+        y = _like_layout((F.relu(y) if relu else y).to(x.dtype), x)
+        sd = torch.float64 if x.dtype == torch.float64 else F32  # float32 statistics, as the patterns (float64 runs stay exact)
+        if running_mean is None:
+            return y, mean.to(sd), inv.to(sd)
+        m = x.shape[0] * x.shape[2] * x.shape[3]
+        new_rm = running_mean.double() * (1 - momentum) + mean * momentum
+        new_rv = running_var.double() * (1 - momentum) + var * (m / (m - 1)) * momentum
+        return y, mean.to(sd), inv.to(sd), new_rm.to(sd), new_rv.to(sd)
+
+    def batchnorm_backward(self, dy, x, gamma, mean, inv_var, *, y=None, needs=(True, True, True)):
+        self.calls.append("batchnorm_relu_backward" if y is not None else "batchnorm_backward")
+        _image(dy, x)
+        _channel(gamma, "gamma")
+        if y is not None:
+            dy = dy * (y > 0)
+        m = x.shape[0] * x.shape[2] * x.shape[3]
+        d, xd = dy.double(), x.double()
+        mu, inv, g = (v.double().view(1, -1, 1, 1) for v in (mean, inv_var, gamma))
+        xhat = (xd - mu) * inv
+        dbeta, dgamma = d.sum((0, 2, 3)), (d * xhat).sum((0, 2, 3))
+        dx = g * inv / m * (m * d - dbeta.view(1, -1, 1, 1) - xhat * dgamma.view(1, -1, 1, 1))
+        out = (dx.to(x.dtype), dgamma.float(), dbeta.float())
+        return tuple(r if n else None for r, n in zip(out, needs))
+
+    def channel_scale_shift(self, x, gamma=None, beta=None, *, relu=False):
+        self.calls.append("scale_shift_relu" if relu else "scale_shift")
+        _image(x)
+        _channel(gamma, "gamma")
+        _channel(beta, "beta")
+        y = x.double() * gamma.double().view(1, -1, 1, 1) + beta.double().view(1, -1, 1, 1)
+        return _like_layout((F.relu(y) if relu else y).to(x.dtype), x)
+
+    def channel_scale_shift_backward(self, dy, x, gamma=None, *, y=None, needs=(True, True, True)):
+        self.calls.append("scale_shift_backward")
+        if y is not None:
+            dy = dy * (y > 0)
+        dx = (dy.double() * gamma.double().view(1, -1, 1, 1)).to(dy.dtype) if needs[0] else None
+        dg = (dy.double() * x.double()).sum((0, 2, 3)).float() if needs[1] else None
+        db = dy.double().sum((0, 2, 3)).float() if needs[2] else None
+        return dx, dg, db
+
+    # pointwise
+    def call(self, name, *operands, out=None, **attrs):
+        assert name == "relu" and not attrs, name
+        self.calls.append("relu")
+        (x,) = operands
+        y = x.clamp_min(0)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+
+    def relu_backward(self, dy, y):
+        _same_dtype(dy, y)
+        return dy * (y > 0)
+
+
+class FakePool:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def max_pool2d(self, x, kernel_size, stride=None, padding=0, *, indices=True):
+        self.calls.append("max_pool2d")
+        _image(x)
+        y, idx = F.max_pool2d(x, kernel_size, stride, padding, return_indices=True)
+        return y, (idx.to(torch.int32) if indices else None)
+
+    def max_pool2d_backward(self, dy, argmax, input_shape):
+        n, c, h, w = input_shape
+        dx = torch.zeros(n, c, h * w, dtype=dy.dtype)
+        dx.scatter_add_(2, argmax.long().reshape(n, c, -1), dy.reshape(n, c, -1))
+        return dx.reshape(n, c, h, w)
+
+    def avg_pool2d(self, x, kernel_size, stride=None, padding=0, count_include_pad=True):
+        self.calls.append("avg_pool2d")
+        _image(x)
+        return F.avg_pool2d(x, kernel_size, stride, padding, False, count_include_pad)
+
+    def avg_pool2d_backward(self, dy, input_shape, kernel_size, stride=None, padding=0, count_include_pad=True):
+        z = torch.zeros(input_shape, dtype=dy.dtype)
+        return _vjp(lambda a: F.avg_pool2d(a, kernel_size, stride, padding, False, count_include_pad), (z,), dy)[0]
+
+    def softmax(self, x, axis=1):
+        self.calls.append("softmax")
+        return torch.softmax(x, axis)
+
+    def log_softmax(self, x, axis=1):
+        self.calls.append("log_softmax")
+        return torch.log_softmax(x, axis)
+
+    def softmax_backward(self, dy, y, axis=1):
+        return y * (dy - (dy * y).sum(axis, keepdim=True))
+
+    def log_softmax_backward(self, dy, y, axis=1):
+        return dy - y.exp() * dy.sum(axis, keepdim=True)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """fusekit.torch's modules on CPU tensors (float64 too) through the fake ops; returns the call log."""
+    ops = FakeOps()
+    monkeypatch.setattr(ft, "ops", ops)
+    monkeypatch.setattr(ft, "pool", FakePool(ops.calls))
+
+    def on_graphs(x, who, ranks=(4,)):
+        return isinstance(x, torch.Tensor) and x.is_floating_point() and (ranks is None or x.dim() in ranks) and x.numel() > 0
+
+    monkeypatch.setattr(ft, "_on_graphs", on_graphs)
+    return ops.calls
+
+
+def rel(a, ref):
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def clone_as(module_fk, module_torch):
+    module_fk.load_state_dict(module_torch.state_dict())
+    return module_fk
+
+
+def compare(fk, ref, x, grads=True, tol=1e-10):
+    """Forward and (when ``grads``) parameter and input gradients of two modules on copies of x.
+    (Models with batch norm: tol 1e-6, its statistics are float32 as in the real patterns.)"""
+    xf, xr = x.detach().requires_grad_(grads), x.detach().requires_grad_(grads)  # views: x's strides kept
+    yf, yr = fk(xf), ref(xr)
+    assert yf.shape == yr.shape and yf.dtype == yr.dtype
+    assert rel(yf, yr) < tol
+    if grads:
+        g = torch.randn_like(yr)
+        yf.backward(g)
+        yr.backward(g)
+        assert rel(xf.grad, xr.grad) < tol
+        for (n, pf), (_, pr) in zip(fk.named_parameters(), ref.named_parameters()):
+            if pr.grad is None:
+                assert pf.grad is None or float(pf.grad.abs().max()) == 0, n
+            elif float(pr.grad.norm()) < 1e-9:  # zero in exact arithmetic (a conv bias before a training BN)
+                assert float(pf.grad.norm()) < 1e-6, n
+            else:
+                assert pf.grad is not None and pf.grad.dtype == pr.grad.dtype, n
+                assert rel(pf.grad, pr.grad) < tol, n
+    return yf
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction and argument checks
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kernel, dilation, padding, expect_pad, expect_extra",
+    [
+        (3, 1, "same", (1, 1), None),
+        (4, 1, "same", (1, 1), (0, 1, 0, 1)),
+        ((2, 5), 1, "same", (0, 2), (0, 0, 0, 1)),
+        (4, 2, "same", (3, 3), None),
+        ((3, 4), (1, 3), "same", (1, 4), (0, 1, 0, 0)),
+        (5, 1, "valid", (0, 0), None),
+        (3, 1, (2, 1), (2, 1), None),
+    ],
+)
+def test_conv_padding_is_made_explicit(kernel, dilation, padding, expect_pad, expect_extra):
+    m = ft.Conv2d(4, 6, kernel, padding=padding, dilation=dilation)
+    assert m._fk_pad == expect_pad and m._fk_extra == expect_extra
+
+
+def test_constructors_take_torch_arguments():
+    c = ft.Conv2d(8, 16, 3, padding="same", bias=False, groups=4)
+    assert c.bias is None and c.weight.shape == (16, 2, 3, 3) and isinstance(c, torch.nn.Conv2d)
+    t = ft.ConvTranspose2d(8, 4, 3, stride=2, bias=False, groups=2)
+    assert t.bias is None and t.weight.shape == (8, 2, 3, 3)
+    assert ft.Linear(5, 3, bias=False).bias is None
+    assert ft.BatchNorm2d(4, activation="relu").activation == "relu"
+    assert ft.MaxPool2d(3, 2, 1).stride == 2 and ft.AvgPool2d(2, count_include_pad=False).count_include_pad is False
+    assert ft.Softmax().dim == 1 and not ft.Softmax().log and ft.Softmax(0, log=True).log
+    assert ft.ReLU(inplace=True).inplace
+
+
+@pytest.mark.parametrize(
+    "make, operand",
+    [
+        (lambda: ft.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), "padding_mode"),
+        (lambda: ft.Conv2d(3, 4, 3, padding_mode="circular", padding=1), "padding_mode"),
+        (lambda: ft.Conv2d(3, 4, 3, activation="gelu"), "activation"),
+        (lambda: ft.Linear(3, 4, activation="tanh"), "activation"),
+        (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
+        (lambda: ft.MaxPool2d(2, ceil_mode=True), "ceil_mode"),
+        (lambda: ft.MaxPool2d(2, dilation=2), "dilation"),
+        (lambda: ft.MaxPool2d(2, return_indices=True), "return_indices"),
+        (lambda: ft.AvgPool2d(2, ceil_mode=True), "ceil_mode"),
+        (lambda: ft.AvgPool2d(2, divisor_override=3), "divisor_override"),
+    ],
+)
+def test_unsupported_arguments_are_operand_errors(make, operand):
+    with pytest.raises(OperandError, match=operand) as e:
+        make()
+    assert e.value.operand == operand
+
+
+def test_linear_wrong_width_is_an_operand_error(fake):
+    with pytest.raises(OperandError, match="in_features"):
+        ft.Linear(6, 3)(torch.randn(4, 5))
+
+
+def test_batchnorm_training_needs_two_values_per_channel(fake):
+    with pytest.raises(OperandError, match="more than 1 value per channel"):
+        ft.BatchNorm2d(3)(torch.randn(1, 3, 1, 1))
+
+
+def test_convert_rejects_a_non_module():
+    with pytest.raises(OperandError, match="torch.nn.Module"):
+        ft.convert(lambda x: x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Module logic on fake ops, float64 against torch.nn
+# ----------------------------------------------------------------------------------------------
+CONV_CASES = [
+    {"bias": False},
+    {"bias": True, "activation": "relu"},
+    {"bias": False, "activation": "relu"},
+    {"groups": 4, "bias": False},
+    {"groups": 8, "stride": 2},
+    {"padding": "same", "kernel_size": 4},
+    {"padding": "same", "kernel_size": (2, 3), "dilation": (1, 2), "bias": False},
+    {"padding": "valid", "stride": 2},
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")  # torch's own, from the reference module
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("case", CONV_CASES, ids=[str(c) for c in CONV_CASES])
+def test_conv2d_matches_torch(fake, case, channels_last):
+    kw = {"kernel_size": 3, "padding": 1}
+    kw.update(case)
+    act = kw.pop("activation", None)
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(8, 16, **kw).double()
+    fk = clone_as(ft.Conv2d(8, 16, activation=act, **kw).double(), ref)
+    x = torch.randn(2, 8, 9, 10, dtype=torch.float64)
+    if channels_last:
+        x, fk, ref = (t.to(memory_format=torch.channels_last) for t in (x, fk, ref))
+    full = torch.nn.Sequential(ref, torch.nn.ReLU()) if act else ref
+    compare(fk, full, x)
+    want = "conv_bias_relu" if act else ("conv_bias" if kw.get("bias", True) else "conv")
+    assert fake[0] == want
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_transpose2d_matches_torch(fake, bias, groups):
+    torch.manual_seed(0)
+    ref = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, bias=bias, groups=groups).double()
+    fk = clone_as(ft.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, bias=bias, groups=groups).double(), ref)
+    compare(fk, ref, torch.randn(2, 4, 5, 6, dtype=torch.float64))
+
+
+def test_conv_transpose2d_output_size(fake):
+    torch.manual_seed(0)
+    ref = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1).double()
+    fk = clone_as(ft.ConvTranspose2d(4, 6, 3, stride=2, padding=1).double(), ref)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    y = fk(x, output_size=(10, 10))
+    assert y.shape == (2, 6, 10, 10) and rel(y, ref(x, output_size=(10, 10))) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(5, 12), (2, 3, 12), (12,)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_torch(fake, shape, bias):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(12, 7, bias=bias).double()
+    fk = clone_as(ft.Linear(12, 7, bias=bias).double(), ref)
+    compare(fk, ref, torch.randn(shape, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_train_and_eval_match_torch(fake, affine, momentum):
+    torch.manual_seed(0)
+    ref = torch.nn.BatchNorm2d(6, affine=affine, momentum=momentum).double()
+    fk = clone_as(ft.BatchNorm2d(6, affine=affine, momentum=momentum).double(), ref)
+    for _ in range(3):
+        compare(fk, ref, torch.randn(4, 6, 5, 5, dtype=torch.float64) * 2 + 1, tol=1e-6)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.allclose(getattr(fk, name), getattr(ref, name)), name
+    fk.eval(), ref.eval()
+    compare(fk, ref, torch.randn(4, 6, 5, 5, dtype=torch.float64), tol=1e-6)  # eval: gradients to x, gamma and beta too
+    assert "scale_shift" in fake and "scale_shift_backward" in fake
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_batchnorm_half_parameters_and_buffers(fake, dtype):
+    """model.half(): statistics in float32 (the fake asserts float32 gamma, beta, running stats), the
+    running stats written back in their own dtype, gradients in the parameters' dtype."""
+    torch.manual_seed(0)
+    ref = torch.nn.BatchNorm2d(6, momentum=0.3)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.uniform_(-0.5, 0.5)
+    fk = clone_as(ft.BatchNorm2d(6, momentum=0.3), ref).to(dtype)
+    for relu in (False, True):
+        fk.activation = "relu" if relu else None
+        for _ in range(2):
+            x = torch.randn(4, 6, 5, 5) * 3 + 1
+            xf = x.to(dtype).requires_grad_(True)
+            y = fk(xf)
+            yr = ref(x.to(dtype).float())
+            if relu:
+                yr = yr.relu()
+            assert y.dtype == dtype and rel(y, yr) < 2e-2
+            y.float().sum().backward()
+            assert fk.weight.grad.dtype == dtype and xf.grad.dtype == dtype
+            fk.zero_grad()
+        assert fk.running_mean.dtype == dtype and fk.running_var.dtype == dtype
+    ref2 = copy.deepcopy(ref)
+    ref2.train()
+    fk.eval()
+    x = torch.randn(4, 6, 5, 5).to(dtype)
+    fk.activation = None
+    y = fk(x)
+    yr = F.batch_norm(x.float(), fk.running_mean.float(), fk.running_var.float(), fk.weight.float(), fk.bias.float(), False, 0.0, fk.eps)
+    assert y.dtype == dtype and rel(y, yr) < 2e-2
+
+
+def test_autocast_casts_like_torch(fake, monkeypatch):
+    """Under autocast: conv, transposed conv and Linear compute in the autocast dtype from float32
+    parameters, whose gradients come back float32; BN stays in its input dtype; softmax goes float32."""
+    monkeypatch.setattr(ft, "_amp_dtype", lambda: torch.bfloat16)
+    torch.manual_seed(0)
+    conv, bn, lin = ft.Conv2d(4, 8, 3, padding=1), ft.BatchNorm2d(8), ft.Linear(8, 5)
+    convt, sm = ft.ConvTranspose2d(8, 4, 2, stride=2), ft.Softmax(1)
+    x = torch.randn(2, 4, 6, 6)
+    y = conv(x)
+    assert y.dtype == torch.bfloat16
+    z = bn(y)
+    assert z.dtype == torch.bfloat16
+    assert convt(z).dtype == torch.bfloat16
+    logits = lin(z.mean((2, 3)))
+    assert logits.dtype == torch.bfloat16
+    p = sm(logits)
+    assert p.dtype == torch.float32
+    (p * torch.randn(2, 5)).sum().backward()
+    for m in (conv, bn, lin):
+        for n, prm in m.named_parameters():
+            assert prm.grad is not None and prm.grad.dtype == torch.float32, (type(m).__name__, n)
+    ref = F.conv2d(x.bfloat16(), conv.weight.bfloat16(), conv.bias.bfloat16(), padding=1)
+    assert rel(y, ref) < 1e-2
+
+
+def test_relu_inplace_and_out_of_place(fake):
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    a = x.clone().requires_grad_(True)
+    h = a * 2
+    y = ft.ReLU(inplace=True)(h)
+    assert y is h and h._version > 0 and torch.equal(y, (2 * x).relu())
+    y.sum().backward()
+    assert torch.equal(a.grad, 2.0 * (x > 0))
+    b = x.clone().requires_grad_(True)
+    y2 = ft.ReLU()(b)
+    assert y2 is not b and torch.equal(b, x) and torch.equal(y2, x.relu())
+
+
+def test_pools_and_softmax_match_torch(fake):
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    compare(ft.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d(3, 2, 1), x)
+    compare(ft.AvgPool2d(3, 2, 1, count_include_pad=False), torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False), x)
+    compare(ft.Softmax(1), torch.nn.Softmax(1), x)
+    compare(ft.LogSoftmax(1), torch.nn.LogSoftmax(1), torch.randn(4, 10, dtype=torch.float64))
+
+
+def test_non_dense_input_runs_on_a_dense_copy_warned_once(fake, monkeypatch):
+    monkeypatch.setattr(ft, "_LAYOUT_WARNED", set())
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(3, 4, 3, padding=1).double()
+    fk = clone_as(ft.Conv2d(3, 4, 3, padding=1).double(), ref)
+    big = torch.randn(2, 3, 12, 16, dtype=torch.float64)
+    for x in (big[:, :, ::2, 1:9], big.transpose(2, 3)[:, :, 3:, :7]):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            compare(fk, ref, x)
+        assert sum(issubclass(w.category, LayoutWarning) for w in got) == (1 if x.shape[-1] == 8 else 0)
+    with pytest.warns(LayoutWarning, match="Linear"):
+        compare(clone_as(ft.Linear(5, 2).double(), lin := torch.nn.Linear(5, 2).double()), lin, torch.randn(5, 4, dtype=torch.float64).t())
+
+
+def test_empty_batch_returns_empty_outputs_with_gradients(fake):
+    model = torch.nn.Sequential(ft.Conv2d(3, 4, 3, padding=1, bias=False), ft.BatchNorm2d(4), ft.ReLU(), ft.MaxPool2d(2),
+                                torch.nn.Flatten(), ft.Linear(4 * 4 * 4, 5))
+    x = torch.randn(0, 3, 8, 8, requires_grad=True)
+    y = model(x)
+    assert y.shape == (0, 5)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and float(model[0].weight.grad.abs().sum()) == 0
+    assert fake == []  # nothing reached the (fake) graphs
+
+
+def test_cpu_tensors_run_pytorch_with_one_warning(monkeypatch):
+    monkeypatch.setattr(ft, "_FALLBACK_WARNED", set())
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(3, 4, 3, padding="same", bias=False)
+    fk = clone_as(ft.Conv2d(3, 4, 3, padding="same", bias=False, activation="relu"), ref)
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.warns(ft.TorchFallbackWarning, match="cpu tensor"):
+        y = fk(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fk(x)  # once per module type and reason
+    assert torch.equal(y, ref(x).relu())
+
+
+# ----------------------------------------------------------------------------------------------
+# Fusion hand-offs
+# ----------------------------------------------------------------------------------------------
+def test_hand_on_passes_only_the_exact_unmodified_tensor():
+    a, b = torch.nn.ReLU(), torch.nn.ReLU()
+    y = ft._hand_on(torch.randn(3), (a, b))
+    assert not ft._already_done(y, b)  # b's turn comes after a's
+    assert ft._already_done(y, a) and ft._already_done(y, b) and not ft._already_done(y, b)
+    z = ft._hand_on(torch.randn(3), (a,))
+    z.add_(1)  # modified in place after the producer: computed again
+    assert not ft._already_done(z, a)
+    w = ft._hand_on(torch.randn(3), (a,))
+    assert not ft._already_done(w.clone(), a) and not ft._already_done(w[:2], a)
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(8, 8, 3, padding="same"), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 16, 3, stride=2, groups=2), torch.nn.BatchNorm2d(16),
+        torch.nn.AvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4),
+        torch.nn.LogSoftmax(1),
+    )
+
+
+def _randomize_bn(model):
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+
+
+def test_converted_small_cnn_train_and_eval_match_torch(fake):
+    ref = small_cnn().double()
+    _randomize_bn(ref)
+    fk, report = ft.convert(ref)
+    assert [type(m).__module__ for m in fk] == ["fusekit.torch"] * 9 + ["torch.nn.modules.flatten"] + ["fusekit.torch"] * 4
+    assert len(report.fused) == 4, report
+    x = torch.randn(3, 3, 12, 12, dtype=torch.float64)
+    compare(fk, ref, x, tol=1e-6)  # training: conv, then BN+ReLU fused; conv+ReLU; conv, BN; linear+ReLU
+    assert "batchnorm_relu" in fake and "conv_bias_relu" in fake and "linear_bias_relu" in fake
+    assert fake.count("relu") == 0  # every ReLU module handed its work to its producer
+    fk.eval(), ref.eval()
+    fake.clear()
+    compare(fk, ref, x, tol=1e-6)  # eval: BN folded into the convs (gradients reach BN's parameters through the fold)
+    assert not any(c.startswith(("batchnorm", "scale_shift")) for c in fake), fake
+    assert fake[:4] == ["conv_bias_relu", "conv_bias_relu", "max_pool2d", "conv_bias"]
+    with torch.no_grad():  # (the fold is computed in float32: 1e-6)
+        assert rel(fk(x), ref(x)) < 1e-6
+        fk[1].running_var.mul_(3)  # in-place changes reach the folded weights
+        ref[1].running_var.mul_(3)
+        assert rel(fk(x), ref(x)) < 1e-6
+        fk[0].weight.data.mul_(0.5)  # even through .data (no version bump): the fold is never cached
+        ref[0].weight.data.mul_(0.5)
+        assert rel(fk(x), ref(x)) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_converted_torchvision_model_matches_torch(fake, name):
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    ref = getattr(tv.models, name)(weights=None, num_classes=10).double()
+    _randomize_bn(ref)
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # same outputs in training
+    fk, _ = ft.convert(ref)
+    x = torch.randn(3, 3, 64, 64, dtype=torch.float64)
+    compare(fk, ref, x, tol=2e-5)  # float32 BN affine vectors and folds in a float64 model, over 20-50 layers
+    fk.eval(), ref.eval()
+    fake.clear()
+    compare(fk, ref, x, tol=2e-5)
+    assert not any(c.startswith(("batchnorm", "scale_shift")) for c in fake)  # every BN folded into its conv
+
+
+# ----------------------------------------------------------------------------------------------
+# convert: parameters, state dicts, report
+# ----------------------------------------------------------------------------------------------
+def test_convert_keeps_parameters_and_state_dict_both_ways():
+    ref = small_cnn()
+    fk, _ = ft.convert(ref)
+    assert all(type(m).__module__.startswith("torch.nn") for m in ref.modules())  # inplace=False: a copy
+    assert list(fk.state_dict()) == list(ref.state_dict())
+    for (k, a), (_, b) in zip(fk.state_dict().items(), ref.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), k
+    other = small_cnn()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1)
+    fk.load_state_dict(other.state_dict())  # torch -> fusekit
+    assert torch.equal(fk[0].weight, other[0].weight)
+    ref.load_state_dict(fk.state_dict())  # fusekit -> torch
+    assert torch.equal(ref[10].bias, other[10].bias)
+    same, _ = ft.convert(ref, inplace=True)
+    assert same is ref and isinstance(ref[0], ft.Conv2d) and ref[0].weight is same[0].weight
+
+
+def test_convert_inplace_keeps_optimizer_references_and_hooks():
+    ref = small_cnn()
+    params = list(ref.parameters())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    seen = []
+    ref[0].register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    fk, _ = ft.convert(ref, inplace=True)
+    assert all(a is b for a, b in zip(params, fk.parameters()))
+    assert opt.param_groups[0]["params"][0] is fk[0].weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fk(torch.randn(2, 3, 12, 12))
+    assert seen == ["Conv2d"]
+
+
+def test_convert_report_and_what_is_left_alone():
+    class MyConv(torch.nn.Conv2d):
+        pass
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU(), MyConv(4, 4, 1), torch.nn.ReLU6(),
+        torch.nn.MaxPool2d(2, ceil_mode=True), torch.nn.Flatten(), torch.nn.Linear(4, 2),
+    )
+    fk, report = ft.convert(model)
+    left = {name: (t, why) for name, t, why in report.left_alone}
+    assert "padding_mode" in left["0"][1] and "subclass of torch.nn.Conv2d" in left["2"][1]
+    assert left["3"] == ("ReLU6", "no fusekit module: runs in PyTorch") and "ceil_mode" in left["4"][1]
+    assert isinstance(fk[0], torch.nn.Conv2d) and not isinstance(fk[0], ft.Conv2d) and type(fk[2]) is MyConv
+    assert report.counts() == {"ReLU": 1, "Linear": 1}
+    assert report.fused == []  # the ReLU follows a conv left alone
+    text = str(report)
+    for s in ("2 modules replaced", "0 fused groups", "left alone:", "ReLU6", "torch.fx"):
+        assert s in text, text
+
+
+def test_convert_twice_and_fuse_off():
+    fk, r1 = ft.convert(small_cnn())
+    _, r2 = ft.convert(fk)
+    assert r2.replaced == [] and len(r2.fused) == len(r1.fused)
+    plain, r3 = ft.convert(small_cnn(), fuse=False)
+    assert r3.fused == [] and len(r3.replaced) == len(r1.replaced)
+    assert all(m._fk_bn is None and m._fk_relu is None for m in plain.modules() if isinstance(m, ft._Fusekit))
+
+
+def test_deepcopy_keeps_links_inside_the_copy():
+    fk, _ = ft.convert(small_cnn())
+    dup = copy.deepcopy(fk)
+    assert dup[0]._fk_bn is dup[1] and dup[1]._fk_relu is dup[2] and dup[3]._fk_relu is dup[4]
+
+
+def test_untraceable_model_fuses_in_sequential_order_only(fake):
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+            self.head = torch.nn.Conv2d(4, 4, 1)
+            self.act = torch.nn.ReLU()
+
+        def forward(self, x):
+            y = self.body(x)
+            if y.sum() > 0:  # data-dependent: torch.fx cannot trace it
+                y = self.act(self.head(y))
+            return y
+
+    torch.manual_seed(0)
+    ref = Gate().double()
+    _randomize_bn(ref)
+    fk, report = ft.convert(ref)
+    assert "nn.Sequential containers only" in report.analysis and "TraceError" in report.analysis
+    assert [names for names, _ in report.fused] == [("body.0", "body.1", "body.2")]  # head -> act: order unknown
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    compare(fk, ref, x, tol=1e-6)
+    fk.eval(), ref.eval()
+    compare(fk, ref, x, tol=1e-6)
+
+
+def test_fx_finds_functional_relu_and_shared_modules():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.conv2 = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.relu = torch.nn.ReLU()
+
+        def forward(self, x):
+            y = F.relu(self.bn(self.conv(x)))
+            z = self.conv2(y)
+            return self.relu(z) + z  # conv2's output has two users: not fused with the ReLU
+
+    fk, report = ft.convert(Block())
+    assert [names for names, _ in report.fused] == [("conv", "bn")]
+    assert any("bn: its output goes to a functional ReLU" in n for n in report.notes), report.notes
+    assert fk.conv2._fk_relu is None
+
+
+TORCHVISION = {
+    # model: (replaced counts, fused groups, left-alone types)
+    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 20, {"AdaptiveAvgPool2d"}),
+    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 53, {"AdaptiveAvgPool2d"}),
+    "mobilenet_v2": ({"Conv2d": 52, "BatchNorm2d": 52, "Linear": 1}, 52, {"ReLU6", "Dropout"}),
+    "vgg11_bn": ({"Conv2d": 8, "BatchNorm2d": 8, "ReLU": 10, "MaxPool2d": 5, "Linear": 3}, 10, {"AdaptiveAvgPool2d", "Dropout"}),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCHVISION))
+def test_convert_torchvision_models(name):
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(weights=None)
+    fk, report = ft.convert(model)
+    counts, fused, left = TORCHVISION[name]
+    assert report.counts() == counts, report
+    assert len(report.fused) == fused and {t for _, t, _ in report.left_alone} == left, report
+    assert "torch.fx traces" in report.analysis
+    assert list(fk.state_dict()) == list(model.state_dict())
+    fk.load_state_dict(model.state_dict())
+    model.load_state_dict(fk.state_dict())
+    convs = [m for m in fk.modules() if isinstance(m, ft.Conv2d)]
+    assert sum(m._fk_bn is not None for m in convs) == counts["Conv2d"]  # every conv feeds a BN
+    if name.startswith("resnet"):
+        # the BN -> ReLU inside each block is called in forward(); fx shows it feeds only the ReLU
+        blocks = [m for m in fk.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]
+        assert all(b.bn1._fk_relu is b.relu and b.bn2._fk_relu is (b.relu if hasattr(b, "bn3") else None) for b in blocks)
+        assert all(getattr(b, "bn3", b.bn2)._fk_relu is None for b in blocks)  # the last BN feeds the residual add
+    print(report)
+
+
+def test_converted_model_runs_on_cpu_as_torch():
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.resnet18(weights=None, num_classes=10)
+    fk, _ = ft.convert(model)
+    x = torch.randn(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ft.TorchFallbackWarning)
+        for mode in (True, False):
+            fk.train(mode), model.train(mode)
+            assert torch.equal(fk(x), model(x))
+
+
+def test_fx_tracer_keeps_fusekit_modules_as_leaves():
+    import torch.fx
+
+    fk, _ = ft.convert(small_cnn())
+    graph = ft.FxTracer().trace(fk)
+    assert sum(n.op == "call_module" for n in graph.nodes) == 14
+    gm = torch.fx.symbolic_trace(copy.deepcopy(fk).eval())  # the default tracer records PyTorch's ops
+    x = torch.randn(2, 3, 12, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ft.TorchFallbackWarning)
+        assert torch.allclose(gm(x), fk.eval()(x))

@@ -1,0 +1,517 @@
+"""GPU: fusekit.torch as a drop-in for torch.nn (issue 12).
+
+- Each new argument (bias=False, groups, "same" / "valid" padding, transposed and Linear variants)
+  forward and backward against torch.nn in float64 on the same rounded inputs and weights.
+- BatchNorm2d with float16 / bfloat16 parameters and buffers, empty batches, non-dense inputs.
+- Autocast (float16, bfloat16) with float32 parameters, and GradScaler training steps.
+- convert() on torchvision ResNet-18/50, MobileNetV2, VGG-11-BN: forward in training and eval mode
+  against the unconverted model, within a few times PyTorch's own error against float64.
+- The ResNet-18 training example (fp16 AMP, channels-last, SGD momentum) tracks the unconverted model.
+- A whole training step (forward, backward, optimizer step) captured in a CUDA graph replays with the
+  uncaptured step's loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-3}  # as tests/test_gpu_backward.py (float32: TF32)
+BN_TOL = {"float16": 4e-3, "bfloat16": 2.5e-2, "float32": 1e-4}  # as tests/test_gpu_norm.py
+DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def ft():
+    import fusekit.torch
+
+    return fusekit.torch
+
+
+def rel(a, ref):
+    assert a is not None
+    a, ref = a.detach().double(), ref.detach().double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def cl(t):
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+
+def _pair(mod_fk, mod_ref, dtype, channels_last=True):
+    """(fusekit module in dtype on the GPU, float64 torch.nn module with the same rounded weights)."""
+    mod_ref.load_state_dict(mod_fk.state_dict())
+    fk = mod_fk.to("cuda", getattr(torch, dtype))
+    if channels_last:
+        fk = fk.to(memory_format=torch.channels_last)
+    ref = mod_ref.to("cuda")
+    with torch.no_grad():
+        for pr, pf in zip(ref.parameters(), fk.parameters()):
+            pr.copy_(pf.double())
+    return fk, ref.double()
+
+
+def _check_module(fk, ref, x, dtype, relu=False, tol_scale=1.0):
+    """Forward and backward of fusekit module ``fk`` (input x in dtype) against float64 ``ref`` on the
+    same rounded input. ``relu``: ref is the pre-activation; its backward goes through fusekit's own
+    ReLU mask (a float64 forward would flip elements within the forward's rounding of zero)."""
+    tol = TOL[dtype] * tol_scale
+    xf = x.detach().clone().requires_grad_(True)
+    xr = x.detach().double().requires_grad_(True)
+    y = fk(xf)
+    pre = ref(xr)
+    yr = pre.relu() if relu else pre
+    assert y.shape == yr.shape and y.dtype == x.dtype
+    assert rel(y, yr) < tol, f"forward {rel(y, yr):.2e}"
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    (pre * (y.detach() > 0) if relu else pre).backward(dy.double())
+    assert rel(xf.grad, xr.grad) < 2 * tol, f"dx {rel(xf.grad, xr.grad):.2e}"
+    for (name, pf), (_, pr) in zip(fk.named_parameters(), ref.named_parameters()):
+        assert pf.grad is not None and pf.grad.dtype == pf.dtype, name
+        assert rel(pf.grad, pr.grad) < 2 * tol, f"d{name} {rel(pf.grad, pr.grad):.2e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Each new argument against torch.nn in float64
+# ----------------------------------------------------------------------------------------------
+CONV_CASES = {
+    "nobias": {"bias": False},
+    "nobias_relu": {"bias": False, "activation": "relu"},
+    "groups4": {"groups": 4},
+    "depthwise_s2": {"groups": 32, "stride": 2, "bias": False},
+    "same3": {"padding": "same"},
+    "same4_asym": {"padding": "same", "kernel_size": 4, "bias": False},
+    "same_dil2": {"padding": "same", "dilation": 2, "activation": "relu"},
+    "valid_s2": {"padding": "valid", "stride": 2},
+}
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv2d_arguments_match_torch(case, dtype, layout):
+    kw = {"kernel_size": 3, "padding": 1, **CONV_CASES[case]}
+    act = kw.pop("activation", None)
+    torch.manual_seed(0)
+    fk, ref = _pair(ft().Conv2d(32, 64, activation=act, **kw), torch.nn.Conv2d(32, 64, **kw), dtype, layout == "NHWC")
+    x = torch.randn(2, 32, 13, 14, device="cuda").to(getattr(torch, dtype))
+    _check_module(fk, ref, cl(x) if layout == "NHWC" else x, dtype, relu=act == "relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias, groups, act", [(False, 1, None), (True, 2, None), (False, 4, "relu")])
+def test_conv_transpose2d_arguments_match_torch(bias, groups, act, dtype):
+    kw = {"kernel_size": 3, "stride": 2, "padding": 1, "output_padding": 1, "bias": bias, "groups": groups}
+    torch.manual_seed(0)
+    fk, ref = _pair(ft().ConvTranspose2d(16, 32, activation=act, **kw), torch.nn.ConvTranspose2d(16, 32, **kw), dtype)
+    _check_module(fk, ref, cl(torch.randn(2, 16, 9, 9, device="cuda").to(getattr(torch, dtype))), dtype, relu=act == "relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, bias, act", [((16, 64), False, None), ((4, 5, 64), True, "relu"), ((64,), False, "relu")])
+def test_linear_arguments_match_torch(shape, bias, act, dtype):
+    torch.manual_seed(0)
+    fk, ref = _pair(ft().Linear(64, 48, bias=bias, activation=act), torch.nn.Linear(64, 48, bias=bias), dtype)
+    _check_module(fk, ref, torch.randn(shape, device="cuda").to(getattr(torch, dtype)), dtype, relu=act == "relu")
+
+
+def test_conv_transpose2d_output_size():
+    torch.manual_seed(0)
+    fk, ref = _pair(ft().ConvTranspose2d(16, 8, 3, stride=2, padding=1), torch.nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1), "float32")
+    x = cl(torch.randn(2, 16, 7, 7, device="cuda"))
+    y = fk(x, output_size=(14, 14))
+    assert y.shape == (2, 8, 14, 14) and rel(y, ref(x.double(), output_size=(14, 14))) < TOL["float32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Half batch norm, empty batches, non-dense inputs
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_batchnorm_half_parameters_and_buffers(dtype, relu):
+    """model.half() / .bfloat16(): BN trains and evaluates as PyTorch's (statistics in float32, running
+    stats written back in their own dtype), forward and backward, against float64."""
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    fk = ft().BatchNorm2d(64, momentum=0.2, activation="relu" if relu else None)
+    with torch.no_grad():
+        fk.weight.uniform_(0.5, 1.5)
+        fk.bias.uniform_(-0.5, 0.5)
+    ref = torch.nn.BatchNorm2d(64, momentum=0.2)
+    ref.load_state_dict(fk.state_dict())
+    fk = fk.to("cuda", dt)
+    ref = ref.to("cuda").double()
+    with torch.no_grad():
+        ref.weight.copy_(fk.weight.double())
+        ref.bias.copy_(fk.bias.double())
+    for _ in range(3):
+        x = cl(torch.randn(8, 64, 10, 10, device="cuda") * 2 + 0.5).to(dt)
+        _check_module(fk, torch.nn.Sequential(ref), x, dtype, relu=relu, tol_scale=BN_TOL[dtype] / TOL[dtype])
+        fk.zero_grad(), ref.zero_grad()
+    assert fk.running_mean.dtype == dt and fk.running_var.dtype == dt and int(fk.num_batches_tracked) == 3
+    stat_tol = {"float16": 2e-3, "bfloat16": 1.6e-2}[dtype]  # one rounding to the buffers' dtype per update
+    assert rel(fk.running_mean, ref.running_mean) < stat_tol and rel(fk.running_var, ref.running_var) < stat_tol
+    fk.eval(), ref.eval()
+    with torch.no_grad():
+        ref.running_mean.copy_(fk.running_mean.double())
+        ref.running_var.copy_(fk.running_var.double())
+    x = cl(torch.randn(8, 64, 10, 10, device="cuda")).to(dt)
+    _check_module(fk, torch.nn.Sequential(ref), x, dtype, relu=relu, tol_scale=BN_TOL[dtype] / TOL[dtype])
+
+
+def test_model_half_trains_like_torch_half():
+    """A converted model made .half() (parameters and BN buffers float16) trains a few steps like the same
+    torch.nn model made .half()."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(64), torch.nn.ReLU(inplace=True),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10),
+    )
+    fk, _ = ft().convert(base)
+    models = [m.cuda().half().to(memory_format=torch.channels_last) for m in (fk, copy.deepcopy(base))]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(5):
+        x = cl(torch.randn(16, 3, 16, 16, device="cuda", generator=gen)).half()
+        t = torch.randint(0, 10, (16,), device="cuda", generator=gen)
+        losses = []
+        for m, o in zip(models, opts):
+            loss = F.cross_entropy(m(x).float(), t)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        assert all(math.isfinite(v) for v in losses) and abs(losses[0] - losses[1]) / losses[1] < 1e-2, losses
+    assert models[0][1].running_var.dtype == torch.float16
+    assert rel(models[0][1].running_var, models[1][1].running_var) < 1e-2
+
+
+def test_empty_batch_returns_empty_outputs_and_backward_works():
+    ftm = ft()
+    layers = [
+        (ftm.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), (0, 8, 10, 10)),
+        (ftm.ConvTranspose2d(8, 4, 2, stride=2), torch.nn.ConvTranspose2d(8, 4, 2, stride=2), (0, 8, 5, 5)),
+        (ftm.Linear(8, 3), torch.nn.Linear(8, 3), (0, 8)),
+        (ftm.BatchNorm2d(8), torch.nn.BatchNorm2d(8), (0, 8, 4, 4)),
+        (ftm.ReLU(), torch.nn.ReLU(), (0, 8, 4, 4)),
+        (ftm.MaxPool2d(2), torch.nn.MaxPool2d(2), (0, 8, 4, 4)),
+        (ftm.AvgPool2d(2), torch.nn.AvgPool2d(2), (0, 8, 4, 4)),
+        (ftm.Softmax(1), torch.nn.Softmax(1), (0, 10)),
+    ]
+    for fk, ref, shape in layers:
+        fk, ref = fk.cuda(), ref.cuda()
+        if list(ref.parameters()):
+            ref.load_state_dict(fk.state_dict())
+        x = torch.randn(shape, device="cuda", requires_grad=True)
+        y, yr = fk(x), ref(x)
+        assert y.shape == yr.shape and y.dtype == yr.dtype and y.numel() == 0, type(fk).__name__
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        for p in fk.parameters():
+            assert p.grad is None or float(p.grad.abs().sum()) == 0
+
+
+def test_non_dense_inputs_run_on_dense_copies(monkeypatch):
+    from fusekit.errors import LayoutWarning
+
+    monkeypatch.setattr(ft(), "_LAYOUT_WARNED", set())
+    torch.manual_seed(0)
+    fk, ref = _pair(ft().Conv2d(16, 32, 3, padding=1), torch.nn.Conv2d(16, 32, 3, padding=1), "float16")
+    big = cl(torch.randn(4, 16, 20, 24, device="cuda")).half()
+    x = big[1:3, :, 2:14:2, 3:19]  # strided: neither dense NCHW nor dense channels-last
+    with pytest.warns(LayoutWarning, match="Conv2d"):
+        y = fk(x)
+    assert rel(y, ref(x.double())) < TOL["float16"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutWarning)  # warned once
+        y2 = fk(x)
+    assert torch.equal(y, y2)
+    bn = ft().BatchNorm2d(16).cuda()
+    with pytest.warns(LayoutWarning, match="BatchNorm2d"):
+        z = bn(x)
+    assert rel(z, F.batch_norm(x.double(), None, None, training=True)) < BN_TOL["float16"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Autocast and GradScaler
+# ----------------------------------------------------------------------------------------------
+def _amp_net():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(16, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True),
+        torch.nn.ConvTranspose2d(32, 32, 2, stride=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, stride=2, padding=1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(64, 10),
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_autocast_runs_in_the_autocast_dtype(dtype):
+    """Under torch.autocast each layer's output dtype is torch.nn's, values within the autocast dtype's
+    tolerance of float64, and float32 parameters get float32 gradients close to torch.nn's."""
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    base = _amp_net().cuda().to(memory_format=torch.channels_last)
+    fk, _ = ft().convert(base)
+    ref64 = copy.deepcopy(base).double()
+    x = cl(torch.randn(4, 16, 16, 16, device="cuda"))
+    dtypes = {}
+    for tag, model in (("fusekit", fk), ("torch", base)):
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, i, o, s=seen: s.append(o.dtype)) for m in model]
+        with torch.autocast("cuda", dtype=dt):
+            y = model(x)
+        for h in hooks:
+            h.remove()
+        dtypes[tag] = seen
+        (y.float() * torch.linspace(-1, 1, 10, device="cuda")).sum().backward()
+    assert dtypes["fusekit"] == dtypes["torch"], dtypes
+    assert dtypes["fusekit"][0] == dt and dtypes["fusekit"][-1] == dt
+    y64 = ref64(x.double())
+    (y64 * torch.linspace(-1, 1, 10, device="cuda").double()).sum().backward()
+    with torch.autocast("cuda", dtype=dt), torch.no_grad():
+        yf, yt = fk(x), base(x)
+    e_fk, e_t = rel(yf, y64), rel(yt, y64)
+    print(f"autocast {dtype}: output error fusekit {e_fk:.2e}, torch {e_t:.2e}")
+    assert e_fk < max(3 * e_t, 2 * TOL[dtype])
+    for (n, pf), (_, pt), (_, p64) in zip(fk.named_parameters(), base.named_parameters(), ref64.named_parameters()):
+        assert pf.dtype == torch.float32 and pf.grad.dtype == torch.float32, n
+        ef, et = rel(pf.grad, p64.grad), rel(pt.grad, p64.grad)
+        assert ef < max(3 * et, 4 * TOL[dtype]), f"{n}: gradient error fusekit {ef:.2e}, torch {et:.2e}"
+
+
+def test_gradscaler_steps_like_torch():
+    torch.manual_seed(0)
+    base = _amp_net().cuda().to(memory_format=torch.channels_last)
+    fk, _ = ft().convert(base)
+    models = [fk, base]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9) for m in models]
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**12) for _ in models]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(6):
+        x = cl(torch.randn(8, 16, 16, 16, device="cuda", generator=gen))
+        t = torch.randint(0, 10, (8,), device="cuda", generator=gen)
+        losses = []
+        for m, o, s in zip(models, opts, scalers):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(m(x), t)
+            o.zero_grad()
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) / losses[1] < 2e-2, (step, losses)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in fk.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# convert on torchvision models
+# ----------------------------------------------------------------------------------------------
+FLOOR = {"fp32": 3e-3, "amp-fp16": 2e-2, "amp-bf16": 8e-2, "half": 2e-2}
+MODELS = [(m, p) for m in ("resnet18", "resnet50", "mobilenet_v2", "vgg11_bn") for p in ("fp32", "amp-fp16")]
+MODELS += [("resnet18", "amp-bf16"), ("resnet18", "half")]
+
+
+def _torchvision(name):
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(weights=None, num_classes=100)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # training-mode outputs comparable
+    model = model.cuda().to(memory_format=torch.channels_last)
+    with torch.no_grad():  # running statistics of real activations, so eval mode is a normalized network
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.momentum = None
+        model.train()
+        for _ in range(3):
+            model(cl(torch.randn(8, 3, 64, 64, device="cuda")))
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.momentum = 0.1
+                m.weight.uniform_(0.7, 1.3)
+                m.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+def _forward(model, x, precision):
+    if precision.startswith("amp"):
+        with torch.autocast("cuda", dtype=torch.float16 if precision == "amp-fp16" else torch.bfloat16):
+            return model(x)
+    return model(x.half() if precision == "half" else x)
+
+
+@pytest.mark.parametrize("name, precision", MODELS)
+def test_converted_torchvision_model_matches_original(name, precision):
+    """Converted vs original, both against a float64 copy: the converted model's output error (eval and
+    training mode) within 3x the original's, or a floor for the precision; the same running stats
+    after a training-mode forward; in eval every conv -> BN pair ran as one folded graph."""
+    base = _torchvision(name)
+    fk, report = ft().convert(base)
+    if precision == "half":
+        base, fk = base.half(), fk.half()
+    ref64 = copy.deepcopy(base).double()
+    x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
+    passed = []
+    for bn in (m for m in fk.modules() if isinstance(m, ft().BatchNorm2d)):
+        bn.register_forward_hook(lambda m, i, o, s=passed: s.append(o is i[0]))
+    for mode in ("eval", "train"):
+        for m in (fk, base, ref64):
+            m.train(mode == "train")
+        passed.clear()
+        with torch.no_grad():
+            y64 = ref64(x.double())
+            yf, yt = _forward(fk, x, precision), _forward(base, x, precision)
+        e_fk, e_t = rel(yf, y64), rel(yt, y64)
+        print(f"{name} {precision} {mode}: output error vs float64: fusekit {e_fk:.2e}, torch {e_t:.2e}")
+        assert yf.dtype == yt.dtype and yf.shape == yt.shape
+        assert e_fk < max(3 * e_t, FLOOR[precision]), f"{mode}: fusekit {e_fk:.2e} vs torch {e_t:.2e}"
+        if mode == "eval":  # every BN that follows a conv was folded into it (the BN passed its input on)
+            folded = sum(what.startswith("training: conv") for _, what in report.fused)
+            assert folded > 0 and sum(passed) == folded, (sum(passed), folded, len(passed))
+    for (n, bf), (_, bt) in zip(fk.named_buffers(), base.named_buffers()):
+        if bf.is_floating_point():
+            assert bf.dtype == bt.dtype and rel(bf, bt) < max(FLOOR[precision], 1e-2), n
+
+
+def test_converted_resnet18_gradients_match_original():
+    base = _torchvision("resnet18")
+    fk, _ = ft().convert(base)
+    ref64 = copy.deepcopy(base).double()
+    x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
+    g = torch.randn(4, 100, device="cuda")
+    for m, inp in ((fk, x), (base, x), (ref64, x.double())):
+        m.train()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=m is not ref64):
+            y = m(inp)
+        (y.double() * g.double()).sum().backward()
+    for name in ("conv1.weight", "bn1.weight", "layer2.0.conv1.weight", "layer4.1.bn2.bias", "fc.weight"):
+        pf, pt, p64 = (m.get_parameter(name).grad for m in (fk, base, ref64))
+        ef, et = rel(pf, p64), rel(pt, p64)
+        print(f"{name}: gradient error fusekit {ef:.2e}, torch {et:.2e}")
+        assert ef < max(3 * et, 5e-2), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: the example, and a captured training step
+# ----------------------------------------------------------------------------------------------
+def test_train_resnet_example_tracks_eager():
+    """examples/train_resnet.py for 30 steps: the converted ResNet-18 (fp16 AMP, channels-last, SGD
+    momentum) tracks the eager one from the same weights: within 1% over the first 10 steps (where a
+    wrong gradient would show) and 5% over all 30. Random-init ResNet training is chaotic (see the
+    example's docstring); should the 30-step gap pass 5%, it must stay within twice the gap of eager
+    against eager from weights perturbed by a relative 1e-3."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_resnet
+
+    steps = 30
+    fk, ea, report = train_resnet.run(steps=steps)
+    print(report)
+    for i in range(steps):
+        print(f"step {i:3d}: fusekit {fk[i]:.4f}  eager {ea[i]:.4f}")
+    early, gap = train_resnet.max_relative_gap(fk[:10], ea[:10]), train_resnet.max_relative_gap(fk, ea)
+    print(f"loss fusekit {fk[0]:.4f} -> {fk[-1]:.4f}, eager {ea[0]:.4f} -> {ea[-1]:.4f}; "
+          f"max relative gap {early:.4f} (10 steps), {gap:.4f} ({steps} steps)")
+    assert all(math.isfinite(v) for v in fk + ea)
+    assert sum(fk[-5:]) < sum(fk[:5]), "the loss must fall"
+    assert early < 0.01
+    if gap >= 0.05:
+        control = train_resnet.max_relative_gap(train_resnet.control_losses(steps), ea)
+        print(f"control (eager, weights perturbed by 1e-3): max relative gap {control:.4f}")
+        assert gap < 2 * control, f"gap {gap:.4f} vs chaos control {control:.4f}"
+
+
+def _graph_net():
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64), torch.nn.ReLU(inplace=True),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10),
+    )
+    fk, report = ft().convert(base)
+    assert len(report.fused) == 2
+    return fk.cuda().to(memory_format=torch.channels_last)
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # SGD keeps no host-side step count
+    return torch.optim.Adam(params, lr=1e-3, capturable=True)
+
+
+def _sync(src, src_opt, dst, dst_opt):
+    """dst (model and optimizer state) := src, as copies."""
+    dst.load_state_dict(src.state_dict())
+    for ps, pd in zip(src.parameters(), dst.parameters()):
+        dst_opt.state[pd] = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in src_opt.state[ps].items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-fp16"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_cuda_graph_training_step_replays_the_eager_step(kind, precision):
+    """PyTorch's whole-network capture recipe on a converted model: warm-up on a side stream (the plans
+    for every shape exist before the capture; fusekit raises CaptureError for a new one inside it),
+    capture forward + backward + optimizer step, replay on fresh data; each replay's loss and the
+    weights after it equal an uncaptured step of the same model from the same state."""
+    amp = precision == "amp-fp16"
+    captured = _graph_net()
+    eager = copy.deepcopy(captured)
+    opt_c, opt_e = _optimizer(kind, captured.parameters()), _optimizer(kind, eager.parameters())
+    static_x = cl(torch.randn(16, 3, 16, 16, device="cuda"))
+    static_t = torch.randint(0, 10, (16,), device="cuda")
+
+    def step(model, opt, x, t):
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp, cache_enabled=False):
+            loss = F.cross_entropy(model(x), t)
+        loss.backward()
+        opt.step()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            opt_c.zero_grad(set_to_none=True)
+            step(captured, opt_c, static_x, static_t)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    opt_c.zero_grad(set_to_none=True)
+    with torch.cuda.graph(g, stream=s):
+        static_loss = step(captured, opt_c, static_x, static_t)
+    torch.cuda.synchronize()
+
+    _sync(captured, opt_c, eager, opt_e)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    loss_tol, update_tol = (2e-3, 5e-2) if amp else (1e-4, 1e-2)
+    for i in range(4):
+        x = cl(torch.randn(16, 3, 16, 16, device="cuda", generator=gen))
+        t = torch.randint(0, 10, (16,), device="cuda", generator=gen)
+        before = [p.detach().clone() for p in captured.parameters()]
+        static_x.copy_(x)
+        static_t.copy_(t)
+        g.replay()
+        opt_e.zero_grad(set_to_none=True)
+        loss_e = step(eager, opt_e, x, t)
+        torch.cuda.synchronize()
+        lc, le = float(static_loss), float(loss_e)
+        print(f"{kind} {precision} replay {i}: captured loss {lc:.6f}, eager {le:.6f}")
+        assert math.isfinite(lc) and abs(lc - le) / le < loss_tol
+        for (n, pc), pe, p0 in zip(captured.named_parameters(), eager.parameters(), before):
+            assert not torch.equal(pc, p0), f"replay {i}: {n} was not updated"
+            assert rel(pc - p0, pe - p0) < update_tol, f"replay {i}: update of {n} differs by {rel(pc - p0, pe - p0):.2e}"
+        _sync(captured, opt_c, eager, opt_e)  # the next step starts from the same state on both sides
+    assert int(captured[1].num_batches_tracked) == 3 + 4  # warm-up steps and replays (a capture runs nothing)
