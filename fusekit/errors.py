@@ -52,6 +52,11 @@ class NumericsWarning(UserWarning):
     and process; ``warnings.filterwarnings("error", category=fusekit.NumericsWarning)`` makes it an error."""
 
 
+class TorchFallbackWarning(UserWarning):
+    """A fusekit.torch module got an input fusekit's graphs do not take (a CPU tensor, float64, an
+    unsupported rank) and ran PyTorch's own implementation instead."""
+
+
 class WorkspaceWarning(UserWarning):
     """A plan's cuDNN workspace could not be allocated even after freeing cached memory; the call
     runs on a plan of the same key with a smaller workspace (warned once per key and process)."""

@@ -38,7 +38,7 @@ from .errors import import_or_explain
 torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import ops
-from .errors import LayoutWarning, OperandError
+from .errors import LayoutWarning, OperandError, TorchFallbackWarning
 from .ops import pool
 
 F = torch.nn.functional
@@ -64,11 +64,6 @@ __all__ = [
     "TorchFallbackWarning",
     "convert",
 ]
-
-
-class TorchFallbackWarning(UserWarning):
-    """A fusekit.torch module got an input fusekit's graphs do not take (a CPU tensor, float64, an
-    unsupported rank) and ran PyTorch's own implementation instead."""
 
 
 # ----------------------------------------------------------------------------------------------
