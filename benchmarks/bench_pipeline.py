@@ -268,10 +268,13 @@ def main() -> None:
     ap.add_argument("--agreement", type=int, default=256, help="random inputs for the top-1 agreement check (ResNets; 0: skip)")
     ap.add_argument("--quick", action="store_true", help="resnet50 batch 1 only, fewer trials, no torch.compile")
     ap.add_argument("--autotune", action="store_true", help="also compile with every stage autotuned and time that")
+    ap.add_argument("--cases", default="", help="model:batch list to run instead of all, e.g. resnet50:32,mobilenet_v2:32")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_pipeline: needs a CUDA GPU")
     cases = CASES[:1] if args.quick else CASES
+    if args.cases:
+        cases = [(m, int(b)) for m, b in (c.split(":") for c in args.cases.split(","))]
     if args.quick:
         args.trials, args.compile_limit = 5, 0.0
     gpu = torch.cuda.get_device_name()
