@@ -302,6 +302,17 @@ def lower(prog: Program) -> Program:
         p = producer.get(v)
         return p if p is not None and p.kind == "conv" and uses.get(v, 0) == 1 and not p.attrs.get("relu") and not p.attrs.get("add") else None
 
+    def residual_conv(a: Stage, uses: dict[str, int]) -> tuple[Stage, int] | None:
+        """(conv, index of the other operand) when the same-shape add ``a`` has a single-use conv
+        operand; broadcasting adds stay in PyTorch."""
+        if not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]):
+            return None
+        for ci, zi in ((0, 1), (1, 0)):
+            c = single_use_conv(a.inputs[ci], uses)
+            if c is not None:
+                return c, zi
+        return None
+
     # 1. fold eval-mode batch norms into the conv before them
     uses = _uses(stages, output)
     for s in [s for s in stages if s.kind == "bn"]:
@@ -327,14 +338,10 @@ def lower(prog: Program) -> Program:
         a = producer.get(s.inputs[0])
         if a is None or a.kind != "add" or uses.get(a.output, 0) != 1 or len(a.inputs) != 2:
             continue
-        if not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]):
-            continue  # broadcasting adds stay in PyTorch
-        for ci, zi in ((0, 1), (1, 0)):
-            c = single_use_conv(a.inputs[ci], uses)
-            if c is not None:
-                break
-        else:
+        found = residual_conv(a, uses)
+        if found is None:
             continue
+        c, zi = found
         # the fused stage runs where the ReLU ran: x and z are both computed by then
         c.inputs = [c.inputs[0], a.inputs[zi]]
         c.attrs["add"], c.attrs["relu"] = True, True
@@ -350,14 +357,10 @@ def lower(prog: Program) -> Program:
     # 2b. linear residual tails: conv(x) + b + z (no activation after the add, as MobileNetV2)
     uses = _uses(stages, output)
     for a in [s for s in stages if s.kind == "add" and len(s.inputs) == 2]:
-        if not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]):
+        found = residual_conv(a, uses)
+        if found is None:
             continue
-        for ci, zi in ((0, 1), (1, 0)):
-            c = single_use_conv(a.inputs[ci], uses)
-            if c is not None:
-                break
-        else:
-            continue
+        c, zi = found
         c.inputs = [c.inputs[0], a.inputs[zi]]
         c.attrs["add"] = True
         c.name += f"+{a.name}"
