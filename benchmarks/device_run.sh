@@ -2,6 +2,7 @@
 # What one call of the device tool runs (see ../shared/device/README.md): install the carried
 # frontend wheel, then the requested parts, logs and results under $OUT.
 #   bash benchmarks/device_run.sh probes tests bench-conv bench-autotune bench-train bench-norm
+# Everything under $OUT is packed into $OUT/run.tgz at the end (KEEP_FILES=1: left as is).
 # BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) narrows the `tests` part; tests-NAME runs tests/test_gpu_NAME.py alone.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -42,7 +43,12 @@ for part in "$@"; do
       timeout ${BG_TIMEOUT:-250} python3 "benchmarks/${name//-/_}.py" --out "$OUT" ${BG_ARGS:-} > "$OUT/${name}.log" 2>&1 & ;;
     bench-*)
       timeout ${BENCH_TIMEOUT:-150} python3 "benchmarks/${part//-/_}.py" --out "$OUT" ${BENCH_ARGS:-} > "$OUT/${part}.log" 2>&1
-      tail -8 "$OUT/${part}.log" | cut -c1-400 ;;
+      grep -v "^|" "$OUT/${part}.log" | tail -14 | cut -c1-300 ;;
   esac
 done
 wait  # background parts
+# the tool returns at most 8 files: everything under $OUT travels back as one archive, run.tgz
+if [ -z "${KEEP_FILES:-}" ]; then
+  tar czf /tmp/run.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/run.tgz "$OUT/run.tgz"
+  echo "packed \$OUT into run.tgz ($(du -h "$OUT/run.tgz" | cut -f1))"
+fi
