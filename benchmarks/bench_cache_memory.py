@@ -2,8 +2,10 @@
 
     python benchmarks/bench_cache_memory.py --out benchmarks/results [--keys 10000] [--cache-size 64] [--every 1000]
 
-Each key is a one-node ReLU graph (float16, channels-last, (1, 8, H, W) with a new (H, W) each
-time: the cheapest plan to build), run once and checked, with FUSEKIT_CACHE_SIZE plans kept in
+Each key is a 3x3 convolution (``--pattern conv``, the default: cuDNN's precompiled engines, a few ms
+to build) or a one-node ReLU graph (``--pattern relu``: a runtime-compiled kernel per shape, about
+25x slower to build) in float16, channels-last, (1, 8, H, W) with a new (H, W) each time, run once
+and checked now and then, with FUSEKIT_CACHE_SIZE plans kept in
 memory and no disk store. Every ``--every`` keys it samples host RSS (/proc/self/statm), device
 memory in use (cudaMemGetInfo: PyTorch's pool plus what cuDNN and the driver hold), PyTorch's
 allocated and reserved bytes, the plan cache's and the dispatch table's sizes. Writes
@@ -64,7 +66,7 @@ def write(out: Path, stem: str, meta: dict, samples: list[dict]) -> None:
         (f"From {first['keys']:,} to {last['keys']:,} keys: host RSS {(last['rss'] - first['rss']) / MiB:+.1f} MiB, "
         f"device memory in use {(last['device_used'] - first['device_used']) / MiB:+.1f} MiB; "
         f"plans cached at most {max(s['cached'] for s in samples)} (limit {meta['cache_size']}), "
-        f"{last['builds']:,} builds, {last['evictions']:,} evictions, max |error| {meta['worst_error']}."),
+        f"{last['builds']:,} builds, {last['evictions']:,} evictions, max relative error vs float32 {meta['worst_error']:.1e}."),
     ]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--cache-size", type=int, default=64)
     ap.add_argument("--every", type=int, default=1000)
+    ap.add_argument("--pattern", choices=("conv", "relu"), default="conv")
     args = ap.parse_args()
     os.environ["FUSEKIT_CACHE_SIZE"] = str(args.cache_size)
     os.environ["FUSEKIT_CACHE_DIR"] = "off"
@@ -87,7 +90,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     v = fusekit.engine.runtime.versions()
     meta = {
-        "gpu": props.name, "cudnn_backend": v.cudnn_backend, "frontend": v.frontend, "torch": torch.__version__, "pattern": "relu",
+        "gpu": props.name, "cudnn_backend": v.cudnn_backend, "frontend": v.frontend, "torch": torch.__version__, "pattern": args.pattern,
         "cache_size": args.cache_size, "keys": args.keys, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "worst_error": 0.0,
     }
@@ -115,11 +118,16 @@ def main() -> None:
         print(f"{i:6d} keys {s['seconds']:7.1f} s  rss {s['rss'] / MiB:8.1f} MiB  device {s['device_used'] / MiB:9.1f} MiB  "
               f"cached {s['cached']:4d}  dispatch {s['dispatch']:4d}  {s['ms_per_key']:.2f} ms/key", flush=True)
 
+    w = (torch.randn(8, 8, 3, 3, device="cuda") / 8).half().contiguous(memory_format=torch.channels_last)
     for i in range(args.keys):
         x = torch.randn(shape_of(i, side), device="cuda").half().contiguous(memory_format=torch.channels_last)
-        y = fusekit.call("relu", x)
-        if i % 97 == 0:  # a check now and then (each reads back to the host)
-            worst = max(worst, float((y.float() - x.float().relu()).abs().max()))
+        if args.pattern == "conv":
+            y = fusekit.call("conv", x, w, padding=(1, 1), stride=(1, 1), dilation=(1, 1))
+        else:
+            y = fusekit.call("relu", x)
+        if i % 97 == 0:  # a check now and then (each reads back to the host): relative error against float32
+            want = torch.nn.functional.conv2d(x.float(), w.float(), padding=1) if args.pattern == "conv" else x.float().relu()
+            worst = max(worst, float((y.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)))
         if i == 0 or (i + 1) % args.every == 0:
             sample(i + 1)
     print((out / f"{stem}.md").read_text())

@@ -66,6 +66,9 @@ def bench_case(
     pipe = fp.compile(cpu_model, shape, dtype=dtype)
     rec["fusekit_build_s"] = round(time.perf_counter() - t0, 2)
     pipe.run(x, clone=False)
+    torch.cuda.synchronize()
+    rec["peak_mem_mb_fusekit_build"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    torch.cuda.reset_peak_memory_stats()  # from here: what running the compiled pipeline holds
 
     def fresh() -> None:
         x.normal_()
@@ -73,6 +76,7 @@ def bench_case(
 
     rec["fusekit_ms"] = cuda_time_ms(pipe._graph.replay if pipe.graph_captured else pipe.forward_eager, iters=iters, trials=trials, before_trial=fresh)
     rec["peak_mem_mb_fusekit"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    rec["weights_mb_fusekit"] = round(pipe.weight_bytes / 2**20, 1)
     mp = pipe.memory_plan
     rec["planned_activation_mb"] = round(mp.planned_bytes / 2**20, 1)
     rec["eager_sum_activation_mb"] = round(mp.eager_bytes / 2**20, 1)
@@ -117,6 +121,8 @@ def bench_case(
     with torch.inference_mode():
         rec["torch_eager_ms"] = cuda_time_ms(lambda: model(x), iters=iters, trials=trials, before_trial=lambda: x.normal_())
         rec["peak_mem_mb_eager"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    rec["eager_activation_peak_mb"] = round(rec["peak_mem_mb_eager"] - weights / 2**20, 1)
     log(f"{name} b{batch}: torch eager {rec['torch_eager_ms']:.3f} ms")
     with torch.no_grad():
         g = capture(lambda: model(x))
@@ -214,15 +220,28 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         if "floor_ms" in r:
             lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_best_ms']:.3f} | {r['stage_sum_ms']:.3f} | {r['floor_ms']:.3f} | "
                          f"{r['floor_compute_ms']:.3f} | {r['floor_memory_ms']:.3f} | {r['fusekit_best_ms'] / max(r['floor_ms'], 1e-9):.1f} |")
+    lines += [
+        "", "## Memory",
+        "fusekit: while replaying the compiled pipeline (its weights, planned activation buffers, the CUDA graph's pool and "
+        "workspaces) and at its peak while compiling (both weight copies, per-stage timing graphs); eager: peak of a forward "
+        "under inference_mode, and that peak less the weights (its activations). MB = MiB.", "",
+        "| model | batch | fk running MB | fk compile peak MB | fk weights MB | fk planned activations MB | eager peak MB | eager activations MB | PyTorch kernels chosen |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in recs:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['peak_mem_mb_fusekit']} | {r.get('peak_mem_mb_fusekit_build', 'n/a')} | "
+                     f"{r.get('weights_mb_fusekit', 'n/a')} | {r['planned_activation_mb']} | {r['peak_mem_mb_eager']} | "
+                     f"{r.get('eager_activation_peak_mb', 'n/a')} | {len(r.get('choices', []))} |")
     for r in recs:
         if r.get("stages"):
             top = sorted(r["stages"], key=lambda t: -(t["ms"] or 0))[:8]
             lines += ["", f"### {r['model']} batch {r['batch']}: the 8 slowest stages ({r.get('peaks', '')})", "",
-                      "| # | pattern | in -> out | ms | floor ms | bound | x floor |", "|---:|---|---|---:|---:|---|---:|"]
+                      "| # | pattern | kernel | in -> out | ms | floor ms | bound | x floor |", "|---:|---|---|---|---:|---:|---|---:|"]
             for t in top:
                 shp = ", ".join("x".join(map(str, x)) for x in t["in"]) + " -> " + "x".join(map(str, t["out"]))
                 xf = "n/a" if t["x_floor"] is None else f"{t['x_floor']:.1f}"
-                lines.append(f"| {t['stage']} | {t['pattern']} | {shp} | {t['ms'] or 0:.4f} | {t['floor_ms']:.4f} | {t['bound']} | {xf} |")
+                kern = "PyTorch (measured faster)" if t.get("engine", "").startswith("torch (faster") else "fusekit"
+                lines.append(f"| {t['stage']} | {t['pattern']} | {kern} | {shp} | {t['ms'] or 0:.4f} | {t['floor_ms']:.4f} | {t['bound']} | {xf} |")
     notes = [r for r in recs if r.get("torch_compile_note")]
     if notes:
         lines += ["", "torch.compile notes:"] + [f"- {r['model']} b{r['batch']}: {r['torch_compile_note']}" for r in notes]

@@ -335,3 +335,35 @@ def test_relu6_and_linear_residual_tails_fuse(rng):
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_torch_implementation_of_every_stage_matches_reference(name, rng):
+    """PyTorch's implementation of each stage (what a build runs where PyTorch's kernel measures
+    faster, or cuDNN refuses a shape) computes what the stage's reference computes, stage by stage
+    in float64; TorchProgram (the CLI's PyTorch side for ONNX models) gives the same output."""
+    tv = pytest.importorskip("torchvision")
+    from fusekit.pipeline import reference
+    from fusekit.pipeline.bench import TorchProgram
+    from fusekit.pipeline.ir import run_torch_stage
+
+    torch.manual_seed(3)
+    m = getattr(tv.models, name)(weights=None).eval()
+    _randomize_bn(m, torch.Generator().manual_seed(4))
+    x = rng.standard_normal((2, 3, 32, 32))
+    prog = fp.lower_model(m, x.shape)
+    env = reference.evaluate(prog, x, keep=True)
+    kinds = set()
+    for s in prog.stages:
+        if s.pattern in ("reshape", "torch"):
+            continue
+        kinds.add(s.pattern)
+        tenv = {n: torch.from_numpy(env[n]) for n in s.inputs}
+        w = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()}
+        got = run_torch_stage(s, tenv, s.fn, w).numpy()
+        assert _rel(got, env[s.output]) < 1e-12, (s.name, s.pattern)
+    want = {"resnet18": {"conv_bias_relu", "conv_bias_add_relu", "max_pool2d", "avg_pool2d", "linear_bias"},
+            "mobilenet_v2": {"conv_bias_relu6", "conv_bias_add", "conv_bias", "avg_pool2d", "linear_bias"}}[name]
+    assert want <= kinds, kinds
+    y = TorchProgram(prog, "float64", "cpu")(torch.from_numpy(x)).numpy()
+    assert _rel(y, env[prog.output]) < 1e-12

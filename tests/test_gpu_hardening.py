@@ -330,17 +330,19 @@ def test_many_keys_through_a_small_cache_stay_bounded():
         rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
         used = lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info())
         cache, samples, worst = fusekit.default_cache(), [], 0.0
-        for i in range(400):
+        w = (torch.randn(8, 8, 3, 3, device="cuda") / 8).half().contiguous(memory_format=torch.channels_last)
+        for i in range(400):  # 3x3 convs: precompiled engines build in ms (a pointwise graph compiles a kernel per shape)
             x = torch.randn(1, 8, 2 + i // 20, 2 + i % 20, device="cuda").half().contiguous(memory_format=torch.channels_last)
-            y = fusekit.call("relu", x)
-            worst = max(worst, float((y.float() - x.float().relu()).abs().max()))
+            y = fusekit.call("conv", x, w, padding=(1, 1), stride=(1, 1), dilation=(1, 1))
+            want = torch.nn.functional.conv2d(x.float(), w.float(), padding=1)
+            worst = max(worst, float((y.float() - want).norm() / want.norm()))
             if (i + 1) % 100 == 0:
                 torch.cuda.synchronize()
                 samples.append(dict(keys=i + 1, rss=rss(), device_used=used(), cached=len(cache), fast=len(dispatch._FAST)))
         print(json.dumps(dict(samples=samples, worst=worst, maxsize=cache.maxsize, builds=cache.stats.builds, evictions=cache.stats.evictions)))
     """, FUSEKIT_CACHE_SIZE="16")
     assert res["maxsize"] == 16 and res["builds"] == 400 and res["evictions"] == 384
-    assert res["worst"] == 0.0
+    assert res["worst"] < 2e-3, res["worst"]
     for s in res["samples"]:
         assert s["cached"] <= 16 and s["fast"] <= 16, s
     first, last = res["samples"][0], res["samples"][-1]

@@ -37,11 +37,11 @@ def _calibrate(m):
     return m.eval()
 
 
-def _compiled(name, batch):
+def _compiled(name, batch, choose=True):
     """(fp32 eager model on cuda, pipeline) for a model and batch; built once per test session."""
     import fusekit.pipeline as fp
 
-    key = (name, batch)
+    key = (name, batch, choose)
     if key not in _CACHE:
         if name not in _CACHE:
             torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _compiled(name, batch):
                 m = _calibrate(m)
             _CACHE[name] = m
         m = _CACHE[name]
-        pipe = fp.compile(m, torch.zeros(batch, 3, 224, 224), dtype="float16")
+        pipe = fp.compile(m, torch.zeros(batch, 3, 224, 224), dtype="float16", choose=choose)
         _CACHE[key] = pipe
     return _CACHE[name], _CACHE[key]
 
@@ -72,10 +72,18 @@ def _check_logits(got, want, batch, fp16_rel=0.0):
             assert float(top2[0] - top2[1]) < 2e-2 * float(want[i].abs().max()), (i, top2)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2"])
-def test_torchvision_model(name, batch):
-    model, pipe = _compiled(name, batch)
+@pytest.mark.parametrize("name,batch,choose", [
+    (name, batch, True) for name in ("resnet18", "resnet50", "mobilenet_v2") for batch in (1, 8)
+] + [("resnet18", 8, False), ("mobilenet_v2", 8, False)])
+def test_torchvision_model(name, batch, choose):
+    """fp16 pipeline vs fp32 eager; with choose=False every fused stage runs its cuDNN graph (and
+    every pooling stage fusekit's CuPy kernel), else PyTorch's kernel where it measured faster."""
+    model, pipe = _compiled(name, batch, choose)
+    fused = [i for i, s in enumerate(pipe.stages) if s.pattern not in ("torch", "reshape")]
+    if choose:
+        assert len(pipe.choices) == sum(pipe.engines[i].startswith("torch (faster") for i in fused), pipe.choices
+    else:
+        assert not pipe.choices and not any(pipe.engines[i].startswith("torch (faster") for i in fused), pipe.engines
     assert pipe.graph_captured, pipe.capture_error
     gen = torch.Generator(device="cuda").manual_seed(batch)
     outs = []

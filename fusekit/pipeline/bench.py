@@ -99,9 +99,6 @@ class TorchProgram:
             self.fns.append(fn)
 
     def __call__(self, x: Any) -> Any:
-        import torch
-        import torch.nn.functional as F
-
         dev, dt = self.dev, self.dt
 
         def const(t: Any) -> Any:
@@ -109,24 +106,8 @@ class TorchProgram:
 
         env = {self.prog.input: x}
         for s, w, fn in zip(self.prog.stages, self.weights, self.fns):
-            a, xs = s.attrs, [env[n] for n in s.inputs]
-            p = s.pattern
-            if p.startswith(("conv", "linear")) or p == "torch":
-                if p != "torch":
-                    a = dict(a, relu=p.endswith(("relu", "relu6")), add=p.startswith("conv_bias_add"))
-                    st = type(s)(s.kind, s.inputs, s.output, p, s.weights, a)
-                else:
-                    st = s
-                y = run_torch_stage(st, env, fn, w, consts=const)
-            elif p == "max_pool2d":
-                y = F.max_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"])
-            elif p == "avg_pool2d":
-                y = F.avg_pool2d(xs[0], a["kernel_size"], a["stride"], a["padding"], count_include_pad=a.get("count_include_pad", True))
-            elif p == "softmax":
-                y = torch.softmax(xs[0], a["axis"])
-            elif p == "reshape":
-                y = xs[0].reshape(s.out_shape)
+            if s.pattern == "reshape":
+                env[s.output] = env[s.inputs[0]].reshape(s.out_shape)
             else:
-                raise ValueError(f"TorchProgram: stage {s.name} pattern {p!r}")
-            env[s.output] = y
+                env[s.output] = run_torch_stage(s, env, fn, w, consts=const)
         return env[self.prog.output]

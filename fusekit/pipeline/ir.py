@@ -190,6 +190,15 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         return x * weights["scale"].reshape(shape) + weights["shift"].reshape(shape)
     if k == "relu":
         return _relu(env[s.inputs[0]], s.attrs)
+    if k == "maxpool":
+        a = s.attrs
+        return F.max_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]))
+    if k in ("avgpool", "gap"):
+        a = s.attrs
+        return F.avg_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]),
+                            count_include_pad=bool(a.get("count_include_pad", True)))
+    if k == "softmax":
+        return torch.softmax(env[s.inputs[0]], int(s.attrs["axis"]))
     if k == "add":
         return env[s.inputs[0]] + env[s.inputs[1]]
     if k == "torch":

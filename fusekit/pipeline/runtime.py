@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import FusekitError, OperandError
 from . import reference as _reference
-from .ir import FUSEKIT_PATTERNS, Program, Stage, run_torch_stage
+from .ir import FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, run_torch_stage
 from .memory import MemoryPlan, plan_memory
 
 _DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -63,15 +63,22 @@ class Pipeline:
         """Nodes left to PyTorch: by the lowering (no pattern) and at build (cuDNN refused)."""
         return self.program.fallbacks + self.build_fallbacks
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the stages' weights take on the device (0 before :meth:`build`)."""
+        return sum(t.numel() * t.element_size() for w in getattr(self, "_stage_weights", []) for t in w.values())
+
     def reference(self, x: Any) -> np.ndarray:
         """The staged network's output for ``x`` (NCHW host array) in NumPy float64 (CPU)."""
         return _reference.evaluate(self.program, x)
 
     # -- build ---------------------------------------------------------------------------------
-    def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True,
+    def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True, choose: bool = True,
               progress: Callable[[int, int, str], None] | None = None) -> "Pipeline":
         """Build on the GPU: buffers, runners, (autotune), warm-up, per-stage choice and timing, capture.
-        ``progress(done, total, what)`` is called as autotuning goes, stage by stage."""
+        ``choose``: run a stage on PyTorch's kernel where that measures faster (see ``choices``);
+        False keeps every fused stage on its cuDNN graph. ``progress(done, total, what)`` is called
+        as autotuning goes, stage by stage."""
         import torch
 
         if not torch.cuda.is_available():
@@ -91,13 +98,15 @@ class Pipeline:
             self.output_buffer = self.views[self.program.output]
             self.input_buffer.normal_()  # warm-up and capture read finite values
             self._fused: dict[int, tuple[tuple, dict]] = {}
+            self._stage_weights = [self._weights(s) for s in self.stages]  # on the device, shared by both kernels of a stage
             self._runners = [self._runner(i, s) for i, s in enumerate(self.stages)]
             self.stream = torch.cuda.Stream(dev)
             self._graph = None
             if autotune:
                 self._autotune(progress)
             self._warmup()
-            self._choose()
+            if choose:
+                self._choose()
             self._profile()
             if capture:
                 self._capture()
@@ -151,7 +160,7 @@ class Pipeline:
         from .. import ops
         from ..ops import pool
 
-        w = self._weights(s)
+        w = self._stage_weights[i]
         y = self.views[s.output]
         x = self.views[s.inputs[0]] if s.inputs else None
         a = s.attrs
@@ -260,18 +269,21 @@ class Pipeline:
         self.times_ms = [self._stage_ms(r) for r in self._runners]
 
     def _choose(self) -> None:
-        """Grouped / depthwise convolutions: cuDNN's graph engines for them can be far slower than
-        PyTorch's own kernels (depthwise 3x3 on the H200: about 20x). Time both on the stage's
-        buffers and keep the faster; the choice is listed in ``choices`` and the report."""
+        """Per stage, the faster of fusekit's kernel (the fused cuDNN graph, or the CuPy pooling
+        kernel) and PyTorch's for the same stage, both timed on the stage's own buffers as CUDA-graph
+        replays. cuDNN's engines for some fusions are far slower than PyTorch's separate kernels
+        (on the H200: depthwise 3x3 about 20x, a 1x1 conv with the ReLU6 clip fused up to 100x).
+        A switch needs PyTorch faster by 3% (timing noise); each is listed in ``choices``."""
         for i, s in enumerate(self.stages):
-            if s.pattern not in FUSEKIT_PATTERNS or int(s.attrs.get("groups", 1)) == 1 or self.engines[i].startswith("torch"):
+            if s.pattern not in FUSEKIT_PATTERNS + POOL_PATTERNS or self.engines[i].startswith("torch"):
                 continue
-            alt = self._torch_runner(s, self._weights(s))
+            alt = self._torch_runner(s, self._stage_weights[i])
             t_fk, t_pt = self._stage_ms(self._runners[i]), self._stage_ms(alt)
-            if t_pt < t_fk:
+            if t_pt < 0.97 * t_fk:
+                what = "fused cuDNN graph" if s.pattern in FUSEKIT_PATTERNS else "fusekit's CuPy kernel"
                 self._runners[i] = alt
-                self.engines[i], self.sources[i] = f"torch (faster: {t_pt:.3f} vs cuDNN graph {t_fk:.3f} ms)", "-"
-                self.choices.append(f"{s.name}: PyTorch's kernel {t_pt:.3f} ms < fused cuDNN graph {t_fk:.3f} ms (groups={s.attrs['groups']})")
+                self.engines[i], self.sources[i] = f"torch (faster: {t_pt:.3f} vs {t_fk:.3f} ms)", "-"
+                self.choices.append(f"{s.name} ({s.pattern}): PyTorch {t_pt:.3f} ms < {what} {t_fk:.3f} ms")
 
     def _capture(self) -> None:
         import torch
@@ -350,7 +362,7 @@ class Pipeline:
             t_c, t_m = flops / peak_flops * 1e3, nbytes / peak_bw * 1e3
             ms = self.times_ms[i]
             rows.append({
-                "stage": i, "pattern": s.pattern, "in": [list(x) for x in s.in_shapes], "out": list(s.out_shape),
+                "stage": i, "pattern": s.pattern, "engine": self.engines[i], "in": [list(x) for x in s.in_shapes], "out": list(s.out_shape),
                 "ms": ms, "gflop": flops / 1e9, "mbytes": nbytes / 1e6, "floor_ms": max(t_c, t_m),
                 "bound": "compute" if t_c >= t_m else "memory",
                 "x_floor": None if ms is None or max(t_c, t_m) == 0 else ms / max(t_c, t_m),
@@ -407,11 +419,12 @@ class Pipeline:
 
 
 def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
-            capture: bool = True, device: Any = None, progress: Callable[[int, int, str], None] | None = None) -> Pipeline:
+            capture: bool = True, choose: bool = True, device: Any = None,
+            progress: Callable[[int, int, str], None] | None = None) -> Pipeline:
     """Trace/import ``model`` (torch ``nn.Module``, ``fusekit.nn.Sequential``, ONNX path/ModelProto),
     lower it to fusekit stages, plan its buffers and build it on the GPU (warm-up, per-stage timing,
-    CUDA graph capture); see :meth:`Pipeline.build` for ``progress``."""
+    CUDA graph capture); see :meth:`Pipeline.build` for ``choose`` and ``progress``."""
     from . import lower_model
 
     return Pipeline(lower_model(model, example_input), dtype=dtype).build(
-        device=device, autotune=autotune, capture=capture, progress=progress)
+        device=device, autotune=autotune, capture=capture, choose=choose, progress=progress)
