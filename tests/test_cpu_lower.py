@@ -215,3 +215,23 @@ def test_float32_convolutions_and_matmuls_exclude_tf32_plans_and_nothing_else_do
     assert notes("linear_bias", {"x": (4, 8), "w": (3, 8), "b": (3,)}, "float32") == ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
     assert notes("conv_bias_relu", conv, "float16") == ()
     assert notes("batchnorm", {"x": (2, 8, 6, 6), **{k: (8,) for k in ("gamma", "beta", "running_mean", "running_var")}}, "float32") == ()
+
+
+def test_preload_frontend_imports_the_racy_modules_once():
+    """The GEMM engine's lazily imported facades are imported once, by one thread, before planning
+    (threads planning at once raced on their first import on the H200)."""
+    import sys
+    import threading
+
+    from fusekit.engine import lower
+
+    pytest.importorskip("cudnn")
+    lower._preloaded = False
+    ts = [threading.Thread(target=lower.preload_frontend) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert lower._preloaded
+    loaded = [m for m in lower.LAZY_FRONTEND_MODULES if m in sys.modules]
+    assert "cudnn.gemm.frost.compiler" in loaded, loaded

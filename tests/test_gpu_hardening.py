@@ -108,6 +108,7 @@ def test_policy_is_part_of_the_key_and_chooses_the_plans():
         print(json.dumps(out))
     """)
     expect = {"default": (True, False), "none": (False, False), "all": (True, True), "matmul": (False, True)}
+    said: set[str] = set()  # NumericsWarning is said once per key and process; the policies ran in expect's order
     for name, (conv_tf32, lin_tf32) in expect.items():
         r = res[name]
         assert (r["conv_tf32"], r["linear_tf32"]) == (conv_tf32, lin_tf32), (name, r)
@@ -118,7 +119,8 @@ def test_policy_is_part_of_the_key_and_chooses_the_plans():
                 assert pattern not in r["warned"] and err < 5e-3, (name, what, r)
             else:
                 ieee = 5e-5 if what == "conv" else 1e-5
-                assert err < ieee or (pattern in r["warned"] and err < 5e-3), (name, what, r)
+                assert err < ieee or ((pattern in r["warned"] or pattern in said) and err < 5e-3), (name, what, r)
+        said |= set(r["warned"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -100,6 +100,11 @@ def test_torchvision_model(name, batch, choose):
         _check_logits(y, want, batch, fp16_rel)
         outs.append(y)
     assert not torch.equal(outs[0], outs[1])
+    rows = pipe.check(torch.randn(batch, 3, 224, 224, device="cuda", generator=gen))
+    worst = max(rows, key=lambda r: r["rel_err"])
+    print(f"{name} b{batch}: worst stage {worst}")
+    assert len(rows) >= sum(s.pattern.startswith(("conv", "linear")) for s in pipe.stages)
+    assert worst["rel_err"] < 1e-2, sorted(rows, key=lambda r: -r["rel_err"])[:5]
     if name.startswith("resnet"):
         pats = {s.pattern for s in pipe.stages}
         assert {"conv_bias_relu", "conv_bias_add_relu", "max_pool2d", "avg_pool2d", "linear_bias"} <= pats

@@ -6,7 +6,9 @@ is testable on any machine through ``graph.inspect()``.
 
 from __future__ import annotations
 
+import importlib
 import math
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -25,6 +27,31 @@ def load_cudnn() -> Any:
     except Exception as e:  # ImportError, or a broken install failing at import
         raise NoGPUError(f"the cuDNN frontend (nvidia-cudnn-frontend) cannot be imported: {e}") from None
     return cudnn
+
+
+#: Frontend modules imported lazily while planning whose first import races between threads: the
+#: GEMM engine's facades replace themselves in sys.modules, and eight threads planning at once got
+#: "cannot import name '_graph_dynamic_shapes' from 'cudnn.gemm.frost.compiler'" on the H200.
+LAZY_FRONTEND_MODULES = ("cudnn.gemm.frost.compiler", "cudnn.gemm.frost.epilogue_codegen", "cudnn.gemm.frost.heuristics",
+                         "cudnn.gemm.frost.graph_analyzer")
+_PRELOAD_LOCK = threading.Lock()
+_preloaded = False
+
+
+def preload_frontend() -> None:
+    """Import LAZY_FRONTEND_MODULES once, in one thread (before the first cuDNN handle is made, so
+    with the GPU current). A module this frontend lacks or cannot load here is skipped."""
+    global _preloaded
+    if _preloaded:
+        return
+    with _PRELOAD_LOCK:
+        if not _preloaded:
+            for name in LAZY_FRONTEND_MODULES:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - absent in this version or not for this GPU: nothing to race on
+                    pass
+            _preloaded = True
 
 
 def cudnn_dtype(name: str) -> Any:

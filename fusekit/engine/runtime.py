@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import NoGPUError
 from ..tensors import Adapter
-from .lower import load_cudnn
+from .lower import load_cudnn, preload_frontend
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ class Runtime:
         """A fresh cuDNN handle on ``stream``, owned by the caller (the autotuner's timing stream)."""
         cudnn = load_cudnn()
         with adapter.use_device(device):
+            preload_frontend()
             h = cudnn.create_handle()
             cudnn.set_stream(h, stream)
         return h

@@ -203,6 +203,36 @@ class Pipeline:
         for r in self._runners:
             r()
 
+    def check(self, x: Any = None) -> list[dict[str, Any]]:
+        """Each stage's output against PyTorch's float32 implementation of that stage on the same
+        inputs, the stages run one by one (no graph) from ``x`` (a torch tensor of the input shape;
+        default: what the input buffer holds). Rows {"stage", "name", "pattern", "engine", "rel_err"}; PyTorch-run stages skipped.
+        Finds the stage whose plan computes wrongly when the whole output disagrees."""
+        import torch
+
+        if not self.built:
+            raise FusekitError("pipeline.check needs a built pipeline (compile it on a GPU)")
+        dev = self.device
+
+        def const(t: Any) -> Any:
+            return t.to(device=dev, dtype=torch.float32) if t.is_floating_point() else t.to(device=dev)
+
+        rows: list[dict[str, Any]] = []
+        with torch.cuda.device(dev), torch.no_grad():
+            if x is not None:
+                self.input_buffer.copy_(x)
+            for i, (s, run) in enumerate(zip(self.stages, self._runners)):
+                run()
+                if s.pattern in ("reshape", "torch"):
+                    continue
+                w = {k: v.float() for k, v in self._stage_weights[i].items()}
+                ref = run_torch_stage(s, {n: self.views[n].float() for n in s.inputs}, s.fn, w, consts=const)
+                y = self.views[s.output].float()
+                rows.append({"stage": i, "name": s.name, "pattern": s.pattern, "engine": self.engines[i],
+                             "rel_err": float((y - ref).norm() / ref.norm().clamp_min(1e-30))})
+        torch.cuda.synchronize(dev)
+        return rows
+
     def _autotune(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         import fusekit
 
