@@ -441,6 +441,7 @@ SHIM = r"""
 #define __device__
 #define __forceinline__ inline
 struct u3 { unsigned int x, y, z; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
 static thread_local u3 threadIdx, blockIdx;
 static u3 blockDim, gridDim;
 extern "C" void set_dims(unsigned g, unsigned b) { gridDim = {g, 1, 1}; blockDim = {b, 1, 1}; }
@@ -517,7 +518,7 @@ def host_kernels(tmp_path_factory):
         libs[dtype] = ctypes.CDLL(str(so))
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
-        "max_pool_fwd", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
+        "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
     }
     return libs
 
@@ -580,7 +581,14 @@ def host_launch(host_kernels, monkeypatch):
         def zero(view):
             view.fill(0)
 
+        @staticmethod
+        def address(view):
+            return view.ctypes.data
+
+        launched: list = []
+
         def run(self, dtype, name, threads, args):
+            HostLaunch.launched.append(name)
             check_args(host_kernels["signatures"][dtype][name], args, dtype)
             lib = host_kernels[dtype]
             fn = getattr(lib, name)
@@ -626,6 +634,7 @@ def dense_in(h, layout):
 
 HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1), (1, 3, 9, 8, (3, 2), (2, 1), (1, 0)), (1, 257, 3, 5, 2, 1, 1),
              (2, 1, 9, 11, 3, 2, 1), (2, 64, 9, 11, 3, 1, 1),  # these two as test_gpu_pool's avg_pool2d cases
+             (2, 16, 9, 11, 3, 2, 1), (1, 8, 2, 3, 3, 2, 1),  # channels-last inference kernel: 16-byte lanes
              # other size-1 dims: H = 1, W = 1, a 1x1 plane (NHWC strides then match NCHW too)
              (2, 3, 1, 7, (1, 3), (1, 2), (0, 1)), (2, 3, 6, 1, (3, 1), (2, 1), (1, 0)), (2, 5, 1, 1, 1, 1, 0)]
 
@@ -643,6 +652,13 @@ def test_host_compiled_pool_kernels(case, dtype, layout, rng):
     np.testing.assert_array_equal(y.values(), yr)
     np.testing.assert_array_equal(am.a, amr)
     assert dense_in(y, layout) and dense_in(am, layout)
+    pool._Launch.launched.clear()
+    yi, none = pool.max_pool2d(x, *geom, indices=False)  # inference: no argmax (NHWC, C % lanes == 0: 16-byte lanes)
+    np.testing.assert_array_equal(yi.values(), yr)
+    assert none is None and dense_in(yi, layout)
+    lanes = 16 // np.dtype(STORAGE[dtype]).itemsize
+    want = "max_pool_fwd_nhwc_vec" if layout == "NHWC" and c % lanes == 0 else "max_pool_fwd"
+    assert pool._Launch.launched == [want], pool._Launch.launched
     dy, dyv = host_array(rng.standard_normal(yr.shape), dtype, layout)
     other = "NCHW" if layout == "NHWC" else "NHWC"
     am64 = host_array(amr.astype(np.float64), "float32", other)[0]  # int64 argmax in the other layout

@@ -121,6 +121,9 @@ def test_max_pool2d(lib, dtype, layout, c, geom):
     # the max is exact, and ties keep the first window position in both
     assert torch.equal(as_torch(y), ref_y)
     assert torch.equal(as_torch(am).long(), ref_i)
+    y_inf, none = pool.max_pool2d(x, *geom, indices=False)  # inference (NHWC, C % 8 == 0: the 16-byte-lane kernel)
+    check_result(y_inf, lib, dtype, ref_y.shape, layout)
+    assert none is None and torch.equal(as_torch(y_inf), ref_y)
     ny, ni = pool.max_pool2d_reference(to_np(x), *geom)
     np.testing.assert_array_equal(to_np(y), ny)
     np.testing.assert_array_equal(as_torch(am).cpu().numpy(), ni)
@@ -178,6 +181,13 @@ def test_max_pool2d_large_planes_and_batch():
     y, am = pool.max_pool2d(x, 3, 2, 1)
     ref_y, ref_i = F.max_pool2d(x, 3, 2, 1, return_indices=True)
     assert torch.equal(y, ref_y) and torch.equal(am.long(), ref_i)
+    xn = x.clone()
+    xn[1, 5, 10, 10], xn[7, 63, 56, 54], xn[3, 8, 0, 0] = float("nan"), float("nan"), float("-inf")
+    for dt in ("float16", "bfloat16", "float32"):  # inference kernel: NaN wins, padding never does
+        xd = xn.to(getattr(torch, dt)).contiguous(memory_format=torch.channels_last)
+        got, _ = pool.max_pool2d(xd, 3, 2, 1, indices=False)
+        torch.testing.assert_close(got, F.max_pool2d(xd, 3, 2, 1), rtol=0, atol=0, equal_nan=True)
+        assert torch.isnan(got[1, 5, 5, 5]) and torch.isnan(got[7, 63, 28, 27])
     dy = torch.randn_like(y)
     dx = pool.max_pool2d_backward(dy, am, x.shape)
     _, (g,) = autograd(lambda a: F.max_pool2d(a, 3, 2, 1), [x], dy)

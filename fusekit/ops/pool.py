@@ -289,6 +289,47 @@ extern "C" __global__ void max_pool_fwd(
     }
 }
 
+// Inference max pooling of dense channels-last x into dense channels-last y, no argmax: one thread
+// per (n, ho, wo, 16-byte channel group), 16-byte loads and stores, 32-bit index math (the host
+// checks that N*Ho*Wo*C/VEC fits an int and that C is a multiple of VEC). Same values as
+// max_pool_fwd: padding never wins, NaN wins.
+#define VEC (16 / (int)sizeof(T))
+union Pack { uint4 u; T e[VEC]; };
+
+extern "C" __global__ void max_pool_fwd_nhwc_vec(
+    const T* x, T* y, int total, int C, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, int ph, int pw) {
+    const int groups = C / VEC;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const int g = i % groups;
+        int t = i / groups;
+        const int wo = t % Wo; t /= Wo;
+        const int ho = t % Ho;
+        const int n = t / Ho;
+        int hs = ho * sh - ph, ws = wo * sw - pw;
+        const int he = imin(hs + kh, H), we = imin(ws + kw, W);
+        hs = imax(hs, 0); ws = imax(ws, 0);
+        float best[VEC];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) best[j] = neg_inf();
+        const T* xn = x + (long long)n * H * W * C + g * VEC;
+        for (int h = hs; h < he; ++h) {
+            for (int w = ws; w < we; ++w) {
+                Pack v;
+                v.u = *reinterpret_cast<const uint4*>(xn + ((long long)h * W + w) * C);
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float f = ld(v.e, j);
+                    if (f > best[j] || f != f) best[j] = f;
+                }
+            }
+        }
+        Pack o;
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) st(o.e, j, best[j]);
+        *reinterpret_cast<uint4*>(y + (((long long)n * Ho + ho) * Wo + wo) * C + g * VEC) = o.u;
+    }
+}
+
 // One thread per dy element: atomicAdd of dy into acc (float32, zeroed) at its argmax.
 template <typename I>
 __device__ __forceinline__ void max_pool_bwd(
@@ -557,6 +598,9 @@ def _check_plane(pattern: str, name: str, h: int, w: int) -> None:
         raise OperandError(pattern, name, f"plane {h}x{w} has 2**31 or more elements; int32 argmax cannot index it")
 
 
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
 def _i32(*v: int) -> list[np.int32]:
     return [np.int32(x) for x in v]
 
@@ -635,6 +679,11 @@ class _Launch:
     def zero(view: Any) -> None:
         view.fill(0)
 
+    @staticmethod
+    def address(view: Any) -> int:
+        """Device address of a CuPy view's first element."""
+        return int(view.data.ptr)
+
     def run(self, dtype: str, name: str, threads: int, args: Sequence[Any]) -> None:
         """Launch ``name`` of ``dtype``'s module with ``threads`` threads (grid-stride past the cap)."""
         blocks = max(1, min(-(-threads // _BLOCK), _MAX_BLOCKS))
@@ -663,7 +712,15 @@ def max_pool2d(
     total = n * c * g.ho * g.wo
     with _Launch(P, xo) as L:
         y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
-        am, amv = L.empty(xo, yshape, ylayout, "int32") if indices else (None, yv)
+        vec = 16 // _ITEMSIZE[xo.dtype]
+        xv = L.view(xo)
+        if (not indices and xo.layout == ylayout == "NHWC" and c % vec == 0 and total // vec < 2**31
+                and L.address(xv) % 16 == 0 and L.address(yv) % 16 == 0):  # inference, channels-last: 16-byte lanes
+            L.run(xo.dtype, "max_pool_fwd_nhwc_vec", total // vec, [
+                xv, yv, *_i32(total // vec, c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw)])
+            return y, None
+        am, amv = L.empty(xo, yshape if indices else (1, 1, 1, 1), ylayout, "int32")  # without indices: never written
+        am = am if indices else None
         L.run(xo.dtype, "max_pool_fwd", total, [
             L.view(xo), yv, amv, *_i64(total), *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw),
             *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC", bool(indices)),
