@@ -367,3 +367,25 @@ def test_torch_implementation_of_every_stage_matches_reference(name, rng):
     assert want <= kinds, kinds
     y = TorchProgram(prog, "float64", "cpu")(torch.from_numpy(x)).numpy()
     assert _rel(y, env[prog.output]) < 1e-12
+
+
+def test_verify_moves_a_disagreeing_stage_to_pytorch(small, monkeypatch):
+    """build(verify=True): a stage whose result is off (or NaN) against PyTorch's float32 result runs
+    on PyTorch instead, listed in fallbacks with its error; stages within VERIFY_TOL keep their kernel."""
+    from fusekit.pipeline.runtime import VERIFY_TOL
+
+    pipe = fp.Pipeline(fp.lower_model(small, (2, 3, 20, 20)))
+    n = len(pipe.stages)
+    pipe._runners = [f"fused {i}" for i in range(n)]
+    pipe._stage_weights = [{} for _ in range(n)]
+    pipe.engines = [f"eng{i}" for i in range(n)]
+    errs = {0: float("nan"), 1: 2 * VERIFY_TOL["float16"], 2: VERIFY_TOL["float16"] / 2}
+    monkeypatch.setattr(pipe, "check", lambda: [
+        {"stage": i, "name": pipe.stages[i].name, "pattern": pipe.stages[i].pattern, "engine": pipe.engines[i], "rel_err": e}
+        for i, e in errs.items()])
+    monkeypatch.setattr(pipe, "_torch_runner", lambda s, w: f"torch {s.name}")
+    pipe._verify()
+    assert pipe._runners[:3] == [f"torch {pipe.stages[0].name}", f"torch {pipe.stages[1].name}", "fused 2"]
+    assert len(pipe.build_fallbacks) == 2 and "relative error nan" in pipe.build_fallbacks[0]
+    assert pipe.engines[1].startswith("torch") and pipe.engines[2] == "eng2"
+    assert pipe.fallbacks[-2:] == pipe.build_fallbacks

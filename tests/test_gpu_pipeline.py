@@ -100,6 +100,7 @@ def test_torchvision_model(name, batch, choose):
         _check_logits(y, want, batch, fp16_rel)
         outs.append(y)
     assert not torch.equal(outs[0], outs[1])
+    print(f"{name} b{batch}: build fallbacks {pipe.build_fallbacks}")
     rows = pipe.check(torch.randn(batch, 3, 224, 224, device="cuda", generator=gen))
     worst = max(rows, key=lambda r: r["rel_err"])
     print(f"{name} b{batch}: worst stage {worst}")

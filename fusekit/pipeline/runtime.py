@@ -26,6 +26,9 @@ from .ir import FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, run_torch_stage
 from .memory import MemoryPlan, plan_memory
 
 _DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+#: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
+#: (Pipeline.build(verify=True)): a few roundings of the stage's dtype; float32 convs may run TF32.
+VERIFY_TOL = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-2}
 
 
 class Pipeline:
@@ -74,11 +77,13 @@ class Pipeline:
 
     # -- build ---------------------------------------------------------------------------------
     def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True, choose: bool = True,
-              progress: Callable[[int, int, str], None] | None = None) -> "Pipeline":
-        """Build on the GPU: buffers, runners, (autotune), warm-up, per-stage choice and timing, capture.
-        ``choose``: run a stage on PyTorch's kernel where that measures faster (see ``choices``);
-        False keeps every fused stage on its cuDNN graph. ``progress(done, total, what)`` is called
-        as autotuning goes, stage by stage."""
+              verify: bool = True, progress: Callable[[int, int, str], None] | None = None) -> "Pipeline":
+        """Build on the GPU: buffers, runners, (autotune), warm-up, per-stage choice, check and
+        timing, capture. ``choose``: run a stage on PyTorch's kernel where that measures faster (see
+        ``choices``); False keeps every fused stage on its cuDNN graph. ``verify``: every stage's
+        output is checked against PyTorch's float32 result on the same inputs (:meth:`check`); a
+        stage over ``VERIFY_TOL`` runs on PyTorch instead and is listed in ``fallbacks``.
+        ``progress(done, total, what)`` is called as autotuning goes, stage by stage."""
         import torch
 
         if not torch.cuda.is_available():
@@ -107,6 +112,8 @@ class Pipeline:
             self._warmup()
             if choose:
                 self._choose()
+            if verify:
+                self._verify()
             self._profile()
             if capture:
                 self._capture()
@@ -210,15 +217,16 @@ class Pipeline:
         Finds the stage whose plan computes wrongly when the whole output disagrees."""
         import torch
 
-        if not self.built:
+        if not hasattr(self, "_runners"):
             raise FusekitError("pipeline.check needs a built pipeline (compile it on a GPU)")
-        dev = self.device
+        dev, stream = self.device, self.stream
 
         def const(t: Any) -> Any:
             return t.to(device=dev, dtype=torch.float32) if t.is_floating_point() else t.to(device=dev)
 
         rows: list[dict[str, Any]] = []
-        with torch.cuda.device(dev), torch.no_grad():
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.device(dev), torch.cuda.stream(stream), torch.no_grad():
             if x is not None:
                 self.input_buffer.copy_(x)
             for i, (s, run) in enumerate(zip(self.stages, self._runners)):
@@ -230,7 +238,7 @@ class Pipeline:
                 y = self.views[s.output].float()
                 rows.append({"stage": i, "name": s.name, "pattern": s.pattern, "engine": self.engines[i],
                              "rel_err": float((y - ref).norm() / ref.norm().clamp_min(1e-30))})
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).wait_stream(stream)
         return rows
 
     def _autotune(self, progress: Callable[[int, int, str], None] | None = None) -> None:
@@ -314,6 +322,16 @@ class Pipeline:
                 self._runners[i] = alt
                 self.engines[i], self.sources[i] = f"torch (faster: {t_pt:.3f} vs {t_fk:.3f} ms)", "-"
                 self.choices.append(f"{s.name} ({s.pattern}): PyTorch {t_pt:.3f} ms < {what} {t_fk:.3f} ms")
+
+    def _verify(self) -> None:
+        tol = VERIFY_TOL[self.dtype]
+        for r in self.check():
+            if not r["rel_err"] <= tol:  # NaN too
+                i, s = r["stage"], self.stages[r["stage"]]
+                self._runners[i] = self._torch_runner(s, self._stage_weights[i])
+                self.build_fallbacks.append(f"{s.name}: {s.pattern} ({r['engine']}) disagreed with PyTorch's float32 result on the "
+                                            f"same inputs (relative error {r['rel_err']:.1e} > {tol:.0e}); run by PyTorch")
+                self.engines[i], self.sources[i] = "torch (fusekit's result disagreed)", "-"
 
     def _capture(self) -> None:
         import torch
@@ -449,12 +467,12 @@ class Pipeline:
 
 
 def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
-            capture: bool = True, choose: bool = True, device: Any = None,
+            capture: bool = True, choose: bool = True, verify: bool = True, device: Any = None,
             progress: Callable[[int, int, str], None] | None = None) -> Pipeline:
     """Trace/import ``model`` (torch ``nn.Module``, ``fusekit.nn.Sequential``, ONNX path/ModelProto),
     lower it to fusekit stages, plan its buffers and build it on the GPU (warm-up, per-stage timing,
-    CUDA graph capture); see :meth:`Pipeline.build` for ``choose`` and ``progress``."""
+    CUDA graph capture); see :meth:`Pipeline.build` for ``choose``, ``verify`` and ``progress``."""
     from . import lower_model
 
     return Pipeline(lower_model(model, example_input), dtype=dtype).build(
-        device=device, autotune=autotune, capture=capture, choose=choose, progress=progress)
+        device=device, autotune=autotune, capture=capture, choose=choose, verify=verify, progress=progress)
