@@ -15,6 +15,7 @@ Shapes stay small: ~320 cases, most of them new plan keys, in about a minute on 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -61,9 +62,18 @@ def fuzz(name: str, examples: int):
     """The settings, seed and regression examples of fuzz test ``name`` (``examples`` drawn cases)."""
 
     def deco(fn):
+        @functools.wraps(fn)
+        def recorded(case):
+            try:
+                return fn(case)
+            except Exception as e:  # failed checks and errors alike, into the report before hypothesis shrinks
+                FAILED.append({"test": name, "problem": f"{type(e).__name__}: {e}"[:800], "case": case})
+                write_report()
+                raise
+
         for case in REGRESSIONS.get(name, []):
-            fn = example(case=case)(fn)
-        return fn
+            recorded = example(case=case)(recorded)
+        return recorded
 
     policy = settings(
         max_examples=max(1, round(examples * SCALE)), deadline=None, derandomize=False, print_blob=True, database=None,
@@ -72,17 +82,27 @@ def fuzz(name: str, examples: int):
     return lambda fn: policy(seed(SEED)(fn)), deco
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    t0 = time.perf_counter()
-    print(f"\nfusekit fuzz: seed {SEED} (FUSEKIT_FUZZ_SEED={SEED} replays this run)")
-    yield
-    seconds = time.perf_counter() - t0
-    print(f"\nfusekit fuzz: {sum(RAN.values())} cases in {seconds:.1f} s, seed {SEED}: {dict(RAN)}")
+FAILED: list[dict] = []  # every failing check (the last of a test is hypothesis's shrunk case)
+T0 = time.perf_counter()
+
+
+def write_report() -> None:
+    """$FUSEKIT_FUZZ_REPORT (JSON), rewritten after every case and failure: a run cut short by a time
+    limit still says how many cases ran and which ones failed."""
     path = os.environ.get("FUSEKIT_FUZZ_REPORT")
     if path:
-        with open(path, "w") as f:
-            json.dump({"seed": SEED, "cases": sum(RAN.values()), "per_test": dict(RAN), "seconds": seconds}, f, indent=1)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"seed": SEED, "cases": sum(RAN.values()), "per_test": dict(RAN), "seconds": time.perf_counter() - T0,
+                       "failures": len(FAILED), "last_failures": FAILED[-10:]}, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    print(f"\nfusekit fuzz: seed {SEED} (FUSEKIT_FUZZ_SEED={SEED} replays this run)")
+    yield
+    print(f"\nfusekit fuzz: {sum(RAN.values())} cases in {time.perf_counter() - T0:.1f} s, seed {SEED}: {dict(RAN)}")
+    write_report()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,17 +129,23 @@ def leaf(t):
 
 
 def check(name: str, got, ref, tol: float, case: dict) -> None:
-    assert got is not None, f"{name}: no result"
-    assert tuple(got.shape) == tuple(ref.shape), f"{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
-    a = got.detach().double()
-    r = ref.detach().double().to(a.device)
-    assert bool(torch.isfinite(a).all()), f"{name}: non-finite values; case {case}"
-    err = float((a - r).norm() / r.norm().clamp_min(1e-30))
-    assert err < tol, f"{name}: relative error {err:.3e} over {tol:.0e}; case {case}"
+    if got is None:
+        problem = "no result"
+    elif tuple(got.shape) != tuple(ref.shape):
+        problem = f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+    elif not bool(torch.isfinite(got.detach()).all()):
+        problem = "non-finite values"
+    else:
+        a, r = got.detach().double(), ref.detach().double().to(got.device)
+        err = float((a - r).norm() / r.norm().clamp_min(1e-30))
+        problem = None if err < tol else f"relative error {err:.3e} over {tol:.0e}"
+    if problem is not None:
+        raise AssertionError(f"{name}: {problem}; case {case}")
 
 
 def start(name: str, case: dict) -> torch.Generator:
     RAN[name] += 1
+    write_report()
     note(f"fuzz seed {SEED}; case {case}")
     return gen(case)
 
