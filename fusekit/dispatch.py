@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -264,8 +265,9 @@ def alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tupl
     """Other descriptions of the same call to offer cuDNN when it refuses one: (specs, positions to copy).
 
     - One channel: cuDNN's pointwise and reduction engines refuse C = 1. For elementwise patterns
-      whose channel vectors are single values, an (N, 1, H, W) tensor is the same memory as a
-      channels-last (N, W, H, 1) one: same pointers, no copies.
+      whose channel vectors are single values, a dense (N, 1, H, W) tensor is the same memory as a
+      channels-last (N, W, H, 1) one, or (N, H, 1, 1) when W = 1, or (1, N, 1, 1) when H = W = 1:
+      same pointers, no copies, and a channel count above 1 (none when the tensor is one value).
     - NCHW: most pointwise, reduction and fused engines take channels-last only: run on NHWC copies.
     """
     names = pattern.operand_names + tuple(pattern.outputs)
@@ -273,14 +275,14 @@ def alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tupl
     images = [n for n, k in zip(names, kinds) if k in ("image", "filter", "tensor") and len(specs[n].shape) == 4]
     alts: list[tuple[dict[str, TensorSpec], frozenset]] = []
     if (
-        images and all(specs[n].shape[1] == 1 for n in images)
+        images and all(specs[n].shape[1] == 1 and math.prod(specs[n].shape) > 1 for n in images)
         and all(op.op in _ELEMENTWISE for op in pattern.ops)
         and all(k not in ("channel",) or max(specs[n].shape) == 1 for n, k in zip(names, kinds))
     ):
         alt = dict(specs)
         for n in images:
             s = specs[n]
-            alt[n] = TensorSpec.build((s.shape[0], s.shape[3], s.shape[2], 1), s.dtype, s.device, "NHWC")
+            alt[n] = TensorSpec.build(_one_channel_as_channels_last(s.shape), s.dtype, s.device, "NHWC")
         alts.append((alt, frozenset()))
     relayout = frozenset(i for i, n in enumerate(names) if n in images and specs[n].layout == "NCHW")
     if relayout:
@@ -290,6 +292,17 @@ def alternatives(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> list[tupl
             alt[names[i]] = TensorSpec.build(s.shape, s.dtype, s.device, "NHWC")
         alts.append((alt, relayout))
     return alts
+
+
+def _one_channel_as_channels_last(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A channels-last (N', C', H', 1) shape, C' > 1 unless all is one value, whose dense memory order is
+    that of a dense NCHW (N, 1, H, W) tensor."""
+    n, _, h, w = shape
+    if w > 1:
+        return (n, w, h, 1)
+    if h > 1:
+        return (n, h, 1, 1)
+    return (1, n, 1, 1)
 
 
 def _bind(c: _Call) -> Any:

@@ -1,5 +1,7 @@
 """What fusekit offers cuDNN when it refuses a description of a call (no GPU needed)."""
 
+import pytest
+
 import fusekit
 from fusekit import dispatch
 from fusekit.engine import keys
@@ -54,3 +56,38 @@ def test_one_channel_elementwise_patterns_are_redescribed_without_copies():
 def test_one_channel_batch_norm_node_has_no_redescription():
     pat, specs = specs_for("batchnorm", {"x": (2, 1, 6, 5), "gamma": (1,), "beta": (1,), "running_mean": (1,), "running_var": (1,)})
     assert all(copies for _, copies in dispatch.alternatives(pat, specs))  # only the layout copy is offered
+
+
+def _memory(spec):
+    """Element offsets of a dense spec, in its logical (N, C, H, W) order."""
+    import numpy as np
+
+    idx = np.zeros(spec.shape, dtype=np.int64)
+    for d, (size, stride) in enumerate(zip(spec.shape, spec.strides)):
+        shape = [1] * len(spec.shape)
+        shape[d] = size
+        idx = idx + (np.arange(size) * stride).reshape(shape)
+    return idx
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 6, 5), (1, 1, 9, 1), (3, 1, 4, 1), (4, 1, 1, 1), (1, 1, 1, 7)])
+def test_one_channel_redescription_covers_the_same_memory_with_more_than_one_channel(shape):
+    """(N, 1, H, 1) and (N, 1, 1, 1) included: the redescription must not keep C = 1 (the GPU fuzzer's
+    first batch-norm case, (1, 1, 9, 1), was refused in both of its descriptions)."""
+    import numpy as np
+
+    pat, specs = specs_for("batchnorm_inference", {"x": shape, "mean": (1,), "inv_std": (1,), "gamma": (1,), "beta": (1,)})
+    alt, copies = dispatch.alternatives(pat, specs)[0]
+    assert copies == frozenset() and alt["x"].layout == "NHWC" and alt["x"].shape[1] > 1 and alt["y"] == alt["x"]
+    offsets = _memory(alt["x"])
+    assert np.array_equal(np.sort(offsets.ravel()), np.arange(offsets.size))  # every element once: same memory
+    assert np.array_equal(np.sort(_memory(specs["x"]).ravel()), np.sort(offsets.ravel()))
+    from fusekit.engine import lower
+
+    low = lower.lower(pat, alt, dict(pat.normalize_attrs({})))
+    assert low.graph.inspect()["tensors"]["x"]["dim"] == list(alt["x"].shape)
+
+
+def test_a_single_value_has_no_one_channel_redescription():
+    pat, specs = specs_for("batchnorm_inference", {"x": (1, 1, 1, 1), "mean": (1,), "inv_std": (1,), "gamma": (1,), "beta": (1,)})
+    assert all(copies for _, copies in dispatch.alternatives(pat, specs))  # at most the layout copy
