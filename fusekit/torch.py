@@ -410,16 +410,28 @@ class _Fusekit:
         return base + act + self._fk_followers()
 
 
-class Conv2d(_Fusekit, torch.nn.Conv2d):
+class _FusekitAct(_Fusekit):
+    """A fusekit module over a torch layer with an optional fused ReLU (``activation="relu"``)."""
+
+    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fk_setup(activation)
+
+    def extra_repr(self) -> str:
+        return self._fk_repr(super().extra_repr())
+
+    def _torch_forward(self, x: Any, *args: Any) -> Any:
+        """The torch layer's own forward, then the ReLU: CPU tensors, tracing, what cuDNN cannot run."""
+        y = super().forward(x, *args)
+        return F.relu(y) if self.activation == "relu" else y
+
+
+class Conv2d(_FusekitAct, torch.nn.Conv2d):
     """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"``).
 
     Takes every torch argument cuDNN can run: ``bias=False``, ``groups`` (grouped and depthwise),
     ``padding`` as ints, "valid" or "same" (an odd total "same" padding pads the input's last row /
     column first, as PyTorch). ``padding_mode`` other than "zeros" is an OperandError."""
-
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._fk_setup(activation)
 
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.Conv2d")
@@ -429,13 +441,6 @@ class Conv2d(_Fusekit, torch.nn.Conv2d):
                 "zeros (pad with torch.nn.functional.pad(x, ..., mode=...) first and use padding=0)", what="argument",
             )
         self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
-
-    def extra_repr(self) -> str:
-        return self._fk_repr(super().extra_repr())
-
-    def _torch_forward(self, x: Any) -> Any:
-        y = torch.nn.Conv2d.forward(self, x)
-        return F.relu(y) if self.activation == "relu" else y
 
     def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
@@ -472,25 +477,14 @@ class Conv2d(_Fusekit, torch.nn.Conv2d):
         return _hand_on(y, done)
 
 
-class ConvTranspose2d(_Fusekit, torch.nn.ConvTranspose2d):
+class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
     """torch.nn.ConvTranspose2d as cuDNN dgrad-as-forward (``bias=False`` and ``groups`` too), with an
     optional fused ReLU; ``output_size`` in forward works as in PyTorch."""
-
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._fk_setup(activation)
 
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.ConvTranspose2d")
         if self.padding_mode != "zeros":
             raise OperandError("fusekit.torch.ConvTranspose2d", "padding_mode", "only 'zeros' is supported", what="argument")
-
-    def extra_repr(self) -> str:
-        return self._fk_repr(super().extra_repr())
-
-    def _torch_forward(self, x: Any, output_size: Any = None) -> Any:
-        y = torch.nn.ConvTranspose2d.forward(self, x, output_size)
-        return F.relu(y) if self.activation == "relu" else y
 
     def forward(self, x: torch.Tensor, output_size: Any = None) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "ConvTranspose2d"):
@@ -508,23 +502,12 @@ class ConvTranspose2d(_Fusekit, torch.nn.ConvTranspose2d):
         return _hand_on(y, done)
 
 
-class Linear(_Fusekit, torch.nn.Linear):
+class Linear(_FusekitAct, torch.nn.Linear):
     """torch.nn.Linear as a fused cuDNN matmul graph (inputs of any rank >= 1, ``bias=False`` too),
     with an optional fused ReLU."""
 
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._fk_setup(activation)
-
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.Linear")
-
-    def extra_repr(self) -> str:
-        return self._fk_repr(super().extra_repr())
-
-    def _torch_forward(self, x: Any) -> Any:
-        y = torch.nn.Linear.forward(self, x)
-        return F.relu(y) if self.activation == "relu" else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "Linear", None) or x.dim() == 0:
@@ -544,29 +527,18 @@ class Linear(_Fusekit, torch.nn.Linear):
         return _hand_on(y, done)
 
 
-class BatchNorm2d(_Fusekit, torch.nn.BatchNorm2d):
+class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
     """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU]; eval: one scale-shift [+ ReLU]
     graph from the running statistics, with gradients as PyTorch's). Parameters and buffers may be
     float16 / bfloat16 (``model.half()``): statistics are computed in float32 and the running stats
     written back in their own dtype. ``affine=False`` runs normalize only."""
 
-    def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._fk_setup(activation)
-
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.BatchNorm2d")
-
-    def extra_repr(self) -> str:
-        return self._fk_repr(super().extra_repr())
 
     def _check_input_dim(self, input: Any) -> None:
         if isinstance(input, torch.Tensor):  # an fx Proxy (tracing) has no dim() to check
             super()._check_input_dim(input)
-
-    def _torch_forward(self, x: Any) -> Any:
-        y = torch.nn.BatchNorm2d.forward(self, x)
-        return F.relu(y) if self.activation == "relu" else y
 
     def _affine(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.affine:
