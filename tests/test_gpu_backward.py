@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchref import rel, rnd
 
 from fusekit import ops
 
@@ -24,18 +25,6 @@ SHAPES = [
 ]
 IDS = [f"n{s[0]}c{s[1]}h{s[2]}w{s[3]}k{s[4]}r{s[5]}p{s[6]}s{s[7]}d{s[8]}" for s in SHAPES]
 TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-3}
-
-
-def rnd(shape, dtype, cl=False, scale=1.0):
-    t = (torch.randn(shape, device="cuda") * scale).to(getattr(torch, dtype))
-    return t.contiguous(memory_format=torch.channels_last) if cl and t.dim() == 4 else t
-
-
-def rel(a, ref):
-    assert a is not None
-    a = a.double()
-    assert torch.isfinite(a).all(), "non-finite gradient"
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def masked(f, y):

@@ -7,6 +7,7 @@ import math
 import warnings
 
 import pytest
+from torchref import rel, rnd
 
 from fusekit import ops
 from fusekit.errors import FusionWarning, OperandError
@@ -25,17 +26,6 @@ SHAPES = [
 ]
 IDS = [f"n{s[0]}c{s[1]}h{s[2]}k{s[4]}r{s[5]}s{s[7]}g{s[8]}" for s in SHAPES]
 TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-3}
-
-
-def rnd(shape, dtype, cl=True, scale=1.0):
-    t = (torch.randn(shape, device="cuda") * scale).to(getattr(torch, dtype))
-    return t.contiguous(memory_format=torch.channels_last) if cl and t.dim() == 4 else t
-
-
-def rel(a, ref):
-    a = a.double()
-    assert torch.isfinite(a).all(), "non-finite output"
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _operands(shape, dtype, cl=True):
@@ -73,7 +63,7 @@ def test_grouped_forward_epilogues(shape, dtype, layout):
 def test_grouped_backward(shape, dtype):
     x, wt, b, kw = _operands(shape, dtype)
     y = ops.conv_bias(x, wt, b, **kw)
-    dy = rnd(tuple(y.shape), dtype)
+    dy = rnd(tuple(y.shape), dtype, True)
     leaves = [t.detach().double().requires_grad_(True) for t in (x, wt, b)]
     F.conv2d(*leaves, **kw).backward(dy.double())
     dx, dw, db = ops.conv_bias_backward(dy, x, wt, **kw)
@@ -87,7 +77,7 @@ def test_grouped_backward(shape, dtype):
 @pytest.mark.parametrize("groups", [2, 8])
 def test_grouped_conv_transpose(groups, dtype):
     n, ci, h, co, r = 2, 16, 9, 32, 3
-    x = rnd((n, ci, h, h), dtype)
+    x = rnd((n, ci, h, h), dtype, True)
     wt = rnd((ci, co // groups, r, r), dtype, True, 1 / math.sqrt(ci * r * r / groups))
     b = rnd((co,), dtype)
     kw = dict(padding=1, stride=2, output_padding=1, groups=groups)
@@ -97,8 +87,8 @@ def test_grouped_conv_transpose(groups, dtype):
 
 
 def test_group_mismatch_is_a_fusekit_error():
-    x = rnd((1, 6, 8, 8), "float16")
+    x = rnd((1, 6, 8, 8), "float16", True)
     with pytest.raises(OperandError, match="operand 'w': expected 2 input channels"):
-        ops.conv2d(x, rnd((6, 6, 3, 3), "float16"), groups=3)
+        ops.conv2d(x, rnd((6, 6, 3, 3), "float16", True), groups=3)
     with pytest.raises(OperandError, match="do not split into 4 groups"):
-        ops.conv2d(x, rnd((4, 1, 3, 3), "float16"), groups=4)
+        ops.conv2d(x, rnd((4, 1, 3, 3), "float16", True), groups=4)

@@ -17,3 +17,21 @@ def float64_nchw(t):
     import torch
 
     return torch.empty(tuple(t.shape), dtype=torch.float64, device=t.device).copy_(t.detach())
+
+
+def rnd(shape, dtype, cl=False, scale=1.0):
+    """Standard-normal CUDA data times ``scale``, rounded to ``dtype`` (a name), channels-last with ``cl``."""
+    import torch
+
+    t = (torch.randn(shape, device="cuda") * scale).to(getattr(torch, dtype))
+    return t.contiguous(memory_format=torch.channels_last) if cl and t.dim() == 4 else t
+
+
+def rel(a, ref):
+    """Normwise relative error of ``a`` (a result, which must exist and be finite) against ``ref``."""
+    import torch
+
+    assert a is not None, "no result"
+    a = a.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
