@@ -99,15 +99,10 @@ class TorchProgram:
             self.fns.append(fn)
 
     def __call__(self, x: Any) -> Any:
-        dev, dt = self.dev, self.dt
-
-        def const(t: Any) -> Any:
-            return t.to(dev, dt) if t.is_floating_point() else t.to(dev)
-
         env = {self.prog.input: x}
         for s, w, fn in zip(self.prog.stages, self.weights, self.fns):
             if s.pattern == "reshape":
                 env[s.output] = env[s.inputs[0]].reshape(s.out_shape)
             else:
-                env[s.output] = run_torch_stage(s, env, fn, w, consts=const)
+                env[s.output] = run_torch_stage(s, env, fn, w, self.dev, self.dt)
         return env[self.prog.output]

@@ -165,11 +165,11 @@ def torch_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(int(d) for d in y.shape)
 
 
-def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, Any], consts: Callable[[Any], Any] | None = None) -> Any:
+def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, Any], device: Any = None, dtype: Any = None) -> Any:
     """Evaluate a ``kind == "torch"`` or torch-lowered stage with torch tensors (any device/dtype).
 
     ``env``: value name -> tensor; ``fn``: the callable to use (the module's copy on the right device);
-    ``consts``: maps a constant tensor/array of the argument template to the right device and dtype."""
+    ``device`` / ``dtype``: where the argument template's constant tensors go (floating ones in ``dtype``)."""
     import torch
     import torch.nn.functional as F
 
@@ -202,7 +202,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
     if k == "add":
         return env[s.inputs[0]] + env[s.inputs[1]]
     if k == "torch":
-        conv = consts or (lambda c: c)
+        def conv(c: Any) -> Any:
+            return c.to(device=device, dtype=dtype) if c.is_floating_point() else c.to(device=device)
 
         def sub(a: Any) -> Any:
             if isinstance(a, Ref):

@@ -44,7 +44,7 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
         tenv = {n: torch.from_numpy(np.ascontiguousarray(env[n], dtype=np.float64)) for n in s.inputs}
         with torch.no_grad():
             y = run_torch_stage(s, tenv, fn, {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()},
-                                consts=lambda t: t.to(torch.float64) if t.is_floating_point() else t)
+                                dtype=torch.float64)
         return y.detach().numpy().astype(np.float64)
     raise ValueError(f"pipeline reference: stage {s.name} has no pattern (lower the program first)")
 

@@ -177,14 +177,10 @@ class Pipeline:
         if isinstance(fn, torch.nn.Module):
             fn = copy.deepcopy(fn).to(device=self.device, dtype=self.torch_dtype).to(memory_format=torch.channels_last)
         dev, tdt = self.device, self.torch_dtype
-
-        def const(t: Any) -> Any:
-            return t.to(device=dev, dtype=tdt) if t.is_floating_point() else t.to(device=dev)
-
         y, names, views = self.views[s.output], s.inputs, self.views
 
         def run() -> None:
-            y.copy_(run_torch_stage(s, {n: views[n] for n in names}, fn, w, consts=const))
+            y.copy_(run_torch_stage(s, {n: views[n] for n in names}, fn, w, dev, tdt))
 
         return run
 
@@ -246,9 +242,6 @@ class Pipeline:
             raise FusekitError("pipeline.check needs a built pipeline (compile it on a GPU)")
         dev, stream = self.device, self.stream
 
-        def const(t: Any) -> Any:
-            return t.to(device=dev, dtype=torch.float32) if t.is_floating_point() else t.to(device=dev)
-
         rows: list[dict[str, Any]] = []
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.device(dev), torch.cuda.stream(stream), torch.no_grad():
@@ -259,7 +252,7 @@ class Pipeline:
                 if s.pattern in ("reshape", "torch"):
                     continue
                 w = {k: v.float() for k, v in self._stage_weights[i].items()}
-                ref = run_torch_stage(s, {n: self.views[n].float() for n in s.inputs}, s.fn, w, consts=const)
+                ref = run_torch_stage(s, {n: self.views[n].float() for n in s.inputs}, s.fn, w, dev, torch.float32)
                 y = self.views[s.output].float()
                 rows.append({"stage": i, "name": s.name, "pattern": s.pattern, "engine": self.engines[i],
                              "rel_err": float((y - ref).norm() / ref.norm().clamp_min(1e-30))})
