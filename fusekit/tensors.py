@@ -14,6 +14,8 @@ from typing import Any
 from .errors import NoGPUError, OperandError
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+#: Bytes per element of each supported dtype.
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def alignment(ptr: int) -> int:

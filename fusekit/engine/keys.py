@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..errors import OperandError
-from ..tensors import LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, logical_shape, make_spec, view_shape
+from ..tensors import ITEMSIZE, LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, logical_shape, make_spec, view_shape
 from .cache import PlanKey
 from .lower import COMPUTE_DTYPE, tf32_allowed
 from .patterns import Pattern
@@ -73,16 +73,13 @@ def check_operands(
     return specs, norm, aligns, adapter0
 
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
 def _extent(shape: Sequence[int], strides: Sequence[int], ptr: int, dtype: str) -> tuple[int, int]:
     """[first byte, last byte + 1) of the memory an array of ``shape`` and ``strides`` (elements) at
     ``ptr`` addresses (empty when a dim is 0)."""
     if any(int(d) == 0 for d in shape):
         return ptr, ptr
     last = sum((int(d) - 1) * abs(int(st)) for d, st in zip(shape, strides))
-    return ptr, ptr + (last + 1) * _ITEMSIZE.get(dtype, 8)
+    return ptr, ptr + (last + 1) * ITEMSIZE.get(dtype, 8)
 
 
 def _check_overlap(pattern: Pattern, oname: str, ext: tuple[int, int], seen: list[tuple[str, tuple[int, int]]]) -> None:

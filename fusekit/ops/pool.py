@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ..errors import NoGPUError, OperandError
-from ..tensors import matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
+from ..tensors import ITEMSIZE, matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64")
@@ -598,9 +598,6 @@ def _check_plane(pattern: str, name: str, h: int, w: int) -> None:
         raise OperandError(pattern, name, f"plane {h}x{w} has 2**31 or more elements; int32 argmax cannot index it")
 
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
 def _i32(*v: int) -> list[np.int32]:
     return [np.int32(x) for x in v]
 
@@ -712,7 +709,7 @@ def max_pool2d(
     total = n * c * g.ho * g.wo
     with _Launch(P, xo) as L:
         y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
-        vec = 16 // _ITEMSIZE[xo.dtype]
+        vec = 16 // ITEMSIZE[xo.dtype]
         xv = L.view(xo)
         if (not indices and xo.layout == ylayout == "NHWC" and c % vec == 0 and total // vec < 2**31
                 and L.address(xv) % 16 == 0 and L.address(yv) % 16 == 0):  # inference, channels-last: 16-byte lanes

@@ -21,11 +21,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import FusekitError, OperandError
+from ..tensors import ITEMSIZE
 from . import reference as _reference
 from .ir import FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, run_torch_stage
 from .memory import MemoryPlan, plan_memory
 
-_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
 #: (Pipeline.build(verify=True)): a few roundings of the stage's dtype; float32 convs may run TF32.
 VERIFY_TOL = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-2}
@@ -41,11 +41,11 @@ class Pipeline:
     itself, overwritten by the next call)."""
 
     def __init__(self, program: Program, *, dtype: str = "float16") -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"pipeline: dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"pipeline: dtype must be one of {tuple(ITEMSIZE)}, got {dtype!r}")
         self.program = program
         self.dtype = dtype
-        self.memory_plan: MemoryPlan = plan_memory(program, _DTYPES[dtype])
+        self.memory_plan: MemoryPlan = plan_memory(program, ITEMSIZE[dtype])
         self.build_fallbacks: list[str] = []  # fusekit stages cuDNN refused at build (run by torch)
         self.choices: list[str] = []  # fused stages PyTorch's kernel runs because it measured faster
         self.engines: list[str] = ["-"] * len(program.stages)
@@ -421,7 +421,7 @@ class Pipeline:
         if not self.built:
             raise FusekitError("pipeline: roofline needs a built pipeline (fusekit.pipeline.compile)")
         peak_flops, peak_bw = measured_peaks(self.device, self.dtype)
-        item = 4 if self.dtype == "float32" else 2
+        item = ITEMSIZE[self.dtype]
         rows = []
         for i, s in enumerate(self.stages):
             flops, nbytes = stage_cost(s, item)
