@@ -415,3 +415,10 @@ def test_input_padding_applies_to_a_single_stem_conv_only(small):
     grouped = fp.lower_model(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)).eval(), (1, 4, 8, 8))
     assert input_padding(grouped, 8) is None
     assert fp.Pipeline(prog).padding is None  # nothing padded before a GPU build
+
+
+def test_check_needs_a_built_pipeline(small):
+    from fusekit.errors import FusekitError
+
+    with pytest.raises(FusekitError, match="pipeline.check needs a built pipeline"):
+        fp.Pipeline(fp.lower_model(small, (2, 3, 20, 20))).check()
