@@ -1,0 +1,76 @@
+"""Where a converted ResNet-50's AMP training step spends host time: cProfile of a few steps
+(top functions by own time and by cumulative time), dispatch calls per step, and the step's
+host-only time (no synchronize) against PyTorch eager's.
+
+    python benchmarks/probes/probe_train_host.py [--model resnet50] [--batch 64]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fusekit.torch as ft
+from bench_train_models import Data, make_step
+
+
+def host_ms(step, n: int = 10) -> tuple[float, float]:
+    """(host ms per step without synchronizing, wall ms per step with a final synchronize)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - t) * 1e3 / n
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t) * 1e3 / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--size", type=int, default=224)
+    args = ap.parse_args()
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    base = getattr(torchvision.models, args.model)(weights=None).to(memory_format=torch.channels_last)
+    fk, _ = ft.convert(base)
+    data = Data(args.batch, args.size)
+    data.reset()
+    for name, model in (("torch", base.cuda()), ("fusekit", fk.cuda())):
+        model.train()
+        step, _ = make_step(model, data, "amp-fp16", captured=False)
+        for _ in range(3):
+            step()
+        h, w = host_ms(step)
+        print(f"{name}: host {h:.2f} ms/step (no sync), wall {w:.2f} ms/step")
+    step, _ = make_step(fk, data, "amp-fp16", captured=False)
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for order, n in (("tottime", 45), ("cumulative", 45)):
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats(order).print_stats(n)
+        print(f"==== by {order} (3 steps) ====")
+        print("\n".join(ln[:200] for ln in s.getvalue().splitlines()[6:]))
+
+
+if __name__ == "__main__":
+    main()
