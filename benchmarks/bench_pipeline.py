@@ -52,18 +52,18 @@ def _reset_mem() -> int:
 
 def bench_case(
     name: str, batch: int, dtype: str, iters: int, trials: int, compile_limit_s: float, compile_mode: str, agreement_inputs: int = 0,
-    autotune: bool = False, pad_input: int = 0,
+    autotune: bool = False,
 ) -> dict:
     tdt = getattr(torch, dtype)
     shape = (batch, 3, 224, 224)
-    rec: dict = {"model": name, "batch": batch, "dtype": dtype, "layout": "channels_last", "pad_input": pad_input}
+    rec: dict = {"model": name, "batch": batch, "dtype": dtype, "layout": "channels_last"}
     cpu_model = _model(name)
     x = torch.randn(shape, device="cuda", dtype=tdt).contiguous(memory_format=torch.channels_last)
 
     # fusekit pipeline
     base = _reset_mem()
     t0 = time.perf_counter()
-    pipe = fp.compile(cpu_model, shape, dtype=dtype, pad_input=pad_input)
+    pipe = fp.compile(cpu_model, shape, dtype=dtype)
     rec["fusekit_build_s"] = round(time.perf_counter() - t0, 2)
     pipe.run(x, clone=False)
     torch.cuda.synchronize()
@@ -101,7 +101,7 @@ def bench_case(
     rec["fusekit_tuned_ms"] = None
     if autotune:  # every stage's key tuned (plans kept in the cache), then compiled and timed the same way
         t0 = time.perf_counter()
-        tuned = fp.compile(cpu_model, shape, dtype=dtype, autotune=True, pad_input=pad_input)
+        tuned = fp.compile(cpu_model, shape, dtype=dtype, autotune=True)
         rec["fusekit_tune_s"] = round(time.perf_counter() - t0, 1)
 
         def fresh_t() -> None:
@@ -287,7 +287,6 @@ def main() -> None:
     ap.add_argument("--agreement", type=int, default=256, help="random inputs for the top-1 agreement check (ResNets; 0: skip)")
     ap.add_argument("--quick", action="store_true", help="resnet50 batch 1 only, fewer trials, no torch.compile")
     ap.add_argument("--autotune", action="store_true", help="also compile with every stage autotuned and time that")
-    ap.add_argument("--pad-input", type=int, default=0, help="zero-pad the input's channels to this many for the stem conv (experimental)")
     ap.add_argument("--cases", default="", help="model:batch list to run instead of all, e.g. resnet50:32,mobilenet_v2:32")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -312,7 +311,7 @@ def main() -> None:
     for name, batch in cases:
         log(f"{name} batch {batch} ...")
         recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode,
-                               args.agreement if batch > 1 else 0, args.autotune, args.pad_input))
+                               args.agreement if batch > 1 else 0, args.autotune))
         # written after every case, so a run cut short keeps what it measured
         with open(stem + ".json", "w") as fh:
             json.dump({"meta": meta, "records": recs}, fh, indent=2)

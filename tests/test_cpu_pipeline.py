@@ -391,32 +391,6 @@ def test_verify_moves_a_disagreeing_stage_to_pytorch(small, monkeypatch):
     assert pipe.fallbacks[-2:] == pipe.build_fallbacks
 
 
-def test_input_padding_applies_to_a_single_stem_conv_only(small):
-    """pad_input: the program input feeds one fused conv without groups (ResNet's 3-channel stem);
-    not when it has enough channels, feeds two stages, or the option is off."""
-    from fusekit.pipeline.runtime import input_padding
-
-    prog = fp.lower_model(small, (2, 3, 20, 20))
-    assert prog.stages[0].pattern == "conv_bias_relu"
-    assert input_padding(prog, 8) == (0, 8)
-    assert input_padding(prog, 0) is None and input_padding(prog, 3) is None
-    two = fp.lower_model(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).eval(), (1, 3, 8, 8))
-    assert input_padding(two, 8) == (0, 8)
-
-    class Fork(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Conv2d(3, 4, 1), nn.Conv2d(3, 4, 1)
-
-        def forward(self, x):
-            return self.a(x) + self.b(x)
-
-    assert input_padding(fp.lower_model(Fork().eval(), (1, 3, 8, 8)), 8) is None
-    grouped = fp.lower_model(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)).eval(), (1, 4, 8, 8))
-    assert input_padding(grouped, 8) is None
-    assert fp.Pipeline(prog).padding is None  # nothing padded before a GPU build
-
-
 def test_check_needs_a_built_pipeline(small):
     from fusekit.errors import FusekitError
 

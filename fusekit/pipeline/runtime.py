@@ -51,7 +51,6 @@ class Pipeline:
         self.engines: list[str] = ["-"] * len(program.stages)
         self.sources: list[str] = ["-"] * len(program.stages)
         self.times_ms: list[float | None] = [None] * len(program.stages)
-        self.padding: tuple[int, int] | None = None  # (stage, channels): the input zero-padded for its first conv
         self.graph_captured = False
         self.capture_error: str | None = None
         self.built = False
@@ -78,14 +77,12 @@ class Pipeline:
 
     # -- build ---------------------------------------------------------------------------------
     def build(self, *, device: Any = None, autotune: bool = False, capture: bool = True, choose: bool = True,
-              verify: bool = True, pad_input: int = 0, progress: Callable[[int, int, str], None] | None = None) -> "Pipeline":
+              verify: bool = True, progress: Callable[[int, int, str], None] | None = None) -> "Pipeline":
         """Build on the GPU: buffers, runners, (autotune), warm-up, per-stage choice, check and
         timing, capture. ``choose``: run a stage on PyTorch's kernel where that measures faster (see
         ``choices``); False keeps every fused stage on its cuDNN graph. ``verify``: every stage's
         output is checked against PyTorch's float32 result on the same inputs (:meth:`check`); a
         stage over ``VERIFY_TOL`` runs on PyTorch instead and is listed in ``fallbacks``.
-        ``pad_input``: give the first convolution an input padded with zero channels up to this
-        many (e.g. 8 for a 3-channel stem; experimental, see :func:`input_padding`).
         ``progress(done, total, what)`` is called as autotuning goes, stage by stage."""
         import torch
 
@@ -99,22 +96,10 @@ class Pipeline:
         self.torch_dtype = tdt
         plan = self.memory_plan
         shapes = self.program.shapes()
-        self.padding = input_padding(self.program, pad_input)
         sizes = list(plan.sizes)
-        if self.padding is not None:  # the input's buffer is its own (pinned): the zero channels stay zero
-            n, _, h, w = shapes[self.program.input]
-            b = plan.assign[self.program.input]
-            sizes[b] = max(sizes[b], n * self.padding[1] * h * w)
         with torch.cuda.device(dev):
             self._buffers = [torch.empty(max(int(n), 1), dtype=tdt, device=dev) for n in sizes]
             self.views: dict[str, Any] = {v: self._view(v, shapes[v]) for v in plan.assign}
-            if self.padding is not None:
-                n, c, h, w = shapes[self.program.input]
-                cp = self.padding[1]
-                flat = self._buffers[plan.assign[self.program.input]][: n * cp * h * w]
-                self._input_padded = flat.view(n, h, w, cp).permute(0, 3, 1, 2)
-                self._input_padded.zero_()
-                self.views[self.program.input] = self._input_padded[:, :c]
             self.input_buffer = self.views[self.program.input]
             self.output_buffer = self.views[self.program.output]
             self.input_buffer.normal_()  # warm-up and capture read finite values
@@ -152,20 +137,11 @@ class Pipeline:
             out[k] = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
         return out
 
-    def _operands(self, i: int, s: Stage, w: dict[str, Any]) -> tuple[tuple, dict]:
-        """(operands, attrs) of a fusekit-pattern stage (the first conv on the zero-padded input
-        with zero-padded filters when the input is padded)."""
+    def _operands(self, s: Stage, w: dict[str, Any]) -> tuple[tuple, dict]:
+        """(operands, attrs) of a fusekit-pattern stage."""
         x = self.views[s.inputs[0]]
         if s.pattern.startswith("conv"):
-            filt = w["w"]
-            if self.padding is not None and self.padding[0] == i:
-                import torch
-
-                x = self._input_padded
-                k, c, kh, kw = filt.shape
-                filt = torch.zeros((k, self.padding[1], kh, kw), dtype=filt.dtype, device=filt.device).contiguous(memory_format=torch.channels_last)
-                filt[:, :c].copy_(w["w"])
-            ops = (x, filt, w["b"]) + ((self.views[s.inputs[1]],) if s.pattern.startswith("conv_bias_add") else ())
+            ops = (x, w["w"], w["b"]) + ((self.views[s.inputs[1]],) if s.pattern.startswith("conv_bias_add") else ())
             attrs = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
             return ops, {**attrs, "groups": int(s.attrs.get("groups", 1))}
         return (x, w["w"], w["b"]), {}
@@ -193,7 +169,7 @@ class Pipeline:
         x = self.views[s.inputs[0]] if s.inputs else None
         a = s.attrs
         if s.pattern in FUSEKIT_PATTERNS:
-            operands, attrs = self._operands(i, s, w)
+            operands, attrs = self._operands(s, w)
             try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
                 import fusekit
 
@@ -476,7 +452,7 @@ class Pipeline:
             f"{sum(r['bound'] == 'compute' for r in roof)} stages compute-bound, {sum(r['bound'] == 'memory' for r in roof)} memory-bound",
         ] if roof else []) + [
             f"CUDA graph: {'captured' if self.graph_captured else ('failed: ' + self.capture_error if self.capture_error else 'not captured')}",
-        ] + ([f"input: zero-padded to {self.padding[1]} channels for stage {self.padding[0]}"] if self.padding else []) + [
+        ] + [
             f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
             f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)",
             "fallbacks (run by PyTorch):" if self.fallbacks else "fallbacks: none",
@@ -485,30 +461,13 @@ class Pipeline:
         return buf.getvalue() + "\n".join(lines) + "\n"
 
 
-def input_padding(program: Program, channels: int) -> tuple[int, int] | None:
-    """(stage index, channels) when the program's input can be given to its first convolution
-    padded with zero channels up to ``channels`` (a 3-channel stem is a poor shape for cuDNN's
-    tensor-core engines): the input feeds exactly one stage, a fused conv without groups, as its
-    image, with fewer channels than ``channels``. None otherwise (or for ``channels`` <= 0)."""
-    if channels <= 0:
-        return None
-    readers = [i for i, s in enumerate(program.stages) if program.input in s.inputs]
-    if len(readers) != 1:
-        return None
-    s = program.stages[readers[0]]
-    ok = (s.pattern in FUSEKIT_PATTERNS and s.pattern.startswith("conv") and s.inputs.count(program.input) == 1
-          and s.inputs[0] == program.input and int(s.attrs.get("groups", 1)) == 1 and len(s.in_shapes[0]) == 4
-          and s.in_shapes[0][1] < channels)
-    return (readers[0], int(channels)) if ok else None
-
-
 def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
-            capture: bool = True, choose: bool = True, verify: bool = True, pad_input: int = 0, device: Any = None,
+            capture: bool = True, choose: bool = True, verify: bool = True, device: Any = None,
             progress: Callable[[int, int, str], None] | None = None) -> Pipeline:
     """Trace/import ``model`` (torch ``nn.Module``, ``fusekit.nn.Sequential``, ONNX path/ModelProto),
     lower it to fusekit stages, plan its buffers and build it on the GPU (warm-up, per-stage timing,
-    CUDA graph capture); see :meth:`Pipeline.build` for ``choose``, ``verify``, ``pad_input`` and ``progress``."""
+    CUDA graph capture); see :meth:`Pipeline.build` for ``choose``, ``verify`` and ``progress``."""
     from . import lower_model
 
     return Pipeline(lower_model(model, example_input), dtype=dtype).build(
-        device=device, autotune=autotune, capture=capture, choose=choose, verify=verify, pad_input=pad_input, progress=progress)
+        device=device, autotune=autotune, capture=capture, choose=choose, verify=verify, progress=progress)
