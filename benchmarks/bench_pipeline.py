@@ -190,7 +190,7 @@ def agreement(pipe: "fp.Pipeline", cpu_model: torch.nn.Module, shape: tuple, inp
 def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
     lines = [
         f"# fusekit.pipeline vs PyTorch on {gpu}", "",
-        f"- date: {meta['date']}", f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN backend {meta['cudnn']}, fusekit {meta['fusekit']}",
+        f"- date: {meta['date']}", *([f"- {meta['note']}"] if meta.get("note") else []), f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN backend {meta['cudnn']}, fusekit {meta['fusekit']}",
         f"- float16 channels-last, random weights, eval mode; median of {meta['trials']} trials of {meta['iters']} calls (CUDA events), "
         "fresh random input before each trial; fk = the better of fusekit with heuristic plans and fusekit autotuned; "
         "ratio = PyTorch time / fk time (> 1: fusekit faster)", "",
