@@ -55,21 +55,25 @@ def _compiled(name, batch, choose=True):
     return _CACHE[name], _CACHE[key]
 
 
-def _check_logits(got, want, batch, fp16_rel=0.0):
+def _check_logits(got, want, batch, half=None):
     """fp16 pipeline vs fp32 eager: relative error < 2e-2, or (a deep random-weight net amplifying
-    rounding) within twice PyTorch's own float16 channels-last error on the same input."""
+    rounding) within twice that of PyTorch's own float16 channels-last run ``half`` on the same input;
+    top-1 classes equal, except where the reference's top two logits are near-tied (at most one
+    input more than PyTorch's own float16 run flips: random-weight MobileNetV2 has many near-ties)."""
     got, want = got.float(), want.float()
     rel = float((got - want).norm() / want.norm())
+    fp16_rel = 0.0 if half is None else float((half.float() - want).norm() / want.norm())
     assert rel < max(2e-2, 2 * fp16_rel), (rel, fp16_rel)
     top_got, top_want = got.argmax(1), want.argmax(1)
     bad = (top_got != top_want).nonzero().flatten().tolist()
     if batch == 1:
         assert not bad, (top_got, top_want)
     else:
-        assert len(bad) <= 1, bad
+        torch_flips = 0 if half is None else int((half.float().argmax(1) != top_want).sum())
+        assert len(bad) <= torch_flips + 1, (bad, torch_flips)
         for i in bad:  # allowed only when the reference's top two logits are near-tied
             top2 = torch.topk(want[i], 2).values
-            assert float(top2[0] - top2[1]) < 2e-2 * float(want[i].abs().max()), (i, top2)
+            assert float(top2[0] - top2[1]) < max(2e-2, 2 * fp16_rel) * float(want[i].abs().max()), (i, top2)
 
 
 @pytest.mark.parametrize("name,batch,choose", [
@@ -95,9 +99,9 @@ def test_torchvision_model(name, batch, choose):
             want = model(x)
             half = _CACHE.setdefault((name, "half"), _half(model))
             h = half(x.half().contiguous(memory_format=torch.channels_last)).float()
-        fp16_rel = float((h - want).norm() / want.norm())
-        print(f"{name} b{batch}: pipeline rel {float((y.float() - want).norm() / want.norm()):.3e}, torch fp16 rel {fp16_rel:.3e}")
-        _check_logits(y, want, batch, fp16_rel)
+        print(f"{name} b{batch}: pipeline rel {float((y.float() - want).norm() / want.norm()):.3e}, "
+              f"torch fp16 rel {float((h - want).norm() / want.norm()):.3e}")
+        _check_logits(y, want, batch, h)
         outs.append(y)
     assert not torch.equal(outs[0], outs[1])
     print(f"{name} b{batch}: build fallbacks {pipe.build_fallbacks}")
