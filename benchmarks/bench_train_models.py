@@ -235,6 +235,30 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(recs: list[dict], gpu: str, path: str) -> None:
+    """Bars of ms per training step for each model and precision: fusekit and PyTorch, uncaptured and captured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [("fusekit_ms", "fusekit.torch"), ("torch_eager_ms", "PyTorch eager"), ("torch_compile_ms", "torch.compile"),
+                ("fusekit_graph_ms", "fusekit.torch, step in a CUDA graph"), ("torch_graph_ms", "PyTorch, step in a CUDA graph")]
+    variants = [v for v in variants if any(r.get(v[0]) for r in recs)]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for j, (key, label) in enumerate(variants):
+        xs = [i + (j - (len(variants) - 1) / 2) * width for i, r in enumerate(recs) if r.get(key)]
+        ax.bar(xs, [r[key] for r in recs if r.get(key)], width, label=label)
+    ax.set_xticks(range(len(recs)), [f"{r['model']}\n{r['precision']}" for r in recs])
+    ax.set_ylabel("ms per training step (median)")
+    ax.set_title(f"Training step, batch {recs[0]['batch']}, channels-last, {gpu}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON and markdown results")
@@ -278,7 +302,8 @@ def main() -> None:
                 json.dump({"meta": meta, "records": recs}, fh, indent=2)
             with open(stem + ".md", "w") as fh:
                 fh.write(markdown(gpu, recs, meta))
-    log(f"wrote {stem}.json and {stem}.md")
+    plot(recs, gpu, stem + ".png")
+    log(f"wrote {stem}.json, {stem}.md and {stem}.png")
     print(markdown(gpu, recs, meta))
 
 
