@@ -16,7 +16,7 @@ the captured steps run without GradScaler (its inf check reads the host), the re
 fails or takes longer than --compile-limit seconds. Every side starts from the same initial weights
 and sees the same batches, so the losses after the timed steps (``*_loss``) are comparable.
 
-Writes <out>/<GPU name, spaces as ->-train-models.json and .md after every case.
+Writes <out>/<GPU name, spaces as ->-train-models.json and .md after every case, and a plot (.png) at the end.
 """
 
 from __future__ import annotations
