@@ -250,30 +250,12 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of time per forward (log scale) for each model and batch: fusekit and the PyTorch variants."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    from plotting import grouped_bars
 
     variants = [("fusekit_best_ms", "fusekit pipeline"), ("torch_eager_ms", "PyTorch eager"),
                 ("torch_graph_ms", "PyTorch eager, CUDA graph"), ("torch_compile_ms", "torch.compile")]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(variants)
-    for j, (key, label) in enumerate(variants):
-        xs = [i + (j - 1.5) * width for i, r in enumerate(recs) if r.get(key)]
-        ys = [r[key] for r in recs if r.get(key)]
-        ax.bar(xs, ys, width, label=label)
-    ax.set_xticks(range(len(recs)), [f"{r['model']}\nbatch {r['batch']}" for r in recs])
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.set_ylabel("ms per forward (median, log scale)")
-    ax.set_title(f"Whole-network inference, float16 channels-last, {gpu}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    grouped_bars(path, [f"{r['model']}\nbatch {r['batch']}" for r in recs], [(label, [r.get(k) for r in recs]) for k, label in variants],
+                 "ms per forward (median, log scale)", f"Whole-network inference, float16 channels-last, {gpu}", log=True)
 
 
 def main() -> None:

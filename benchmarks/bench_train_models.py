@@ -237,26 +237,13 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of ms per training step for each model and precision: fusekit and PyTorch, uncaptured and captured."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plotting import grouped_bars
 
     variants = [("fusekit_ms", "fusekit.torch"), ("torch_eager_ms", "PyTorch eager"), ("torch_compile_ms", "torch.compile"),
                 ("fusekit_graph_ms", "fusekit.torch, step in a CUDA graph"), ("torch_graph_ms", "PyTorch, step in a CUDA graph")]
-    variants = [v for v in variants if any(r.get(v[0]) for r in recs)]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(variants)
-    for j, (key, label) in enumerate(variants):
-        xs = [i + (j - (len(variants) - 1) / 2) * width for i, r in enumerate(recs) if r.get(key)]
-        ax.bar(xs, [r[key] for r in recs if r.get(key)], width, label=label)
-    ax.set_xticks(range(len(recs)), [f"{r['model']}\n{r['precision']}" for r in recs])
-    ax.set_ylabel("ms per training step (median)")
-    ax.set_title(f"Training step, batch {recs[0]['batch']}, channels-last, {gpu}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    grouped_bars(path, [f"{r['model']}\n{r['precision']}" for r in recs],
+                 [(label, [r.get(k) for r in recs]) for k, label in variants if any(r.get(k) for r in recs)],
+                 "ms per training step (median)", f"Training step, batch {recs[0]['batch']}, channels-last, {gpu}")
 
 
 def main() -> None:

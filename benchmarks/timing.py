@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -48,3 +49,20 @@ def graph_time_us(
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / reps)
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], n: int = 300, warm: int = 20, trials: int = 3) -> float:
+    """Host microseconds per call of fn: the best of ``trials`` runs of ``n`` back-to-back calls (no
+    synchronize inside a run), after ``warm`` calls. Meaningful where the host bounds: keep each
+    call's GPU work below its host time."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) * 1e6 / n)
+        torch.cuda.synchronize()
+    return best

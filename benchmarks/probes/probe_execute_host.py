@@ -9,36 +9,23 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import timing
 from fusekit import dispatch, ops
 
 
 def host_us(fn, n: int = 300) -> float:
     try:
-        return _host_us(fn, n)
+        return timing.host_us(fn, n)
     except Exception as e:  # noqa: BLE001 - a probe: report and go on
         print(f"  failed: {type(e).__name__}: {str(e)[:200]}")
         return float("nan")
-
-
-def _host_us(fn, n: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) * 1e6 / n)
-        torch.cuda.synchronize()
-    return best
 
 
 def last_call() -> dispatch._Call:
@@ -86,8 +73,6 @@ def main() -> None:
     rows.append(("bn+relu fwd", "frontend execute, ws int", host_us(a)))
 
     dy = torch.randn_like(x)
-    xr = x.detach().requires_grad_(True)
-    g_, b_ = gamma.detach().requires_grad_(True), beta.detach().requires_grad_(True)
     rows.append(("bn bwd", "fusekit ops.batchnorm_backward", host_us(lambda: ops.batchnorm_backward(dy, x, gamma, mean, inv, y=yb))))
     rows.append(("conv bwd", "fusekit ops.conv2d_backward", host_us(lambda: ops.conv2d_backward(dy, x, w, padding=1))))
     rows.append(("conv bwd", "torch dgrad+wgrad (conv_backward)",

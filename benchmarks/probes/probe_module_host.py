@@ -11,28 +11,15 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fusekit.torch as ft
-
-
-def host_us(fn, n: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) * 1e6 / n)
-        torch.cuda.synchronize()
-    return best
+from timing import host_us
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
     rows = {}
     for name in ("torch", "fusekit"):
         for k, fn in variants(name).items():
-            rows.setdefault(k, {})[name] = host_us(fn)
+            rows.setdefault(k, {})[name] = host_us(fn, 200)
     print(f"{'variant':<34} {'torch us':>9} {'fusekit us':>11}")
     for k, v in rows.items():
         print(f"{k:<34} {v['torch']:9.1f} {v['fusekit']:11.1f}")
