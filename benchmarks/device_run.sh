@@ -5,7 +5,8 @@
 # Everything under $OUT is packed into $OUT/run.tgz at the end (KEEP_FILES=1: left as is).
 # BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) narrows the `tests` part; tests-NAME runs tests/test_gpu_NAME.py alone.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+# once per machine: a second call of this script in the same command finds the wheels installed
+[ -d /tmp/site/cudnn ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FUSEKIT_CACHE_DIR=${FUSEKIT_CACHE_DIR:-/tmp/fusekit-cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for part in "$@"; do
