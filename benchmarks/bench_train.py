@@ -9,6 +9,10 @@ cuDNN graph per layer; backward: the fused dReLU+bias-gradient graph, dgrad and 
 Median of CUDA-graph replays timed with events. The loss is sum(y * g) for a fixed random g, so the
 upstream gradient is O(1) (a mean over millions of elements would put fp16 gradients in subnormals);
 gradients of both sides are checked against a float64 copy of the model first.
+
+For the autoencoder cases, where fusekit has been slower than eager, every fusekit graph one step
+runs is also timed alone (each call captured in a CUDA graph on the step's own arrays, the same
+timer): the table names the graphs that take the most time per step.
 """
 
 from __future__ import annotations
@@ -68,6 +72,41 @@ def graphed_time_us(model, x) -> float:
 
     step = step_fn(model, x)
     return graph_time_us(lambda i: step(), reps=REPS, trials=TRIALS, warm=3, reset=reset)
+
+
+def graph_profile(model, x, top: int = 6) -> list[dict]:
+    """The fusekit graphs one step of ``model`` runs, each call timed alone: (pattern, operand
+    shapes) groups with calls per step and device us per step, the ``top`` largest."""
+    import importlib
+
+    from fusekit import dispatch
+
+    real = dispatch.run
+    calls: list[tuple] = []
+
+    def recording(pattern, names, values, operands, out, cache=None):
+        calls.append((pattern, names, values, operands, out))
+        return real(pattern, names, values, operands, out, cache)
+
+    holders = [dispatch] + [m for m in (importlib.import_module(f"fusekit.ops.{n}") for n in ("common", "conv", "linear", "norm", "pool"))
+                            if getattr(m, "run", None) is real]
+    for m in holders:
+        m.run = recording
+    try:
+        step_fn(model, x)()
+        torch.cuda.synchronize()
+    finally:
+        for m in holders:
+            m.run = real
+    groups: dict[tuple, dict] = {}
+    for pattern, names, values, operands, out in calls:
+        name = pattern if isinstance(pattern, str) else pattern.name
+        shapes = " ".join("x".join(map(str, a.shape)) for a in operands)
+        us = graph_time_us(lambda i, c=(pattern, names, values, operands, out): real(*c), reps=REPS, trials=TRIALS, warm=3)
+        g = groups.setdefault((name, shapes), {"graph": name, "operands": shapes, "calls": 0, "us": 0.0})
+        g["calls"] += 1
+        g["us"] += us
+    return sorted(groups.values(), key=lambda g: -g["us"])[:top]
 
 
 def grads(model, x):
@@ -133,6 +172,13 @@ def main() -> None:
         tf, te = graphed_time_us(fused, x), graphed_time_us(eager, x)
         tf2, te2 = graphed_time_us(fused, x), graphed_time_us(eager, x)
         rows.append(dict(case=name, fusekit_us=tf, eager_us=te, fusekit_repeat_us=tf2, eager_repeat_us=te2, speedup=te / tf, grad_rel_err=err, eager_grad_rel_err=err_eager))
+        if name.startswith("autoencoder"):
+            try:
+                rows[-1]["top_graphs"] = graph_profile(fused, x)
+            except Exception as e:  # noqa: BLE001 - the timing table is written regardless
+                rows[-1]["top_graphs_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            for g in rows[-1].get("top_graphs", []):
+                print(f"  {g['graph']} ({g['operands']}): {g['calls']} call(s), {g['us']:.1f} us per step", flush=True)
         print(f"{name}: fusekit {tf:.1f} us (again {tf2:.1f}), eager {te:.1f} us (again {te2:.1f}) -> {te / tf:.2f}x; "
               f"grad err vs float64: fusekit {err:.1e}, eager {err_eager:.1e}", flush=True)
     props = torch.cuda.get_device_properties(0)
@@ -159,6 +205,17 @@ def main() -> None:
         lines.append(f"| {r['case']} | {r['fusekit_us']:.1f} | {r['eager_us']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['fusekit_repeat_us']:.1f} / {r['eager_repeat_us']:.1f} | {r['grad_rel_err']:.1e} | {r['eager_grad_rel_err']:.1e} |")
     lines += ["", f"Geometric-mean speed-up: **{meta['geomean_speedup']:.2f}x**."]
+    profiled = [r for r in rows if "top_graphs" in r or "top_graphs_error" in r]
+    if profiled:
+        lines += ["", "## Where the autoencoder's fusekit step spends its time",
+                  "Each fusekit graph of one step timed alone (captured in a CUDA graph on the step's own arrays); "
+                  "share = its time over the whole captured step's.", "",
+                  "| case | graph | operands | calls | us per step | share of step |", "|---|---|---|---:|---:|---:|"]
+        for r in profiled:
+            for g in r.get("top_graphs", []):
+                lines.append(f"| {r['case']} | {g['graph']} | {g['operands']} | {g['calls']} | {g['us']:.1f} | {g['us'] / r['fusekit_us']:.0%} |")
+            if "top_graphs_error" in r:
+                lines.append(f"| {r['case']} | profiling failed: {r['top_graphs_error']} | | | | |")
     md = "\n".join(lines) + "\n"
     (out / f"{stem}.md").write_text(md)
     print(md)
