@@ -423,10 +423,18 @@ def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any
     except UnsupportedError as e:
         _SPLIT.add(tag)
         warnings.warn(
-            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {tag[1:]}; running it as separate graphs ({e})",
+            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {tag[1:]}; running it as separate graphs "
+            f"({_first_line(e)})",
             FusionWarning,
             stacklevel=3,
         )
         return split()
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of ``e``'s message, at most ``limit`` characters (cuDNN's refusals carry its
+    whole multi-line engine log; the warning keeps the sentence that says what was refused)."""
+    line = str(e).strip().split("\n", 1)[0].strip()
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 

@@ -91,3 +91,29 @@ def test_one_channel_redescription_covers_the_same_memory_with_more_than_one_cha
 def test_a_single_value_has_no_one_channel_redescription():
     pat, specs = specs_for("batchnorm_inference", {"x": (1, 1, 1, 1), "mean": (1,), "inv_std": (1,), "gamma": (1,), "beta": (1,)})
     assert all(copies for _, copies in dispatch.alternatives(pat, specs))  # at most the layout copy
+
+
+def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeypatch):
+    """A refused fused graph runs split from then on, said once per tag in one line: cuDNN's refusal
+    carries its multi-line engine log, the warning keeps the sentence naming what was refused."""
+    monkeypatch.setattr(dispatch, "_SPLIT", set())
+    log = "cuDNN cannot run bn_relu_bwd(dy=float16[4, 8, 2, 2]) on GPU: no engine\n{\"engineId\":0}\nWarning: CUDNN_STATUS_NOT_SUPPORTED"
+    ran = []
+
+    def fused():
+        ran.append("fused")
+        raise fusekit.UnsupportedError(log)
+
+    tag = ("bn_relu_bwd", ((4, 8, 2, 2), "float16"))
+    with pytest.warns(fusekit.FusionWarning) as got:
+        assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"
+    (w,) = got
+    msg = str(w.message)
+    assert "\n" not in msg and "bn_relu_bwd(dy=float16[4, 8, 2, 2]) on GPU: no engine" in msg and "engineId" not in msg
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"  # no second warning, no second try
+    assert ran == ["fused"]
+    assert dispatch._first_line(ValueError("x" * 500)).endswith("…") and len(dispatch._first_line(ValueError("x" * 500))) == 300
