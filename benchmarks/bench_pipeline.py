@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
-import json
 import os
 import platform
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fusekit  # noqa: E402
 import fusekit.pipeline as fp  # noqa: E402
 from fusekit.pipeline.bench import capture, cuda_time_ms  # noqa: E402
+from report import grouped_bars, write_results  # noqa: E402
 
 CASES = [("resnet50", 1), ("resnet50", 32), ("resnet18", 32), ("mobilenet_v2", 32)]
 
@@ -250,8 +250,6 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of time per forward (log scale) for each model and batch: fusekit and the PyTorch variants."""
-    from plotting import grouped_bars
-
     variants = [("fusekit_best_ms", "fusekit pipeline"), ("torch_eager_ms", "PyTorch eager"),
                 ("torch_graph_ms", "PyTorch eager, CUDA graph"), ("torch_compile_ms", "torch.compile")]
     grouped_bars(path, [f"{r['model']}\nbatch {r['batch']}" for r in recs], [(label, [r.get(k) for r in recs]) for k, label in variants],
@@ -294,11 +292,7 @@ def main() -> None:
         log(f"{name} batch {batch} ...")
         recs.append(bench_case(name, batch, args.dtype, args.iters, args.trials, args.compile_limit, args.compile_mode,
                                args.agreement if batch > 1 else 0, args.autotune))
-        # written after every case, so a run cut short keeps what it measured
-        with open(stem + ".json", "w") as fh:
-            json.dump({"meta": meta, "records": recs}, fh, indent=2)
-        with open(stem + ".md", "w") as fh:
-            fh.write(markdown(gpu, recs, meta))
+        write_results(stem, meta, recs, markdown(gpu, recs, meta))
     plot(recs, gpu, stem + ".png")
     log(f"wrote {stem}.json, {stem}.md and {stem}.png")
     print(markdown(gpu, recs, meta))

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
-import json
 import os
 import platform
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fusekit
 import fusekit.torch as ft
 from fusekit.pipeline.bench import capture, cuda_time_ms
+from report import grouped_bars, write_results
 
 MODELS = ["resnet18", "resnet50"]
 PRECISIONS = {"amp-fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -237,8 +237,6 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of ms per training step for each model and precision: fusekit and PyTorch, uncaptured and captured."""
-    from plotting import grouped_bars
-
     variants = [("fusekit_ms", "fusekit.torch"), ("torch_eager_ms", "PyTorch eager"), ("torch_compile_ms", "torch.compile"),
                 ("fusekit_graph_ms", "fusekit.torch, step in a CUDA graph"), ("torch_graph_ms", "PyTorch, step in a CUDA graph")]
     grouped_bars(path, [f"{r['model']}\n{r['precision']}" for r in recs],
@@ -284,11 +282,7 @@ def main() -> None:
         for precision in args.precisions:
             log(f"{name} batch {args.batch} {precision} ...")
             recs.append(bench_case(name, precision, args))
-            # written after every case, so a run cut short keeps what it measured
-            with open(stem + ".json", "w") as fh:
-                json.dump({"meta": meta, "records": recs}, fh, indent=2)
-            with open(stem + ".md", "w") as fh:
-                fh.write(markdown(gpu, recs, meta))
+            write_results(stem, meta, recs, markdown(gpu, recs, meta))
     plot(recs, gpu, stem + ".png")
     log(f"wrote {stem}.json, {stem}.md and {stem}.png")
     print(markdown(gpu, recs, meta))

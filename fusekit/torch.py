@@ -616,6 +616,15 @@ def _is_pair_of(v: Any, value: int) -> bool:
     return all(int(e) == value for e in (v if isinstance(v, (tuple, list)) else (v, v)))
 
 
+def _only_supported(m: Any, who: str, takes: str, checks: tuple[tuple[str, bool], ...]) -> None:
+    """OperandError naming the first of ``m``'s attributes whose check fails (fusekit's pooling
+    kernels take only ``takes``)."""
+    for name, ok in checks:
+        if not ok:
+            raise OperandError(f"fusekit.torch.{who}", name, f"{getattr(m, name)!r} is not supported (fusekit's kernel takes {takes})",
+                               what="argument")
+
+
 class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
     """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward).
     ``dilation`` 1, ``return_indices=False`` and ``ceil_mode=False`` only (others: OperandError)."""
@@ -625,11 +634,8 @@ class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
         self._fk_setup()
 
     def _fk_setup(self) -> None:
-        for name, ok in (("dilation", _is_pair_of(self.dilation, 1)), ("return_indices", not self.return_indices),
-                         ("ceil_mode", not self.ceil_mode)):
-            if not ok:
-                raise OperandError("fusekit.torch.MaxPool2d", name, f"{getattr(self, name)!r} is not supported (fusekit's kernel "
-                                   "takes dilation=1, return_indices=False, ceil_mode=False)", what="argument")
+        _only_supported(self, "MaxPool2d", "dilation=1, return_indices=False, ceil_mode=False", (
+            ("dilation", _is_pair_of(self.dilation, 1)), ("return_indices", not self.return_indices), ("ceil_mode", not self.ceil_mode)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "MaxPool2d"):
@@ -649,10 +655,8 @@ class AvgPool2d(_Fusekit, torch.nn.AvgPool2d):
         self._fk_setup()
 
     def _fk_setup(self) -> None:
-        for name, ok in (("ceil_mode", not self.ceil_mode), ("divisor_override", self.divisor_override is None)):
-            if not ok:
-                raise OperandError("fusekit.torch.AvgPool2d", name, f"{getattr(self, name)!r} is not supported (fusekit's kernel "
-                                   "takes ceil_mode=False, divisor_override=None)", what="argument")
+        _only_supported(self, "AvgPool2d", "ceil_mode=False, divisor_override=None", (
+            ("ceil_mode", not self.ceil_mode), ("divisor_override", self.divisor_override is None)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "AvgPool2d"):

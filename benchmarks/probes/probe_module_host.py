@@ -7,9 +7,7 @@ channels-last, small maps so the host bounds): per-variant host microseconds, th
 from __future__ import annotations
 
 import cProfile
-import io
 import os
-import pstats
 import sys
 
 import torch
@@ -19,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fusekit.torch as ft
+from report import profile_text
 from timing import host_us
 
 
@@ -60,10 +59,8 @@ def main() -> None:
         fn()
     torch.cuda.synchronize()
     prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
     print("==== cProfile, 100 fusekit blocks, by own time ====")
-    print("\n".join(ln[:190] for ln in s.getvalue().splitlines()[4:]))
+    print(profile_text(prof, "tottime", 40))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
@@ -21,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fusekit.torch as ft
 from bench_train_models import Data, make_step
+from report import profile_text
 
 
 def host_ms(step, n: int = 10) -> tuple[float, float]:
@@ -64,12 +63,9 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     prof.disable()
-    for order, n in (("tottime", 45), ("cumulative", 45)):
-        s = io.StringIO()
-        st = pstats.Stats(prof, stream=s)
-        st.sort_stats(order).print_stats(n)
+    for order in ("tottime", "cumulative"):
         print(f"==== by {order} (3 steps) ====")
-        print("\n".join(ln[:200] for ln in s.getvalue().splitlines()[6:]))
+        print(profile_text(prof, order, 45))
 
 
 if __name__ == "__main__":

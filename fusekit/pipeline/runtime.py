@@ -96,9 +96,8 @@ class Pipeline:
         self.torch_dtype = tdt
         plan = self.memory_plan
         shapes = self.program.shapes()
-        sizes = list(plan.sizes)
         with torch.cuda.device(dev):
-            self._buffers = [torch.empty(max(int(n), 1), dtype=tdt, device=dev) for n in sizes]
+            self._buffers = [torch.empty(max(int(n), 1), dtype=tdt, device=dev) for n in plan.sizes]
             self.views: dict[str, Any] = {v: self._view(v, shapes[v]) for v in plan.assign}
             self.input_buffer = self.views[self.program.input]
             self.output_buffer = self.views[self.program.output]

@@ -1,8 +1,29 @@
-"""The one grouped-bar chart the benchmark scripts draw (matplotlib, written to a file)."""
+"""What the benchmark scripts write: results files (JSON + markdown), the grouped-bar chart, profile text."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Sequence
+from typing import Any
+
+
+def write_results(stem: str, meta: dict, recs: list[dict], markdown: str) -> None:
+    """<stem>.json ({"meta", "records"}) and <stem>.md; called after every case, so a run cut short
+    keeps what it measured."""
+    with open(stem + ".json", "w") as fh:
+        json.dump({"meta": meta, "records": recs}, fh, indent=2)
+    with open(stem + ".md", "w") as fh:
+        fh.write(markdown)
+
+
+def profile_text(prof: Any, order: str, rows: int, width: int = 200) -> str:
+    """A cProfile.Profile's top ``rows`` functions by ``order`` (pstats' table, lines cut at ``width``)."""
+    import pstats
+
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(order).print_stats(rows)
+    return "\n".join(ln[:width] for ln in s.getvalue().splitlines() if ln.strip())
 
 
 def grouped_bars(
