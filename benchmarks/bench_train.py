@@ -13,6 +13,9 @@ gradients of both sides are checked against a float64 copy of the model first.
 For the autoencoder cases, where fusekit has been slower than eager, every fusekit graph one step
 runs is also timed alone (each call captured in a CUDA graph on the step's own arrays, the same
 timer): the table names the graphs that take the most time per step.
+
+Then every case runs again with fusekit autotuned (``fusekit.configure(mode="autotune")``: each
+graph's candidate plans timed on first use), the counterpart of eager's cudnn.benchmark=True.
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ def autoencoder_case(batch=16, dtype=torch.float32):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--no-autotune", action="store_true", help="skip the autotuned pass")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     cases = [
@@ -181,12 +185,29 @@ def main() -> None:
                 print(f"  {g['graph']} ({g['operands']}): {g['calls']} call(s), {g['us']:.1f} us per step", flush=True)
         print(f"{name}: fusekit {tf:.1f} us (again {tf2:.1f}), eager {te:.1f} us (again {te2:.1f}) -> {te / tf:.2f}x; "
               f"grad err vs float64: fusekit {err:.1e}, eager {err_eager:.1e}", flush=True)
+    if not args.no_autotune:  # the same cases with every fusekit graph autotuned (a fresh, memory-only cache)
+        fusekit.configure(mode="autotune", disk=False)
+        for (name, fused, eager, x), r in zip(cases, rows):
+            ga = grads(fused, x)
+            r["autotuned_grad_rel_err"] = compare(ga, reference(eager, x))
+            r["fusekit_autotuned_us"] = graphed_time_us(fused, x)
+            r["autotuned_speedup"] = r["eager_us"] / r["fusekit_autotuned_us"]
+            if name.startswith("autoencoder"):
+                try:
+                    r["top_graphs_autotuned"] = graph_profile(fused, x)
+                except Exception as e:  # noqa: BLE001 - the timing table is written regardless
+                    r["top_graphs_autotuned_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"{name}: fusekit autotuned {r['fusekit_autotuned_us']:.1f} us -> {r['autotuned_speedup']:.2f}x over eager; "
+                  f"grad err {r['autotuned_grad_rel_err']:.1e}", flush=True)
     props = torch.cuda.get_device_properties(0)
     v = fusekit.engine.runtime.versions()
     sps = [r["speedup"] for r in rows]
     meta = dict(gpu=props.name, cudnn_backend=v.cudnn_backend, frontend=v.frontend, torch=torch.__version__,
                 date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 geomean_speedup=math.exp(sum(map(math.log, sps)) / len(sps)), trials=TRIALS, reps=REPS)
+    tuned = [r["autotuned_speedup"] for r in rows if "autotuned_speedup" in r]
+    if tuned:
+        meta["geomean_autotuned_speedup"] = math.exp(sum(map(math.log, tuned)) / len(tuned))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = props.name.replace(" ", "-") + "-train"
@@ -198,24 +219,31 @@ def main() -> None:
         "Median of CUDA-graph replays (events) per step; eager with cudnn.benchmark=True; loss sum(y * g), g fixed random; "
         "gradient errors (max over parameters and input, relative L2) against a float64 copy of the model.",
         "",
-        "| case | fusekit us | eager us | speed-up | repeat (fusekit / eager) | grad err fusekit | grad err eager |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| case | fusekit us | eager us | speed-up | repeat (fusekit / eager) | grad err fusekit | grad err eager "
+        "| fusekit autotuned us | speed-up autotuned | grad err autotuned |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        tuned_cells = (f"{r['fusekit_autotuned_us']:.1f} | {r['autotuned_speedup']:.2f}x | {r['autotuned_grad_rel_err']:.1e}"
+                       if "fusekit_autotuned_us" in r else "not run | | ")
         lines.append(f"| {r['case']} | {r['fusekit_us']:.1f} | {r['eager_us']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['fusekit_repeat_us']:.1f} / {r['eager_repeat_us']:.1f} | {r['grad_rel_err']:.1e} | {r['eager_grad_rel_err']:.1e} |")
-    lines += ["", f"Geometric-mean speed-up: **{meta['geomean_speedup']:.2f}x**."]
+                     f"{r['fusekit_repeat_us']:.1f} / {r['eager_repeat_us']:.1f} | {r['grad_rel_err']:.1e} | {r['eager_grad_rel_err']:.1e} | "
+                     f"{tuned_cells} |")
+    lines += ["", f"Geometric-mean speed-up: **{meta['geomean_speedup']:.2f}x** with fusekit's heuristic plans"
+              + (f", **{meta['geomean_autotuned_speedup']:.2f}x** autotuned." if tuned else ".")]
     profiled = [r for r in rows if "top_graphs" in r or "top_graphs_error" in r]
     if profiled:
         lines += ["", "## Where the autoencoder's fusekit step spends its time",
                   "Each fusekit graph of one step timed alone (captured in a CUDA graph on the step's own arrays); "
                   "share = its time over the whole captured step's.", "",
-                  "| case | graph | operands | calls | us per step | share of step |", "|---|---|---|---:|---:|---:|"]
-        for r in profiled:
-            for g in r.get("top_graphs", []):
-                lines.append(f"| {r['case']} | {g['graph']} | {g['operands']} | {g['calls']} | {g['us']:.1f} | {g['us'] / r['fusekit_us']:.0%} |")
-            if "top_graphs_error" in r:
-                lines.append(f"| {r['case']} | profiling failed: {r['top_graphs_error']} | | | | |")
+                  "| case | plans | graph | operands | calls | us per step | share of step |", "|---|---|---|---|---:|---:|---:|"]
+        for suffix, plans, total in (("", "heuristic", "fusekit_us"), ("_autotuned", "autotuned", "fusekit_autotuned_us")):
+            for r in profiled:
+                for g in r.get("top_graphs" + suffix, []):
+                    lines.append(f"| {r['case']} | {plans} | {g['graph']} | {g['operands']} | {g['calls']} | {g['us']:.1f} | "
+                                 f"{g['us'] / r[total]:.0%} |")
+                if "top_graphs" + suffix + "_error" in r:
+                    lines.append(f"| {r['case']} | {plans} | profiling failed: {r['top_graphs' + suffix + '_error']} | | | | |")
     md = "\n".join(lines) + "\n"
     (out / f"{stem}.md").write_text(md)
     print(md)
