@@ -16,7 +16,7 @@ for part in "$@"; do
       timeout 120 python3 benchmarks/probes/probe_norm_api.py > "$OUT/probe_norm.log" 2>&1
       grep -E "^\[|plans|build|serialize|deserialize|equal|err|replay|filtered" "$OUT/probe_norm.log" "$OUT/probe_autotune.log" | cut -c1-220 | head -40 ;;
     probe-*)
-      timeout 120 python3 "benchmarks/probes/${part//-/_}.py" > "$OUT/${part}.log" 2>&1
+      timeout ${PROBE_TIMEOUT:-120} python3 "benchmarks/probes/${part//-/_}.py" > "$OUT/${part}.log" 2>&1
       cut -c1-1200 "$OUT/${part}.log" | tail -20 ;;
     tests)
       timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TEST_FILES:-tests/} > "$OUT/gpu_tests.log" 2>&1
