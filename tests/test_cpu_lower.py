@@ -212,6 +212,10 @@ def test_float32_convolutions_and_matmuls_exclude_tf32_plans_and_nothing_else_do
 
     conv = {"x": (2, 8, 6, 6), "w": (4, 8, 3, 3), "b": (4,)}
     assert notes("conv_bias_relu", conv, "float32") == ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+    # TF32 allowed: plans that down-convert float32 inputs to 16 bits stay out all the same (as PyTorch filters them)
+    wgrad = fusekit.get_pattern("conv_wgrad")
+    for dtype, want in (("float32", ("DOWN_CONVERT_INPUTS",)), ("float16", ())):
+        assert lo.precision_notes(wgrad, keys.shape_specs(wgrad, {"x": (2, 8, 6, 6), "dy": (2, 4, 6, 6)}, dtype, "NHWC"), tf32=True) == want
     assert notes("linear_bias", {"x": (4, 8), "w": (3, 8), "b": (3,)}, "float32") == ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
     assert notes("conv_bias_relu", conv, "float16") == ()
     assert notes("batchnorm", {"x": (2, 8, 6, 6), **{k: (8,) for k in ("gamma", "beta", "running_mean", "running_var")}}, "float32") == ()

@@ -350,3 +350,38 @@ def test_many_keys_through_a_small_cache_stay_bounded():
     first, last = res["samples"][0], res["samples"][-1]
     assert last["rss"] - first["rss"] < 256 << 20, res
     assert last["device_used"] - first["device_used"] < 256 << 20, res
+
+
+@pytest.mark.parametrize("batch", [16, 64])
+def test_float32_training_gradients_stay_within_tf32_error_under_the_default_policy(batch):
+    """The fp32 autoencoder of examples/ (conv 3->16 s2 + ReLU, transposed conv 16->3 s2 + ReLU): under
+    the default policy (TF32 convolutions, as PyTorch) every gradient is within TF32's error of a
+    float64 copy. At batch 64 cuDNN's heuristics offered plans that down-convert float32 inputs to 16
+    bits (1e-2 off in the first conv's weight gradient, device run 2 of 2026-12-03); those are filtered."""
+    import fusekit
+    import fusekit.torch as ft
+
+    fusekit.configure(disk=False)
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    ref = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.ConvTranspose2d(16, 3, 3, stride=2, padding=1, output_padding=1), torch.nn.ReLU(),
+    ).cuda().double()
+    fk = torch.nn.Sequential(
+        ft.Conv2d(3, 16, 3, stride=2, padding=1, activation="relu"),
+        ft.ConvTranspose2d(16, 3, 3, stride=2, padding=1, output_padding=1, activation="relu"),
+    ).cuda()
+    fk[0].load_state_dict(ref[0].state_dict())
+    fk[1].load_state_dict(ref[2].state_dict())
+    fk = fk.float().to(memory_format=cl)
+    x = torch.rand(batch, 3, 64, 64, device="cuda").contiguous(memory_format=cl)
+    g = torch.randn(batch, 3, 64, 64, device="cuda")
+    grads = []
+    for model, xx in ((fk, x.clone()), (ref, x.double())):
+        xx.requires_grad_(True)
+        (model(xx) * g.to(xx.dtype)).sum().backward()
+        grads.append([p.grad for p in model.parameters()] + [xx.grad])
+    names = ["conv.weight", "conv.bias", "convT.weight", "convT.bias", "input"]
+    errs = {n: float((a.double() - b).norm() / b.norm()) for n, a, b in zip(names, *grads)}
+    assert max(errs.values()) < 2e-3, errs

@@ -36,7 +36,8 @@ DEFAULT_HEURISTICS: tuple[str, ...] = ("A", "FALLBACK")
 #: leaves its temporary file untouched for so long.
 LEFTOVER_AGE_S = 600.0
 MODES = config.MODES
-ENTRY_FORMAT = "fusekit-plan/1"
+#: /2: float32 convolution and matmul plans never down-convert inputs (entries of /1 may: rebuilt)
+ENTRY_FORMAT = "fusekit-plan/2"
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,10 @@ class Built:
 #: with them are kept out of a float32 key whose numerics policy forbids TF32 (as PyTorch filters
 #: its cuDNN engine configs when TF32 is off).
 FP32_EXCLUDED_NOTES = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+#: Plans that convert float32 inputs to a 16-bit type (about 1e-2 relative error in a gradient, seen
+#: on the H200 for a 3-channel wgrad) are kept out of every float32 key, TF32 allowed or not, as
+#: PyTorch and MLX filter them.
+FP32_NEVER_NOTES = ("DOWN_CONVERT_INPUTS",)
 #: The ops with TF32 engines for float32 graphs, and the numerics policy's family of each.
 TF32_FAMILY = {"conv_fprop": "conv", "conv_dgrad": "conv", "conv_wgrad": "conv", "matmul": "matmul"}
 #: Appended to the name of a plan taken with TF32 because its float32 key, whose policy forbids TF32,
@@ -209,10 +213,12 @@ def tf32_allowed(pattern: Pattern, specs: Mapping[str, TensorSpec], policy: conf
     return all(policy.allows(f) for f in fams)
 
 
-def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> tuple[str, ...]:
-    """The notes that mark this call's TF32 plans: FP32_EXCLUDED_NOTES when it has TF32 families
-    (tf32_families), none otherwise. build_plans excludes them unless the policy allows TF32."""
-    return FP32_EXCLUDED_NOTES if tf32_families(pattern, specs) else ()
+def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec], tf32: bool = False) -> tuple[str, ...]:
+    """The numerical notes build_plans excludes for this call: for float32 convolutions and matmuls
+    (tf32_families), FP32_EXCLUDED_NOTES, or FP32_NEVER_NOTES when ``tf32``; none otherwise."""
+    if not tf32_families(pattern, specs):
+        return ()
+    return FP32_NEVER_NOTES if tf32 else FP32_EXCLUDED_NOTES
 
 
 def is_tf32_fallback(graph: Any) -> bool:
@@ -237,18 +243,19 @@ def build_plans(
     tf32: bool | None = None,
 ) -> Lowered:
     """The one build sequence: lower, validate, query ``heuristics`` in order, filter (TF32 plans of
-    a float32 convolution/matmul unless ``tf32``; NONDETERMINISTIC with ``deterministic``;
+    a float32 convolution/matmul unless ``tf32``, its 16-bit-input plans always; NONDETERMINISTIC with ``deterministic``;
     workspaces over ``workspace_limit``), check support, and build the first plan that builds
     (``every_plan``: all of them, for the autotuner). Raises UnsupportedError when cuDNN offers
     nothing for the key.
 
     ``tf32``: whether the key allows TF32 (PlanKey.tf32; default: :func:`tf32_allowed` under the
-    policy in force). A key that forbids TF32 and has no IEEE plan takes the TF32 plans rather than
+    policy in force). Float32 keys never take plans that down-convert inputs (FP32_NEVER_NOTES) while
+    others exist. A key that forbids TF32 and has no IEEE plan takes the TF32 plans rather than
     fail; its graph is then marked (:func:`is_tf32_fallback`, TF32_FALLBACK in the plan's name)."""
     cudnn = load_cudnn()
     if tf32 is None:
         tf32 = tf32_allowed(pattern, specs)
-    precision = () if tf32 else precision_notes(pattern, specs)
+    precision = precision_notes(pattern, specs, tf32)
     for notes in (precision, ()) if precision else ((),):
         lowered = lower(pattern, specs, attrs, handle=handle)
         g = lowered.graph
@@ -268,7 +275,7 @@ def build_plans(
                 g.build_plans(cudnn.build_plan_policy.ALL)
             else:
                 g.build_plans()
-            if precision and not notes:  # the IEEE attempt failed: this graph runs TF32 plans
+            if precision and not notes and not tf32:  # the IEEE attempt failed: this graph runs TF32 plans
                 _TF32_FALLBACK_GRAPHS.add(g)
             return lowered
         except Exception as e:
