@@ -355,7 +355,8 @@ def test_tf32_plan_is_chosen_when_the_policy_allows_it(world):
     fusekit.configure(disk=False, allow_tf32={"matmul": True})
     _, got = caught(fusekit.linear_bias, *linear_operands())
     assert dispatch.plan_for("linear_bias", *linear_operands()).engine == "gemm_tf32" and not of(NumericsWarning, got)
-    assert world.graphs[0].excluded == []  # nothing filtered: cuDNN's first plan
+    # only the plans that down-convert float32 inputs to 16 bits are filtered (as PyTorch): TF32 stays in
+    assert world.graphs[0].excluded == [cudnn.numerical_note.DOWN_CONVERT_INPUTS]
 
 
 def test_float32_key_with_only_tf32_plans_warns_once_per_key(world):
@@ -393,7 +394,8 @@ def test_float16_and_allowed_keys_never_warn(world):
     _, got = caught(fusekit.linear_bias, *linear_operands(dtype="float16"))
     _, got2 = caught(fusekit.conv_bias_relu, *conv_operands(), padding=1)  # float32 conv: TF32 allowed by default
     assert not of(NumericsWarning, got + got2)
-    assert world.graphs[0].excluded == [] and world.graphs[1].excluded == []
+    # float16: nothing filtered; the float32 conv (TF32 allowed): only 16-bit input plans
+    assert world.graphs[0].excluded == [] and world.graphs[1].excluded == [cudnn.numerical_note.DOWN_CONVERT_INPUTS]
 
 
 def test_tf32_fallback_is_recorded_with_the_stored_plan(world, tmp_path):
