@@ -423,12 +423,17 @@ def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any
     except UnsupportedError as e:
         _SPLIT.add(tag)
         warnings.warn(
-            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {tag[1:]}; running it as separate graphs "
+            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {_describe_tag(tag)}; running it as separate graphs "
             f"({_first_line(e)})",
             FusionWarning,
             stacklevel=3,
         )
         return split()
+
+
+def _describe_tag(tag: tuple) -> str:
+    """A tag's arrays as dtype[shape] (e.g. float16[8, 256, 7, 7]), comma-separated."""
+    return ", ".join(f"{str(dt).replace('torch.', '')}{list(shape)}" for shape, dt in tag[1:])
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:

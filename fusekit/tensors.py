@@ -358,6 +358,7 @@ class TorchAdapter(Adapter):
         self.torch = torch
         self._names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
         self._dtypes = {v: k for k, v in self._names.items()}
+        self._devices: dict = {}  # device index -> torch.device (empty() runs at every call)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:  # the same answer without building a torch.cuda.Stream
             self.stream = raw  # type: ignore[method-assign]
@@ -376,11 +377,17 @@ class TorchAdapter(Adapter):
             dev.index if dev.type == "cuda" else None
         )
 
+    def _device(self, index):
+        d = self._devices.get(index)
+        if d is None:
+            d = self._devices[index] = self.torch.device("cuda", index)
+        return d
+
     def empty(self, spec):
         t = self.torch
         if spec.layout == "NHWC":
-            return t.empty(spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}", memory_format=t.channels_last)
-        return t.empty(spec.view or spec.shape, dtype=self._dtypes[spec.dtype], device=f"cuda:{spec.device}")
+            return t.empty(spec.shape, dtype=self._dtypes[spec.dtype], device=self._device(spec.device), memory_format=t.channels_last)
+        return t.empty(spec.view or spec.shape, dtype=self._dtypes[spec.dtype], device=self._device(spec.device))
 
     def stream(self, device):
         return self.torch.cuda.current_stream(device).cuda_stream

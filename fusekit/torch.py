@@ -297,8 +297,7 @@ class BatchNormAct(torch.autograd.Function):
             y, mean, inv, rm, rv = ops.batchnorm(
                 x, gamma, beta, _f32(running_mean), _f32(running_var), epsilon=eps, momentum=momentum, relu=relu
             )
-            running_mean.copy_(rm)
-            running_var.copy_(rv)
+            torch._foreach_copy_([running_mean, running_var], [rm, rv])  # one launch for both
         else:
             y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=eps, relu=relu)
         ctx.save_for_backward(x, gamma, mean, inv, y if relu else None)

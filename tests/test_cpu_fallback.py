@@ -112,6 +112,7 @@ def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeyp
     (w,) = got
     msg = str(w.message)
     assert "\n" not in msg and "bn_relu_bwd(dy=float16[4, 8, 2, 2]) on GPU: no engine" in msg and "engineId" not in msg
+    assert "pattern bn_relu_bwd with float16[4, 8, 2, 2];" in msg
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"  # no second warning, no second try

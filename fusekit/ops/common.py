@@ -17,8 +17,9 @@ def cast_like(a: Any, like: Any) -> Any:
 
 
 def tag(name: str, *arrays: Any) -> tuple:
-    """What fused_or_split remembers a refusal by: the pattern and each array's shape and dtype."""
-    return (name,) + tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
+    """What fused_or_split remembers a refusal by: the pattern and each array's shape and dtype
+    (as the array library gives them: this runs at every call of a fused-or-split op)."""
+    return (name,) + tuple((a.shape, a.dtype) for a in arrays)
 
 
 def relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
