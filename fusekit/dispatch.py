@@ -316,7 +316,7 @@ def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tu
     ad, n_in = c.out_adapter, len(operands)
     ins = tuple(ad.relayout(a, "NHWC") if i in c.relayout else a for i, a in enumerate(operands))
     tmp = tuple(ad.empty(s) if (alloc or n_in + j in c.relayout) else outs[j] for j, s in enumerate(c.outs))
-    c.graph.execute(ins + tmp, c.workspace.arg, handle=_bind(c), tensor_uids=c.uids)
+    c.graph.execute(ins + tmp, c.workspace.ptr, handle=_bind(c), tensor_uids=c.uids)
     res = []
     for j, t in enumerate(tmp):
         if n_in + j in c.relayout:
@@ -385,7 +385,7 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
     h = c.handle
     if h.stream != c.stream:
         _bind(c)
-    c.graph.execute(arrays, c.workspace.arg, handle=h, tensor_uids=c.uids)
+    c.graph.execute(arrays, c.workspace.ptr, handle=h, tensor_uids=c.uids)
     return outs[0] if len(outs) == 1 else outs
 
 

@@ -1,10 +1,14 @@
 """A/B in one process: the converted ResNet-50's uncaptured AMP step (host ms of forward and of
 backward, the GPU synchronized between stages) with the cuDNN workspace handed to the frontend as
-an address (A) or as the torch buffer (B, fusekit's default since 2026-12-03), alternated round by
+an address (A, fusekit's way) or as the torch buffer (B), alternated round by
 round so that drift over the process's life (seen at +-30% on the H200 host) falls on both; with
 PyTorch eager in the same rounds for scale.
 
     python benchmarks/probes/probe_train_ab.py [--rounds 8]
+
+Ran once, device call 5 of 2026-12-03, on tree 7770b93 where Workspace had an ``arg`` slot (the
+buffer): B was 16% slower (58.9 vs 50.6 ms forward + backward, 24 steps each), so B was reverted
+and this probe no longer runs as is (it sets ``arg``, which dispatch no longer reads).
 """
 from __future__ import annotations
 

@@ -71,49 +71,40 @@ def forget_stream(handle: Any) -> None:
 
 
 class Workspace:
-    """A device buffer that only grows; ``arg`` is what every execute is given: the torch buffer
-    itself (the frontend then binds the call in one native crossing, ~2 us less host time per
-    execute than an address), else the address ``ptr``."""
+    """A device buffer that only grows; ``ptr`` is read at every execute."""
 
-    __slots__ = ("adapter", "device", "size", "ptr", "arg", "_owner", "_as_buffer")
+    __slots__ = ("adapter", "device", "size", "ptr", "_owner")
 
     def __init__(self, adapter: Adapter, device: int) -> None:
         self.adapter, self.device = adapter, device
-        self.size, self.ptr, self.arg, self._owner = 0, 0, 0, None
-        self._as_buffer = adapter.name == "torch"
-
-    def _take(self, owner: Any, ptr: int) -> None:
-        self._owner, self.ptr = owner, ptr
-        self.arg = owner if self._as_buffer and owner is not None else ptr
+        self.size, self.ptr, self._owner = 0, 0, None
 
     def ensure(self, nbytes: int) -> None:
-        """Grow to at least ``nbytes`` (a torch workspace holds a buffer even for 0). If the device is
-        out of memory, this workspace's own buffer is let go and the libraries' cached blocks are
-        released (release_cached_memory), and it is tried once more; if that fails too, the buffer of
-        the old size is taken back (``size`` is 0 when even that fails) and the library's
-        out-of-memory error propagates."""
-        if nbytes <= self.size and (self._owner is not None or not self._as_buffer):
+        """Grow to at least ``nbytes``. If the device is out of memory, this workspace's own buffer
+        is let go and the libraries' cached blocks are released (release_cached_memory), and it is
+        tried once more; if that fails too, the buffer of the old size is taken back (``size`` is 0
+        when even that fails) and the library's out-of-memory error propagates."""
+        if nbytes <= self.size:
             return
         try:
             # The old buffer goes back to its stream-ordered pool; work queued on this stream
             # that still reads it runs before any reuse on the same stream.
-            self._take(*self.adapter.bytes(nbytes, self.device))
+            self._owner, self.ptr = self.adapter.bytes(nbytes, self.device)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
             old = self.size
-            self._take(None, 0)  # its memory may complete the request
-            self.size = 0
+            self._owner, self.ptr, self.size = None, 0, 0  # its memory may complete the request
             release_cached_memory()
             try:
-                self._take(*self.adapter.bytes(nbytes, self.device))
+                self._owner, self.ptr = self.adapter.bytes(nbytes, self.device)
             except Exception as e2:
                 if is_out_of_memory(e2) and old:
                     with contextlib.suppress(Exception):  # else size stays 0: dispatch drops the calls bound to it
-                        self._take(*self.adapter.bytes(old, self.device))
+                        self._owner, self.ptr = self.adapter.bytes(old, self.device)
                         self.size = old
                 raise
-        self.size = max(self.size, nbytes)
+        self.size = nbytes
 
 
 class Runtime:
