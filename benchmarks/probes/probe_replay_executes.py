@@ -23,26 +23,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import cudnn
-
-import fusekit.torch as ft
-from bench_train_models import Data, make_step
+from bench_train_models import make_step
+from common import converted
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args()
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    base = getattr(torchvision.models, args.model)(weights=None).to(memory_format=torch.channels_last)
-    fk, _ = ft.convert(base)
-    data = Data(args.batch, args.size)
-    data.reset()
-    fk.cuda().train()
+    _, fk, data = converted(args.model, args.batch)
     step, _ = make_step(fk, data, "amp-fp16", captured=False)
     for _ in range(3):
         step()

@@ -16,15 +16,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import cudnn
+from common import converted, staged_step
 
 import fusekit.torch as ft
-from bench_train_models import Data
 from fusekit import dispatch
 
 SPENT: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -71,34 +70,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    base = getattr(torchvision.models, args.model)(weights=None).to(memory_format=torch.channels_last)
-    fk, _ = ft.convert(base)
-    fk = fk.cuda().train()
-    data = Data(args.batch, 224)
-    data.reset()
-    opt = torch.optim.SGD(fk.parameters(), lr=0.01, momentum=0.9)
-    gs = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    _, fk, data = converted(args.model, args.batch)
+    staged = staged_step(fk, data)
 
     def step(stage_times=None):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = F.cross_entropy(fk(data.x), data.y)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        opt.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        gs.scale(loss).backward()
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
-        gs.step(opt)
-        gs.update()
+        f, b, _ = staged()
         if stage_times is not None:
-            stage_times.append(((t1 - t0) * 1e3, (t3 - t2) * 1e3))
+            stage_times.append((f, b))
 
     for _ in range(3):
         step()

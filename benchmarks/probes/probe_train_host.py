@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import fusekit.torch as ft
-from bench_train_models import Data, make_step
+from bench_train_models import make_step
+from common import converted
 from report import profile_text
 
 
@@ -39,15 +39,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args()
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    base = getattr(torchvision.models, args.model)(weights=None).to(memory_format=torch.channels_last)
-    fk, _ = ft.convert(base)
-    data = Data(args.batch, args.size)
-    data.reset()
-    for name, model in (("torch", base.cuda()), ("fusekit", fk.cuda())):
+    base, fk, data = converted(args.model, args.batch, args.size)
+    for name, model in (("torch", base), ("fusekit", fk)):
         model.train()
         step, _ = make_step(model, data, "amp-fp16", captured=False)
         for _ in range(3):

@@ -18,14 +18,10 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import fusekit.torch as ft
-from bench_train_models import Data
+from common import converted, staged_step
 
 GC = {"t": 0.0, "start": 0.0, "n": [0, 0, 0]}
 
@@ -39,33 +35,17 @@ def _gc_cb(phase: str, info: dict) -> None:
 
 
 def stages(model, data, n: int = 8) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    gs = torch.amp.GradScaler("cuda", init_scale=2.0**10)
-    fw, bw, st, whole = [], [], [], []
+    step, fw, bw, st, whole = staged_step(model, data), [], [], [], []
     for i in range(n + 3):
-        torch.cuda.synchronize()
         GC["t"], GC["n"] = 0.0, [0, 0, 0]
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = F.cross_entropy(model(data.x), data.y)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        opt.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        gs.scale(loss).backward()
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
-        t4 = time.perf_counter()
-        gs.step(opt)
-        gs.update()
-        t5 = time.perf_counter()
+        f, b, o = step()
         if i >= 3:
-            fw.append((t1 - t0) * 1e3)
-            bw.append((t3 - t2) * 1e3)
-            st.append((t5 - t4) * 1e3)
+            fw.append(f)
+            bw.append(b)
+            st.append(o)
             whole.append((GC["t"] * 1e3, list(GC["n"])))
     med = statistics.median
-    return dict(forward=med(fw), backward=med(bw), optimizer=med(st), gc_ms=med(w[0] for w in whole), gc_collections=whole[-1][1])
+    return {"forward": med(fw), "backward": med(bw), "optimizer": med(st), "gc_ms": med(w[0] for w in whole), "gc_collections": whole[-1][1]}
 
 
 def main() -> None:
@@ -73,17 +53,10 @@ def main() -> None:
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
-    import torchvision
-
     gc.callbacks.append(_gc_cb)
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    base = getattr(torchvision.models, args.model)(weights=None).to(memory_format=torch.channels_last)
-    fk, _ = ft.convert(base)
-    data = Data(args.batch, 224)
-    data.reset()
+    base, fk, data = converted(args.model, args.batch)
     fmt = "{:<22} forward {forward:7.2f}  backward {backward:7.2f}  optimizer {optimizer:6.2f}  gc {gc_ms:6.2f} ms {gc_collections}"
-    for name, model in (("torch", base.cuda().train()), ("fusekit", fk.cuda().train())):
+    for name, model in (("torch", base), ("fusekit", fk)):
         print(fmt.format(name, **stages(model, data)), flush=True)
     print(f"gc thresholds {gc.get_threshold()}, objects tracked {len(gc.get_objects())}")
     gc.freeze()

@@ -1,0 +1,59 @@
+"""What the training-host probes share: a torchvision model and its fusekit.torch conversion on one
+batch, and an uncaptured AMP step timed stage by stage on the host."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_train_models import Data
+
+import fusekit.torch as ft
+
+
+def converted(model: str = "resnet50", batch: int = 64, size: int = 224) -> tuple[torch.nn.Module, torch.nn.Module, Data]:
+    """(torchvision ``model`` with random weights, its fusekit.torch conversion, a random batch): both
+    models channels-last on the GPU in training mode, cudnn.benchmark on for PyTorch's side."""
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    base = getattr(torchvision.models, model)(weights=None).to(memory_format=torch.channels_last)
+    fk, _ = ft.convert(base)
+    data = Data(batch, size)
+    data.reset()
+    return base.cuda().train(), fk.cuda().train(), data
+
+
+def staged_step(model: torch.nn.Module, data: Data) -> Callable[[], tuple[float, float, float]]:
+    """One uncaptured AMP fp16 training step (autocast, GradScaler, SGD momentum) returning the host
+    ms of forward + loss, backward and optimizer step; the GPU is synchronized before each stage, so
+    none waits on an earlier one's work."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gs = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+
+    def step() -> tuple[float, float, float]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(data.x), data.y)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        gs.scale(loss).backward()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        gs.step(opt)
+        gs.update()
+        return (t1 - t0) * 1e3, (t3 - t2) * 1e3, (time.perf_counter() - t4) * 1e3
+
+    return step
