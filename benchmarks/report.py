@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -15,6 +15,20 @@ def write_results(stem: str, meta: dict, recs: list[dict], markdown: str) -> Non
         json.dump({"meta": meta, "records": recs}, fh, indent=2)
     with open(stem + ".md", "w") as fh:
         fh.write(markdown)
+
+
+def profiled(fn: Callable[[], Any], n: int, finish: Callable[[], Any] | None = None) -> Any:
+    """A cProfile.Profile of ``n`` calls of ``fn`` (then ``finish()``, e.g. a device synchronize, inside it)."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    if finish is not None:
+        finish()
+    prof.disable()
+    return prof
 
 
 def profile_text(prof: Any, order: str, rows: int, width: int = 200) -> str:

@@ -6,7 +6,6 @@ channels-last, small maps so the host bounds): per-variant host microseconds, th
 """
 from __future__ import annotations
 
-import cProfile
 import os
 import sys
 
@@ -17,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fusekit.torch as ft
-from report import profile_text
+from report import profile_text, profiled
 from timing import host_us
 
 
@@ -53,12 +52,7 @@ def main() -> None:
         print(f"{k:<34} {v['torch']:9.1f} {v['fusekit']:11.1f}")
 
     fn = variants("fusekit")["conv+bn+relu fwd+bwd"]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    prof.disable()
+    prof = profiled(fn, 100, torch.cuda.synchronize)
     print("==== cProfile, 100 fusekit blocks, by own time ====")
     print(profile_text(prof, "tottime", 40))
     from torch.profiler import ProfilerActivity, profile

@@ -7,7 +7,6 @@ host-only time (no synchronize) against PyTorch eager's.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_train_models import make_step
 from common import converted
-from report import profile_text
+from report import profile_text, profiled
 
 
 def host_ms(step, n: int = 10) -> tuple[float, float]:
@@ -50,12 +49,7 @@ def main() -> None:
     step, _ = make_step(fk, data, "amp-fp16", captured=False)
     step()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    prof.disable()
+    prof = profiled(step, 3, torch.cuda.synchronize)
     for order in ("tottime", "cumulative"):
         print(f"==== by {order} (3 steps) ====")
         print(profile_text(prof, order, 45))
