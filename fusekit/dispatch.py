@@ -36,7 +36,7 @@ from .engine.planner import planner
 from .engine.lower import load_cudnn
 from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory
 from .errors import CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
-from .tensors import SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
+from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
 
@@ -44,17 +44,47 @@ __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_d
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
-    __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout", "origin")
+    __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout", "origin",
+                 "device", "epilogue", "out_nbytes")
 
     def __init__(
         self, plan: Plan, handle: Any, stream: int, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter,
-        relayout: frozenset = frozenset(), origin: Plan | None = None,
+        relayout: frozenset = frozenset(), origin: Plan | None = None, device: int = 0,
+        epilogue: tuple[tuple[int, int], ...] = (),
     ):
         self.plan, self.graph, self.uids = plan, plan.graph, plan.uids
         self.handle, self.stream = handle, stream  # the thread's handle, set to this call's stream before execute
         self.workspace, self.outs, self.out_adapter = workspace, outs, out_adapter
         self.relayout = relayout  # positions (operands, then outputs) run through channels-last copies
         self.origin = origin or plan  # the cached plan it runs (or stands in for): its eviction drops the call
+        self.device = device
+        self.epilogue = epilogue  # (operand position, bytes) of each epilogue operand (Pattern.epilogue_operands)
+        self.out_nbytes = tuple(_nbytes(s) for s in outs)
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * ITEMSIZE[spec.dtype]
+
+
+#: stream -> ((pointer, bytes), ...) of the outputs of the last graph fusekit executed on it.
+_LAST_OUT: dict[int, tuple[tuple[int, int], ...]] = {}
+
+
+def _fence_if_racing(c: _Call, arrays: Sequence[Any]) -> None:
+    """Queue a fence kernel when an epilogue operand overlaps an output of the graph executed just
+    before on this stream. Seen on the H200 with cuDNN 9.19 (sixth session of 2026-12-03): a
+    conv+bias+add+ReLU kernel started before the conv that wrote its residual had finished, when
+    the two ran back to back in a CUDA graph (the output off by 1e-2); an ordinary kernel between
+    them removed it. Fusekit cannot see other libraries' kernels in between: it fences anyway."""
+    last = _LAST_OUT.get(c.stream)
+    if not last:
+        return
+    ad = c.out_adapter
+    for i, n in c.epilogue:
+        p = ad.ptr(arrays[i])
+        if any(p < q + m and q < p + n for q, m in last):
+            ad.fence(c.device)
+            return
 
 
 _FAST: dict[tuple, _Call] = {}
@@ -154,7 +184,11 @@ def _resolve(
             f"{adapter.name} cannot allocate during a capture: call it once on that stream before capturing (warm-up)"
         )
     runs = _with_workspace(pattern, plan, ws, adapter, handle, cache, capturing)
-    return _Call(runs, handle, stream, ws, outs, adapter, relayout, origin=plan)
+    names = pattern.operand_names
+    epilogue = tuple((names.index(n), _nbytes(specs[n])) for n in pattern.epilogue_operands)
+    if epilogue:
+        adapter.fence(device)  # the fence's buffer is made here, outside any capture where possible
+    return _Call(runs, handle, stream, ws, outs, adapter, relayout, origin=plan, device=device, epilogue=epilogue)
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -376,8 +410,11 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
             if fkey is not None and not pat.not_capturable:  # those resolve every call: each asks if a capture runs
                 with _FAST_LOCK:
                     _FAST[fkey] = c
+    if c.epilogue:
+        _fence_if_racing(c, arrays)
     if c.relayout:
         outs = _execute_relayout(c, operands, outs, alloc)
+        _LAST_OUT.pop(c.stream, None)  # copies back to the caller's layout ran after it
         return outs[0] if len(outs) == 1 else outs
     if alloc:
         outs = tuple([c.out_adapter.empty(s) for s in c.outs])
@@ -386,6 +423,8 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
     if h.stream != c.stream:
         _bind(c)
     c.graph.execute(arrays, c.workspace.ptr, handle=h, tensor_uids=c.uids)
+    ptr = c.out_adapter.ptr
+    _LAST_OUT[c.stream] = tuple([(ptr(o), n) for o, n in zip(outs, c.out_nbytes)])
     return outs[0] if len(outs) == 1 else outs
 
 

@@ -186,6 +186,16 @@ class Adapter:
         s, ptr = self.probe(a)
         return (*s[:4], ptr & 31)
 
+    def ptr(self, a: Any) -> int:
+        """Device address of ``a``'s first element (the hot path)."""
+        return self.probe(a)[1]
+
+    def fence(self, device: int) -> None:
+        """Queue one tiny ordinary kernel on the current stream (capturable: no allocation after the
+        first call on ``device``). A kernel after it cannot start before everything queued before
+        it has finished, which a cuDNN kernel launched with programmatic dependent launch may do."""
+        raise NotImplementedError
+
     def empty(self, spec: TensorSpec) -> Any:
         """Uninitialised array of ``spec`` (logical NCHW dims, layout's memory order)."""
         raise NotImplementedError
@@ -252,10 +262,22 @@ class CupyAdapter(Adapter):
         except TypeError:  # a CuPy without bfloat16
             pass
         self._dtypes = {v: k for k, v in self._names.items()}
+        self._fences: dict = {}  # device -> one-element buffer the fence kernel writes
 
     def probe(self, a):
         ptr = a.data.ptr
         return (a.shape, a.strides, a.dtype, a.data.device_id, alignment(ptr)), ptr
+
+    @staticmethod
+    def ptr(a):
+        return a.data.ptr
+
+    def fence(self, device):
+        buf = self._fences.get(device)
+        if buf is None:
+            with self.cp.cuda.Device(device):
+                buf = self._fences[device] = self.cp.zeros(1, dtype=self.cp.int32)
+        buf.fill(1)  # an elementwise kernel (CuPy fills zeros with a memset)
 
     @staticmethod
     def sig(a):
@@ -359,6 +381,7 @@ class TorchAdapter(Adapter):
         self._names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
         self._dtypes = {v: k for k, v in self._names.items()}
         self._devices: dict = {}  # device index -> torch.device (empty() runs at every call)
+        self._fences: dict = {}  # device -> one-element tensor the fence kernel writes
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:  # the same answer without building a torch.cuda.Stream
             self.stream = raw  # type: ignore[method-assign]
@@ -370,6 +393,16 @@ class TorchAdapter(Adapter):
     @staticmethod
     def sig(a):
         return (a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 31)
+
+    @staticmethod
+    def ptr(a):
+        return a.data_ptr()
+
+    def fence(self, device):
+        t = self._fences.get(device)
+        if t is None:
+            t = self._fences[device] = self.torch.zeros(1, dtype=self.torch.int32, device=self._device(device))
+        t.fill_(1)
 
     def describe(self, a):
         dev = a.device

@@ -313,3 +313,46 @@ def test_instancenorm_backward_refuses_capture_and_runs_outside():
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "CAPTURE_ERROR True" in r.stdout and "OK True" in r.stdout, r.stdout + r.stderr
+
+
+def _residual_block(x, p):
+    """ResNet-50's layer2.0 at batch 8 as fusekit calls: the downsample conv runs just before the
+    conv+bias+add+ReLU that reads its output as the residual."""
+    a = ops.conv_bias_relu(x, p["w1"], p["b1"])
+    b = ops.conv_bias_relu(a, p["w2"], p["b2"], padding=1, stride=2)
+    d = ops.conv_bias(x, p["wd"], p["bd"], stride=2)
+    return ops.conv_bias_add_relu(b, p["w3"], p["b3"], d)
+
+
+def test_residual_read_right_after_its_producer_replays_like_eager(monkeypatch):
+    """cuDNN 9.19 on the H200 started this block's conv+bias+add+ReLU kernel before the downsample
+    conv writing its residual had finished, when the two ran back to back in a CUDA graph (replays
+    1e-2 off, and each one different). Dispatch fences that case: one fence kernel is captured,
+    before the add, and every replay equals the eager result bit for bit."""
+    from fusekit.tensors import TorchAdapter
+
+    p = {"w1": _rand((128, 256, 1, 1)) * 0.06, "b1": _rand((128,)) * 0.1, "w2": _rand((128, 128, 3, 3)) * 0.03,
+         "b2": _rand((128,)) * 0.1, "wd": _rand((512, 256, 1, 1)) * 0.06, "bd": _rand((512,)) * 0.1,
+         "w3": _rand((512, 128, 1, 1)) * 0.09, "b3": _rand((512,)) * 0.1}
+    x = _rand((8, 256, 56, 56))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            _residual_block(x, p)
+    torch.cuda.current_stream().wait_stream(s)
+    want = _residual_block(x, p).clone()
+    fences = []
+    real = TorchAdapter.fence
+    monkeypatch.setattr(TorchAdapter, "fence", lambda self, dev: (fences.append(dev), real(self, dev))[1])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        y = _residual_block(x, p)
+    assert len(fences) == 1, fences
+    bad = 0
+    for _ in range(30):
+        y.zero_()
+        g.replay()
+        bad += not torch.equal(y, want)
+    torch.cuda.synchronize()
+    assert bad == 0, f"{bad} of 30 replays differ from the eager result"

@@ -384,6 +384,18 @@ class Pattern:
     def operand_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.operands)
 
+    @property
+    def epilogue_operands(self) -> tuple[str, ...]:
+        """Input operands only the pointwise epilogue of a convolution or matmul reads (a residual,
+        a ReLU mask): cuDNN's Hopper kernels may read these before waiting for the kernel queued
+        just before them (dispatch fences that case)."""
+        main = {"conv_fprop", "conv_dgrad", "conv_wgrad", "matmul"}
+        if not any(op.op in main for op in self.ops):
+            return ()
+        fed_main = {v for op in self.ops if op.op in main for v in op.inputs.values()}
+        fed_other = {v for op in self.ops if op.op not in main for v in op.inputs.values()}
+        return tuple(o.name for o in self.operands if o.role == "input" and o.name in fed_other and o.name not in fed_main)
+
     def operand(self, name: str) -> Operand:
         for o in self.operands:
             if o.name == name:
