@@ -466,3 +466,42 @@ def test_shapes_at_the_limits_are_accepted(cbr):
     big = 2**31 - 1
     env = cbr.infer_shapes({"x": (1, 1, big, 1), "w": (1, 1, 1, 1), "b": (1, 1, 1, 1)}, dict(cbr.normalize_attrs({})))
     assert env["y"] == (1, 1, big, 1)
+
+
+def test_epilogue_operands_are_the_inputs_only_a_convolution_epilogue_reads():
+    from fusekit.engine.patterns import get_pattern
+
+    assert get_pattern("conv_bias_add_relu").epilogue_operands == ("z",)
+    assert get_pattern("conv_bias_add").epilogue_operands == ("z",)
+    assert get_pattern("conv_dgrad_drelu").epilogue_operands == ("x",)
+    for name in ("conv_bias_relu", "linear_bias", "add_relu", "batchnorm_relu", "conv_wgrad"):
+        assert get_pattern(name).epilogue_operands == (), name
+
+
+def test_dispatch_fences_an_epilogue_operand_overlapping_the_last_output_on_its_stream(monkeypatch):
+    """The fence goes in only when the residual overlaps an output of the graph executed just
+    before on the same stream (byte ranges, so views into it count too)."""
+    from fusekit import dispatch
+
+    fenced = []
+
+    class Ad:
+        @staticmethod
+        def ptr(a):
+            return a
+
+        def fence(self, dev):
+            fenced.append(dev)
+
+    class C:
+        stream, device, out_adapter, epilogue = 7, 3, Ad(), ((3, 100),)  # operand 3 (z), 100 bytes
+
+    monkeypatch.setattr(dispatch, "_LAST_OUT", {7: ((1000, 400),), 8: ((5000, 100),)})
+    for z, expect in ((1000, 1), (1300, 1), (1399, 1), (901, 1), (900, 0), (1400, 0), (5000, 0)):
+        fenced.clear()
+        dispatch._fence_if_racing(C, (0, 0, 0, z))
+        assert len(fenced) == expect, (z, fenced)
+    C.stream = 9  # nothing executed on this stream yet
+    fenced.clear()
+    dispatch._fence_if_racing(C, (0, 0, 0, 1000))
+    assert not fenced

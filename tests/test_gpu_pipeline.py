@@ -56,14 +56,15 @@ def _compiled(name, batch, choose=True):
 
 
 def _check_logits(got, want, batch, half=None):
-    """fp16 pipeline vs fp32 eager: relative error < 2e-2, or (a deep random-weight net amplifying
-    rounding) within twice that of PyTorch's own float16 channels-last run ``half`` on the same input;
+    """fp16 pipeline vs fp32 eager: relative error within 4x that of PyTorch's own float16
+    channels-last run ``half`` on the same input, or < 5e-3 (float16 rounding through a deep net;
+    a race between stages showed as 1e-2 to 3e-2 while PyTorch's float16 run was 4.5e-4);
     top-1 classes equal, except where the reference's top two logits are near-tied (at most one
     input more than PyTorch's own float16 run flips: random-weight MobileNetV2 has many near-ties)."""
     got, want = got.float(), want.float()
     rel = float((got - want).norm() / want.norm())
     fp16_rel = 0.0 if half is None else float((half.float() - want).norm() / want.norm())
-    assert rel < max(2e-2, 2 * fp16_rel), (rel, fp16_rel)
+    assert rel < max(5e-3, 4 * fp16_rel), (rel, fp16_rel)
     top_got, top_want = got.argmax(1), want.argmax(1)
     bad = (top_got != top_want).nonzero().flatten().tolist()
     if batch == 1:
@@ -73,7 +74,7 @@ def _check_logits(got, want, batch, half=None):
         assert len(bad) <= torch_flips + 1, (bad, torch_flips)
         for i in bad:  # allowed only when the reference's top two logits are near-tied
             top2 = torch.topk(want[i], 2).values
-            assert float(top2[0] - top2[1]) < max(2e-2, 2 * fp16_rel) * float(want[i].abs().max()), (i, top2)
+            assert float(top2[0] - top2[1]) < max(5e-3, 4 * fp16_rel) * float(want[i].abs().max()), (i, top2)
 
 
 @pytest.mark.parametrize("name,batch,choose", [
