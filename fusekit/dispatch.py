@@ -7,7 +7,8 @@
          the plan from the plan cache (memory -> disk -> build or tune), then the named fallbacks:
          - ``alternatives``: other descriptions of the same call when cuDNN refuses one (one-channel
            views, channels-last copies: LayoutWarning once per pattern);
-         - ``fused_or_split``: an op family's fused graph, else its split graphs (FusionWarning once).
+         - ``fused_or_split``: an op family's fused graph, else its split graphs (FusionWarning once);
+           in "autotune" mode side-effect-free ones time both once and keep the faster.
          A key run on TF32 against the numerics policy (no IEEE plan) is said once (NumericsWarning);
          a workspace the device has no room for falls back to a plan of the key with a smaller one
          (WorkspaceWarning once).
@@ -36,7 +37,7 @@ from .engine.planner import planner
 from .engine.lower import load_cudnn
 from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory
 from .errors import CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
-from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, as_device_array
+from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter_for, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
 
@@ -451,13 +452,21 @@ def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: Pla
 
 
 _SPLIT: set[tuple] = set()
+#: tag -> (fused ms, split ms) for the tags timed in "autotune" mode (fused_or_split with ``like``).
+FUSION_TIMES: dict[tuple, tuple[float, float]] = {}
+#: A split runs instead of the fused graph only when it measured at least this much faster.
+SPLIT_MARGIN = 0.97
 
 
-def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any]) -> Any:
-    """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on."""
+def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None) -> Any:
+    """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on.
+    With ``like`` (an operand; only for side-effect-free ops) in "autotune" mode, the first call of a
+    tag outside a capture times both on the GPU and keeps the faster (:data:`FUSION_TIMES`)."""
     if tag in _SPLIT:
         return split()
     try:
+        if like is not None and default_cache().mode == "autotune" and tag not in FUSION_TIMES:
+            return _time_both(tag, fused, split, like)
         return fused()
     except UnsupportedError as e:
         _SPLIT.add(tag)
@@ -468,6 +477,32 @@ def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any
             stacklevel=3,
         )
         return split()
+
+
+def _time_both(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any) -> Any:
+    """First call of ``tag`` in autotune mode: run fused (its plans tuned) and split once each, then
+    time both (Adapter.device_ms, alternating, median of 3) and remember the faster. cuDNN's fused
+    engines are at times far slower than the split graphs (a float32 transposed conv + bias + ReLU:
+    149 us fused against 44 us for its dgrad alone, H200)."""
+    ad = adapter_for(like)
+    dev = ad.describe(like)[3]
+    if ad.capturing(dev):
+        return fused()
+    y = fused()
+    try:
+        split()
+    except UnsupportedError:  # no split either: the fused graph it is
+        FUSION_TIMES[tag] = (math.nan, math.inf)
+        return y
+    tf, ts = [], []
+    for _ in range(3):
+        tf.append(ad.device_ms(fused))
+        ts.append(ad.device_ms(split))
+    t = FUSION_TIMES[tag] = (sorted(tf)[1], sorted(ts)[1])
+    if t[1] < SPLIT_MARGIN * t[0]:
+        _SPLIT.add(tag)
+        return split()
+    return fused()
 
 
 def _describe_tag(tag: tuple) -> str:

@@ -190,6 +190,12 @@ class Adapter:
         """Device address of ``a``'s first element (the hot path)."""
         return self.probe(a)[1]
 
+    def device_ms(self, fn: Any, reps: int = 5) -> float:
+        """GPU milliseconds per ``fn()`` (which launches on the current stream): ``reps`` calls
+        back to back between two events, queued behind a spin kernel where the library has one
+        (PyTorch), so that the host's launch time does not count."""
+        raise NotImplementedError
+
     def fence(self, device: int) -> None:
         """Queue one tiny ordinary kernel on the current stream (capturable: no allocation after the
         first call on ``device``). A kernel after it cannot start before everything queued before
@@ -271,6 +277,16 @@ class CupyAdapter(Adapter):
     @staticmethod
     def ptr(a):
         return a.data.ptr
+
+    def device_ms(self, fn, reps=5):
+        cuda = self.cp.cuda
+        a, b = cuda.Event(), cuda.Event()
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        return cuda.get_elapsed_time(a, b) / reps
 
     def fence(self, device):
         buf = self._fences.get(device)
@@ -397,6 +413,20 @@ class TorchAdapter(Adapter):
     @staticmethod
     def ptr(a):
         return a.data_ptr()
+
+    def device_ms(self, fn, reps=5):
+        cuda = self.torch.cuda
+        a, b = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        cuda.current_stream().synchronize()
+        sleep = getattr(cuda, "_sleep", None)
+        if sleep is not None:
+            sleep(4_000_000)  # ~2 ms of spinning: the calls below are queued before the first runs
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / reps
 
     def fence(self, device):
         t = self._fences.get(device)

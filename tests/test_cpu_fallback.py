@@ -118,3 +118,38 @@ def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeyp
         assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"  # no second warning, no second try
     assert ran == ["fused"]
     assert dispatch._first_line(ValueError("x" * 500)).endswith("…") and len(dispatch._first_line(ValueError("x" * 500))) == 300
+
+
+@pytest.mark.parametrize("fused_ms,split_ms,mode,expect", [
+    (1.0, 0.5, "autotune", "split"),  # split measured faster: kept from then on
+    (1.0, 0.99, "autotune", "fused"),  # within the 3% margin: the fused graph stays
+    (1.0, 0.5, "heuristic", "fused"),  # heuristic mode times nothing
+])
+def test_fused_or_split_keeps_the_faster_in_autotune_mode(monkeypatch, fused_ms, split_ms, mode, expect):
+    from types import SimpleNamespace
+
+    from fusekit import dispatch
+
+    monkeypatch.setattr(dispatch, "_SPLIT", set())
+    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
+    monkeypatch.setattr(dispatch, "default_cache", lambda: SimpleNamespace(mode=mode))
+    runs = []
+    fused = lambda: runs.append("fused") or "fused"  # noqa: E731
+    split = lambda: runs.append("split") or "split"  # noqa: E731
+    times = {fused: fused_ms, split: split_ms}
+
+    class Ad:
+        describe = staticmethod(lambda a: ((), (), "float16", 0))
+        capturing = staticmethod(lambda dev: False)
+        device_ms = staticmethod(lambda fn: (fn(), times[fn])[1])
+
+    monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
+    tag = ("conv_transpose_bias_relu", ((64, 32, 8, 8), "float32"))
+    assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
+    assert (tag in dispatch.FUSION_TIMES) == (mode == "autotune")
+    if mode == "autotune":
+        assert dispatch.FUSION_TIMES[tag] == (fused_ms, split_ms)
+        assert runs.count("fused") >= 4 and runs.count("split") >= 4  # one untimed run each, then three timed
+    runs.clear()
+    assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
+    assert runs == [expect]  # later calls: no timing, the kept path only

@@ -30,4 +30,5 @@ def relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
         tag("relu_bias_grad", dy, y),
         lambda: call("relu_bias_grad", dy, y),
         lambda: (lambda d: (d, call("bias_grad", d)))(call("relu_backward", dy, y)),
+        like=dy,
     )

@@ -46,7 +46,7 @@ def _conv_epilogue(name: str, operands: tuple, values: tuple, out: Any) -> Any:
             return call("add_relu", _bias_act(y, b, False, None), operands[3], out=out)
         return _bias_act(y, b, name == "conv_bias_relu", out)
 
-    return fused_or_split(tag(name, *operands), lambda: run(name, _CONV_ATTRS, values, operands, out), split)
+    return fused_or_split(tag(name, *operands), lambda: run(name, _CONV_ATTRS, values, operands, out), split, like=x)
 
 
 def _bias_act(y: Any, b: Any, relu: bool, out: Any) -> Any:
@@ -87,7 +87,7 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
     def split() -> Any:  # dgrad alone, then bias (and ReLU) as a pointwise graph
         return _bias_act(call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values))), b, relu, out)
 
-    return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), split)
+    return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), split, like=x)
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -110,6 +110,7 @@ def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, i
                 tag("conv_dgrad_drelu", dz, w, x),
                 lambda: call("conv_dgrad_drelu", dz, w, x, output_padding=op, **conv),
                 lambda: call("relu_backward", call("conv_dgrad", dz, w, output_padding=op, **conv), x),
+                like=dz,
             )
         else:
             dx = call("conv_dgrad", dz, w, output_padding=op, **conv)

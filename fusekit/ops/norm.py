@@ -86,6 +86,7 @@ def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool
         tag("batchnorm_relu", x),
         lambda: call("batchnorm_relu", x, gamma, beta, rm, rv, **kw),
         lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, rm, rv, **kw)),
+        like=x,  # side-effect free: the running statistics come back as new arrays
     )
 
 
@@ -134,6 +135,7 @@ def batchnorm_backward(
             tag("batchnorm_relu_backward", dy, x),
             lambda: call("batchnorm_relu_backward", dy, y, x, gamma, mean, inv_var),
             lambda: call("batchnorm_backward", call("relu_backward", dy, y), x, gamma, mean, inv_var),
+            like=dy,
         )
 
     res = fused_or_split(
@@ -156,6 +158,7 @@ def batchnorm_inference(x: Any, mean: Any, inv_stdev: Any, gamma: Any, beta: Any
         tag("batchnorm_inference_relu", x),
         lambda: call("batchnorm_inference_relu", x, mean, inv_stdev, gamma, beta),
         lambda: call("relu", call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)),
+        like=x,
     )
 
 
