@@ -57,3 +57,19 @@ def staged_step(model: torch.nn.Module, data: Data) -> Callable[[], tuple[float,
         return (t1 - t0) * 1e3, (t3 - t2) * 1e3, (time.perf_counter() - t4) * 1e3
 
     return step
+
+
+def resnet50_eval(batch: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The pipeline-accuracy probes' setup: torchvision ResNet-50 (random weights, seed 0) float32 in
+    eval mode on the GPU, and a random input batch from a generator seeded with ``batch``."""
+    import torchvision
+
+    torch.manual_seed(0)
+    m = torchvision.models.resnet50(weights=None).cuda().float().eval()
+    x = torch.randn(batch, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(batch))
+    return m, x
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of ``a`` against ``b`` (Frobenius norms, in float32)."""
+    return float((a.float() - b.float()).norm() / b.float().norm())

@@ -17,6 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import rel, resnet50_eval
 
 import fusekit
 import fusekit.pipeline as fp
@@ -29,14 +32,12 @@ def main() -> None:
     args = ap.parse_args()
     import torchvision
 
-    torch.manual_seed(0)
-    m = torchvision.models.resnet50(weights=None).cuda().float().eval()
+    m, _ = resnet50_eval(args.batch)
     half = torchvision.models.resnet50(weights=None).cuda()
     half.load_state_dict(m.state_dict())
     half = half.half().to(memory_format=torch.channels_last).eval()
     gen = torch.Generator(device="cuda").manual_seed(args.batch)
     xs = [torch.randn(args.batch, 3, 224, 224, device="cuda", generator=gen) for _ in range(2)]
-    rel = lambda a, b: float((a.float() - b).norm() / b.norm())
     with torch.no_grad():
         want = [m(x) for x in xs]
         print("torch fp16 rel:", [f"{rel(half(x.half().contiguous(memory_format=torch.channels_last)), w):.2e}" for x, w in zip(xs, want)])

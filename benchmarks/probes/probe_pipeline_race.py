@@ -21,6 +21,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import rel, resnet50_eval
 
 import fusekit
 import fusekit.pipeline as fp
@@ -32,11 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
-    import torchvision
-
-    torch.manual_seed(0)
-    m = torchvision.models.resnet50(weights=None).cuda().float().eval()
-    x = torch.randn(args.batch, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.batch))
+    m, x = resnet50_eval(args.batch)
     pipe = fp.compile(m, torch.zeros(args.batch, 3, 224, 224), dtype="float16", choose=False)
     s, dev = pipe.stream, pipe.device
     ws = RUNTIME._workspaces[("torch", dev.index, s.cuda_stream)]
@@ -78,7 +77,6 @@ def main() -> None:
         torch.cuda.current_stream().wait_stream(s)
         return g
 
-    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
     for mode in ("as built", "without dispatch's fence", "workspace per stage", "separator kernel"):
         g = pipe._graph if mode == "as built" else capture(mode)
         errs = []

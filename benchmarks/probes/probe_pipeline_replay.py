@@ -17,6 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import rel, resnet50_eval
 
 import fusekit.pipeline as fp
 import fusekit.pipeline.runtime as prt
@@ -40,13 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
-    import torchvision
-
-    torch.manual_seed(0)
-    m = torchvision.models.resnet50(weights=None).cuda().float().eval()
-    gen = torch.Generator(device="cuda").manual_seed(args.batch)
-    x = torch.randn(args.batch, 3, 224, 224, device="cuda", generator=gen)
-    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+    m, x = resnet50_eval(args.batch)
     with torch.no_grad():
         want = m(x)
     for step in ("_warmup", "_choose", "_verify", "_profile", "_capture"):
