@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import NoGPUError, OperandError
+from .errors import CaptureError, NoGPUError, OperandError
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 #: Bytes per element of each supported dtype.
@@ -291,6 +291,11 @@ class CupyAdapter(Adapter):
     def fence(self, device):
         buf = self._fences.get(device)
         if buf is None:
+            if self.capturing(device):  # a cudaMalloc would break the capture
+                raise CaptureError(
+                    f"fusekit: the first fused call reading a residual or ReLU mask on device {device} is inside a CUDA-graph "
+                    "capture, where making the fence kernel's buffer could break it: call it once before capturing (warm-up)"
+                )
             with self.cp.cuda.Device(device):
                 buf = self._fences[device] = self.cp.zeros(1, dtype=self.cp.int32)
         buf.fill(1)  # an elementwise kernel (CuPy fills zeros with a memset)

@@ -153,3 +153,17 @@ def test_fused_or_split_keeps_the_faster_in_autotune_mode(monkeypatch, fused_ms,
     runs.clear()
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
     assert runs == [expect]  # later calls: no timing, the kept path only
+
+
+def test_cupy_fence_first_made_inside_a_capture_raises_capture_error(monkeypatch):
+    """CuPy cannot allocate inside a stream capture: the fence buffer's first use there says to warm
+    up (a CaptureError) instead of failing inside CUDA."""
+    pytest.importorskip("cupy")
+    from fusekit.errors import CaptureError
+    from fusekit.tensors import CupyAdapter
+
+    ad = CupyAdapter()
+    monkeypatch.setattr(ad, "capturing", lambda dev: True)
+    monkeypatch.setattr(ad.cp, "zeros", lambda *a, **k: pytest.fail("allocated inside a capture"))
+    with pytest.raises(CaptureError, match="warm-up"):
+        ad.fence(0)
