@@ -12,8 +12,11 @@ Timing: CUDA events around --iters steps per trial after --warmup steps, median 
 random batch (the same sequence on every side) before each trial. ``*_graph_ms``: the whole step
 captured in one CUDA graph (PyTorch's recipe: warm-up on a side stream, then capture) and replayed;
 the captured steps run without GradScaler (its inf check reads the host), the rest is the same.
-``torch_compile_ms``: ``torch.compile(model)`` (default mode), null when compiling the first step
-fails or takes longer than --compile-limit seconds. Every side starts from the same initial weights
+``*_graphed_ms``: the model's forward and backward made CUDA graphs with
+``torch.cuda.make_graphed_callables`` (autocast without its weight cache), the loss, GradScaler and
+optimizer step run as usual around them: the ordinary training loop with the host cost of the layers gone.
+``torch_compile_ms``: ``torch.compile(model)`` (default mode) for the --compile-precisions, null when
+compiling the first step fails or takes longer than --compile-limit seconds. Every side starts from the same initial weights
 and sees the same batches, so the losses after the timed steps (``*_loss``) are comparable.
 
 Writes <out>/<GPU name, spaces as ->-train-models.json and .md after every case, and a plot (.png) at the end.
@@ -123,10 +126,27 @@ def time_graph(model: torch.nn.Module, data: Data, precision: str, args: argpars
     return ms, loss, ""
 
 
+def time_graphed(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace) -> tuple[float | None, float | None, str]:
+    """(median ms per step, loss, note) of the ordinary step (GradScaler in amp-fp16) around the model's
+    forward and backward made CUDA graphs by torch.cuda.make_graphed_callables."""
+    model.train()
+    dtype = PRECISIONS[precision]
+    data.reset()
+    try:
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None, cache_enabled=False):
+            graphed = torch.cuda.make_graphed_callables(model, (data.x,))
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        return None, None, f"make_graphed_callables failed: {type(e).__name__}: {str(e)[:300]}"
+    step, box = make_step(graphed, data, precision, captured=False)
+    data.reset()
+    ms = cuda_time_ms(step, iters=args.iters, trials=args.trials, warmup=args.warmup, before_trial=data.refill)
+    return ms, float(box["loss"]), ""
+
+
 def time_compiled(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace) -> tuple[float | None, float | None, str]:
     """(median ms per step, loss, note) of ``torch.compile(model)``: the first step (compile) in a thread
     given --compile-limit seconds, then timed as the eager steps."""
-    if args.compile_limit <= 0:
+    if args.compile_limit <= 0 or precision not in args.compile_precisions:
         return None, None, "skipped"
     model.train()
     compiled = torch.compile(model)
@@ -191,6 +211,15 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
         model = None
         _free()
 
+    for side, model in (("fusekit", ft.convert(initial)[0]), ("torch", copy.deepcopy(initial))):
+        ms, loss, note = time_graphed(model.cuda(), data, precision, args)
+        rec[f"{side}_graphed_ms"], rec[f"{side}_graphed_loss"] = ms, loss
+        if note:
+            rec[f"{side}_graphed_note"] = note
+        log(f"{name} {precision}: {side} graphed forward/backward {ms if ms is None else round(ms, 2)} ms, loss {loss} {note}")
+        model = None
+        _free()
+
     ms, loss, note = time_compiled(copy.deepcopy(initial).cuda(), data, precision, args)
     rec["torch_compile_ms"], rec["torch_compile_loss"], rec["torch_compile_note"] = ms, loss, note
     log(f"{name} {precision}: torch.compile {ms if ms is None else round(ms, 2)} ms/step, loss {loss} ({note})")
@@ -199,8 +228,13 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     fk = rec["fusekit_ms"]
     for k in ("torch_eager_ms", "torch_compile_ms"):
         rec[k.replace("_ms", "_over_fusekit")] = None if rec[k] is None else round(rec[k] / fk, 3)
-    g_fk, g_t = rec["fusekit_graph_ms"], rec["torch_graph_ms"]
-    rec["torch_graph_over_fusekit_graph"] = None if g_fk is None or g_t is None else round(g_t / g_fk, 3)
+
+    def ratio(num: float | None, den: float | None) -> float | None:
+        return None if num is None or den is None else round(num / den, 3)
+
+    rec["torch_graph_over_fusekit_graph"] = ratio(rec["torch_graph_ms"], rec["fusekit_graph_ms"])
+    rec["torch_graphed_over_fusekit_graphed"] = ratio(rec["torch_graphed_ms"], rec["fusekit_graphed_ms"])
+    rec["torch_eager_over_fusekit_graphed"] = ratio(rec["torch_eager_ms"], rec["fusekit_graphed_ms"])
     return rec
 
 
@@ -215,21 +249,25 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         "amp-fp16 = autocast float16 + GradScaler, bf16 = autocast bfloat16, fp32 = float32 (parameters float32 in all)"),
         (f"- median of {meta['trials']} trials of {meta['iters']} steps (CUDA events) after {meta['warmup']} warm-up steps, "
         "a fresh random batch before each trial, the same batches on every side; ratio = PyTorch time / fusekit time (> 1: fusekit faster)"),
-        "- captured = the whole step (forward, backward, optimizer) in one CUDA graph, without GradScaler", "",
-        ("| model | precision | fusekit ms | eager ms | eager/fk | torch.compile ms | compile/fk | fk captured ms | torch captured ms | "
-        "captured torch/fk | loss fk | loss eager | loss compile |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("- graphed = forward and backward as CUDA graphs (torch.cuda.make_graphed_callables), loss, GradScaler and optimizer "
+         "as usual; captured = the whole step (forward, backward, optimizer) in one CUDA graph, without GradScaler"), "",
+        ("| model | precision | fusekit ms | eager ms | eager/fk | torch.compile ms | compile/fk | fk graphed ms | torch graphed ms | "
+         "graphed torch/fk | eager/fk graphed | fk captured ms | torch captured ms | captured torch/fk | loss fk | loss eager | "
+         "loss fk graphed | loss compile |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in recs:
         lines.append(
             f"| {r['model']} | {r['precision']} | {f(r['fusekit_ms'])} | {f(r['torch_eager_ms'])} | {f(r['torch_eager_over_fusekit'])} | "
-            f"{f(r['torch_compile_ms'])} | {f(r['torch_compile_over_fusekit'])} | {f(r['fusekit_graph_ms'])} | {f(r['torch_graph_ms'])} | "
+            f"{f(r['torch_compile_ms'])} | {f(r['torch_compile_over_fusekit'])} | {f(r.get('fusekit_graphed_ms'))} | "
+            f"{f(r.get('torch_graphed_ms'))} | {f(r.get('torch_graphed_over_fusekit_graphed'))} | {f(r.get('torch_eager_over_fusekit_graphed'))} | "
+            f"{f(r['fusekit_graph_ms'])} | {f(r['torch_graph_ms'])} | "
             f"{f(r['torch_graph_over_fusekit_graph'])} | {f(r['fusekit_loss'], '{:.4f}')} | {f(r['torch_eager_loss'], '{:.4f}')} | "
-            f"{f(r['torch_compile_loss'], '{:.4f}')} |"
+            f"{f(r.get('fusekit_graphed_loss'), '{:.4f}')} | {f(r['torch_compile_loss'], '{:.4f}')} |"
         )
     lines += ["", "Conversion: " + "; ".join(sorted({f"{r['model']}: {r['replaced']} modules replaced, {r['fused_groups']} fused groups, "
                                                   f"left alone {', '.join(r['left_alone']) or 'nothing'}" for r in recs}))]
-    notes = [(r, k) for r in recs for k in ("fusekit_graph_note", "torch_graph_note", "torch_compile_note") if r.get(k)]
+    notes = [(r, k) for r in recs for k in ("fusekit_graph_note", "torch_graph_note", "fusekit_graphed_note", "torch_graphed_note", "torch_compile_note") if r.get(k)]
     if notes:
         lines += ["", "Notes:"] + [f"- {r['model']} {r['precision']} {k.replace('_note', '')}: {r[k]}" for r, k in notes]
     return "\n".join(lines) + "\n"
@@ -238,6 +276,7 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of ms per training step for each model and precision: fusekit and PyTorch, uncaptured and captured."""
     variants = [("fusekit_ms", "fusekit.torch"), ("torch_eager_ms", "PyTorch eager"), ("torch_compile_ms", "torch.compile"),
+                ("fusekit_graphed_ms", "fusekit.torch, graphed forward/backward"), ("torch_graphed_ms", "PyTorch, graphed forward/backward"),
                 ("fusekit_graph_ms", "fusekit.torch, step in a CUDA graph"), ("torch_graph_ms", "PyTorch, step in a CUDA graph")]
     grouped_bars(path, [f"{r['model']}\n{r['precision']}" for r in recs],
                  [(label, [r.get(k) for r in recs]) for k, label in variants if any(r.get(k) for r in recs)],
@@ -256,6 +295,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile-limit", type=float, default=None,
                     help="seconds allowed for torch.compile's first step (0: skip; default 300, 0 with --quick)")
+    ap.add_argument("--compile-precisions", nargs="+", default=["amp-fp16"], choices=list(PRECISIONS),
+                    help="precisions timed under torch.compile (each compile takes minutes)")
     ap.add_argument("--quick", action="store_true", help="ResNet-18, amp-fp16 only, 3 trials of 5 steps, no torch.compile")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """A torchvision ResNet-18 moved onto fused cuDNN graphs with ``fusekit.torch.convert`` and trained
 beside the unconverted model, from the same initial weights on the same batches.
 
-    python examples/train_resnet.py [--steps 100] [--batch 64] [--size 64] [--control] [--plot loss.png]
+    python examples/train_resnet.py [--steps 100] [--batch 64] [--size 64] [--graphed] [--control] [--plot loss.png]
 
 Training: fp16 AMP (torch.autocast + GradScaler), channels-last, SGD with momentum 0.9 (lr 0.002),
 cross-entropy on synthetic 10-class images (each class a fixed random low-frequency colour pattern at
@@ -9,7 +9,12 @@ cross-entropy on synthetic 10-class images (each class a fixed random low-freque
 (2.48 -> 2.01 in 30 steps and 1.64 after 100, eager in float32 on the CPU) instead of memorizing
 noise. The converted model runs its convolutions, batch norms (BN+ReLU fused), pooling and
 classifier on fusekit's graphs; the other runs PyTorch eager. Prints both loss curves and the
-largest relative gap between them.
+largest relative gap between them, and the milliseconds per step of each.
+
+``--graphed`` makes the converted model's forward and backward CUDA graphs
+(``torch.cuda.make_graphed_callables``, see :func:`graphed`): the loop stays the same (autocast,
+GradScaler, optimizer), and the per-layer host work is replayed by the driver instead of redone in
+Python at every step, which is where an uncaptured step of small layers spends its time.
 
 Training a random-init ResNet is chaotic: two runs that differ only by rounding drift apart
 exponentially. On the CPU in float32 (batch 64, 64x64), eager against eager with its weights
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -58,16 +64,26 @@ def make_models(classes: int = 10, seed: int = 0, device: str = "cuda") -> tuple
     return (eager.to(device, memory_format=torch.channels_last), fused.to(device, memory_format=torch.channels_last), report)
 
 
+def graphed(model: torch.nn.Module, sample: torch.Tensor, amp: bool = True) -> torch.nn.Module:
+    """``model`` with its training forward and backward as CUDA graphs, for inputs shaped like ``sample``
+    (torch.cuda.make_graphed_callables: three warm-up passes, which also build fusekit's plans, then
+    the captures; autocast without its weight cache, as capturing requires)."""
+    with torch.autocast("cuda", dtype=torch.float16, enabled=amp, cache_enabled=False):
+        return torch.cuda.make_graphed_callables(model.train(), (sample,))
+
+
 def train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float = 0.002,
-          momentum: float = 0.9, amp: bool = True) -> list[float]:
+          momentum: float = 0.9, amp: bool = True, times: list[float] | None = None) -> list[float]:
     """SGD (momentum) steps over ``batches`` in order (cycling), under fp16 autocast with a GradScaler;
-    the loss of every step. The scaler starts at 2**10 and grows rarely, so both models skip the same
+    the loss of every step (``times``, if given, receives each step's milliseconds). The scaler starts at 2**10 and grows rarely, so both models skip the same
     (no) steps for overflow and their curves stay comparable."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1000, enabled=amp)
     losses = []
     for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         x, y = batches[i % len(batches)]
         with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
             loss = F.cross_entropy(model(x), y)
@@ -75,7 +91,10 @@ def train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+        end.record()
         losses.append(loss.item())
+        if times is not None:
+            times.append(start.elapsed_time(end))
     return losses
 
 
@@ -84,13 +103,18 @@ def max_relative_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def run(steps: int = 100, batch: int = 64, size: int = 64, seed: int = 0, lr: float = 0.002) -> tuple[list[float], list[float], Any]:
+def run(steps: int = 100, batch: int = 64, size: int = 64, seed: int = 0, lr: float = 0.002, graph: bool = False,
+        times: dict[str, list[float]] | None = None) -> tuple[list[float], list[float], Any]:
     """(fusekit losses, eager losses, conversion report) of the two models trained from the same weights
-    on the same ``steps`` fresh batches."""
+    on the same ``steps`` fresh batches (``graph``: the fusekit model :func:`graphed`; ``times``, if
+    given, receives each side's milliseconds per step under "fusekit" and "eager")."""
     eager, fused, report = make_models(seed=seed)
     batches = synthetic_batches(steps, batch, size, seed=seed)
-    fused_losses = train(fused, batches, steps, lr=lr)
-    eager_losses = train(eager, batches, steps, lr=lr)
+    if graph:
+        fused = graphed(fused, batches[0][0])
+    times = {} if times is None else times
+    fused_losses = train(fused, batches, steps, lr=lr, times=times.setdefault("fusekit", []))
+    eager_losses = train(eager, batches, steps, lr=lr, times=times.setdefault("eager", []))
     return fused_losses, eager_losses, report
 
 
@@ -111,12 +135,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=64, help="image height and width")
     ap.add_argument("--lr", type=float, default=0.002)
+    ap.add_argument("--graphed", action="store_true", help="run the converted model's forward and backward as CUDA graphs")
     ap.add_argument("--control", action="store_true", help="also train eager from weights perturbed by a relative 1e-3")
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_resnet: needs a CUDA GPU")
-    fk, ea, report = run(args.steps, args.batch, args.size, lr=args.lr)
+    times: dict[str, list[float]] = {}
+    fk, ea, report = run(args.steps, args.batch, args.size, lr=args.lr, graph=args.graphed, times=times)
     print(report)
     print()
     print(" step   fusekit     eager   rel gap")
@@ -124,6 +150,9 @@ def main() -> None:
         print(f"{i:5d}  {fk[i]:8.4f}  {ea[i]:8.4f}  {abs(fk[i] - ea[i]) / ea[i]:8.4f}")
     print(f"loss {fk[0]:.4f} -> {fk[-1]:.4f} (fusekit), {ea[0]:.4f} -> {ea[-1]:.4f} (eager); "
           f"max relative gap {max_relative_gap(fk, ea):.4f}")
+    med = {k: statistics.median(v[len(v) // 4:]) for k, v in times.items()}  # the first steps build plans
+    print(f"ms per step (median after the first quarter): fusekit{' graphed' if args.graphed else ''} {med['fusekit']:.2f}, "
+          f"eager {med['eager']:.2f}")
     ctl = None
     if args.control:
         ctl = control_losses(args.steps, args.batch, args.size, lr=args.lr)
@@ -135,7 +164,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         plt.figure(figsize=(6, 4))
-        plt.plot(fk, label="fusekit.torch.convert(resnet18)")
+        plt.plot(fk, label="fusekit.torch.convert(resnet18)" + (", graphed" if args.graphed else ""))
         plt.plot(ea, "--", label="PyTorch eager")
         if ctl is not None:
             plt.plot(ctl, ":", label="eager, weights perturbed by 1e-3")

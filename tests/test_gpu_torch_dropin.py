@@ -413,9 +413,10 @@ def test_converted_resnet_gradients_match_original(name, precision):
 # ----------------------------------------------------------------------------------------------
 # Training: the example, and a captured training step
 # ----------------------------------------------------------------------------------------------
-def test_train_resnet_example_tracks_eager():
+@pytest.mark.parametrize("graph", [False, True], ids=["uncaptured", "graphed"])
+def test_train_resnet_example_tracks_eager(graph):
     """examples/train_resnet.py for 30 steps: the converted ResNet-18 (fp16 AMP, channels-last, SGD
-    momentum) tracks the eager one from the same weights: within 1% over the first 10 steps (where a
+    momentum; plain, or with forward and backward made CUDA graphs) tracks the eager one from the same weights: within 1% over the first 10 steps (where a
     wrong gradient would show) and 5% over all 30. Random-init ResNet training is chaotic (see the
     example's docstring); should the 30-step gap pass 5%, it must stay within twice the gap of eager
     against eager from weights perturbed by a relative 1e-3."""
@@ -423,7 +424,7 @@ def test_train_resnet_example_tracks_eager():
     import train_resnet
 
     steps = 30
-    fk, ea, report = train_resnet.run(steps=steps)
+    fk, ea, report = train_resnet.run(steps=steps, graph=graph)
     print(report)
     for i in range(steps):
         print(f"step {i:3d}: fusekit {fk[i]:.4f}  eager {ea[i]:.4f}")
@@ -521,3 +522,40 @@ def test_cuda_graph_training_step_replays_the_eager_step(kind, precision):
             assert rel(pc - p0, pe - p0) < update_tol, f"replay {i}: update of {n} differs by {rel(pc - p0, pe - p0):.2e}"
         _sync(captured, opt_c, eager, opt_e)  # the next step starts from the same state on both sides
     assert int(captured[1].num_batches_tracked) == 3 + 4  # warm-up steps and replays (a capture runs nothing)
+
+
+def test_make_graphed_callables_trains_like_the_uncaptured_model():
+    """torch.cuda.make_graphed_callables on a converted model (fp16 autocast without its weight
+    cache): the ordinary loop around it (GradScaler, SGD momentum, loss outside the graphs) gives per
+    step the loss and weight updates of the same converted model run uncaptured from the same state."""
+    graphed = _graph_net()
+    sample = cl(torch.randn(16, 3, 16, 16, device="cuda"))
+    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(graphed, (sample,))
+    eager = copy.deepcopy(_graph_net())
+    eager.load_state_dict(graphed.state_dict())  # the warm-up moved the BN running statistics
+    sides = []
+    for model in (graphed, eager):
+        sides.append((model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), torch.amp.GradScaler("cuda", init_scale=2.0**10)))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for i in range(5):
+        x = cl(torch.randn(16, 3, 16, 16, device="cuda", generator=gen))
+        t = torch.randint(0, 10, (16,), device="cuda", generator=gen)
+        losses, updates = [], []
+        for model, opt, gs in sides:
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+                loss = F.cross_entropy(model(x), t)
+            gs.scale(loss).backward()
+            gs.step(opt)
+            gs.update()
+            losses.append(float(loss))
+            updates.append([p.detach() - p0 for p, p0 in zip(model.parameters(), before)])
+        print(f"step {i}: graphed loss {losses[0]:.6f}, uncaptured {losses[1]:.6f}")
+        assert math.isfinite(losses[0]) and abs(losses[0] - losses[1]) / losses[1] < 2e-3
+        for (n, _), ug, ue in zip(graphed.named_parameters(), *updates):
+            assert ug.abs().max() > 0, f"step {i}: {n} was not updated"
+            assert rel(ug, ue) < 5e-2, f"step {i}: update of {n} differs by {rel(ug, ue):.2e}"
+        _sync(graphed, sides[0][1], eager, sides[1][1])  # the next step starts from the same state
+        sides[1][2].load_state_dict(sides[0][2].state_dict())
