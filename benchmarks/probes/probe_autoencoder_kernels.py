@@ -1,0 +1,69 @@
+"""Kernel by kernel: where the float32 batch-64 autoencoder step (bench_train's case, 0.93x of eager
+autotuned in the sixth session) spends GPU time on each side. Both sides autotuned (fusekit's
+"autotune" mode, eager's cudnn.benchmark), then torch.profiler over 20 uncaptured steps; per side the
+kernels by total device time per step.
+
+    python benchmarks/probes/probe_autoencoder_kernels.py [--batch 64] [--fp16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_train import autoencoder_case, graphed_time_us, step_fn
+
+import fusekit
+
+
+def kernels(model, x, steps: int = 20) -> list[tuple[str, float, int]]:
+    step, params = step_fn(model, x), list(model.parameters())
+
+    def run() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        step()
+
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            count[e.name] += 1
+    return sorted(((k, v / steps, count[k] // steps) for k, v in total.items()), key=lambda r: -r[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--fp16", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    fusekit.configure(mode="autotune", disk=False)
+    name, fused, eager, x = autoencoder_case(args.batch, torch.float16 if args.fp16 else torch.float32)
+    tf, te = graphed_time_us(fused, x), graphed_time_us(eager, x)
+    print(f"{name}: captured step fusekit {tf:.1f} us, eager {te:.1f} us ({te / tf:.2f}x)")
+    for side, model in (("fusekit", fused), ("eager", eager)):
+        rows = kernels(model, x)
+        print(f"{side}: {sum(r[1] for r in rows):.1f} us of kernels per step")
+        for k, us, n in rows[:12]:
+            print(f"   {us:7.1f} us  x{n}  {k[:150]}")
+
+
+if __name__ == "__main__":
+    main()
