@@ -202,23 +202,15 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     eager = None
     _free()
 
-    for side, model in (("fusekit", ft.convert(initial)[0]), ("torch", copy.deepcopy(initial))):
-        ms, loss, note = time_graph(model.cuda(), data, precision, args)
-        rec[f"{side}_graph_ms"], rec[f"{side}_graph_loss"] = ms, loss
-        if note:
-            rec[f"{side}_graph_note"] = note
-        log(f"{name} {precision}: {side} captured step {ms if ms is None else round(ms, 2)} ms, loss {loss} {note}")
-        model = None
-        _free()
-
-    for side, model in (("fusekit", ft.convert(initial)[0]), ("torch", copy.deepcopy(initial))):
-        ms, loss, note = time_graphed(model.cuda(), data, precision, args)
-        rec[f"{side}_graphed_ms"], rec[f"{side}_graphed_loss"] = ms, loss
-        if note:
-            rec[f"{side}_graphed_note"] = note
-        log(f"{name} {precision}: {side} graphed forward/backward {ms if ms is None else round(ms, 2)} ms, loss {loss} {note}")
-        model = None
-        _free()
+    for timer, kind, what in ((time_graph, "graph", "captured step"), (time_graphed, "graphed", "graphed forward/backward")):
+        for side, model in (("fusekit", ft.convert(initial)[0]), ("torch", copy.deepcopy(initial))):
+            ms, loss, note = timer(model.cuda(), data, precision, args)
+            rec[f"{side}_{kind}_ms"], rec[f"{side}_{kind}_loss"] = ms, loss
+            if note:
+                rec[f"{side}_{kind}_note"] = note
+            log(f"{name} {precision}: {side} {what} {ms if ms is None else round(ms, 2)} ms, loss {loss} {note}")
+            model = None
+            _free()
 
     ms, loss, note = time_compiled(copy.deepcopy(initial).cuda(), data, precision, args)
     rec["torch_compile_ms"], rec["torch_compile_loss"], rec["torch_compile_note"] = ms, loss, note
