@@ -67,9 +67,11 @@ def make_models(classes: int = 10, seed: int = 0, device: str = "cuda") -> tuple
 def graphed(model: torch.nn.Module, sample: torch.Tensor, amp: bool = True) -> torch.nn.Module:
     """``model`` with its training forward and backward as CUDA graphs, for inputs shaped like ``sample``
     (torch.cuda.make_graphed_callables: three warm-up passes, which also build fusekit's plans, then
-    the captures; autocast without its weight cache, as capturing requires)."""
+    the captures; autocast without its weight cache, as capturing requires). The graphs read their
+    input from the sample's memory, and every call copies its input there: hence a copy of ``sample``,
+    which would otherwise be overwritten by each batch."""
     with torch.autocast("cuda", dtype=torch.float16, enabled=amp, cache_enabled=False):
-        return torch.cuda.make_graphed_callables(model.train(), (sample,))
+        return torch.cuda.make_graphed_callables(model.train(), (sample.clone(),))
 
 
 def train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float = 0.002,
