@@ -819,3 +819,28 @@ def test_fx_tracer_keeps_fusekit_modules_as_leaves():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ft.TorchFallbackWarning)
         assert torch.allclose(gm(x), fk.eval()(x))
+
+
+def test_train_resnet_graphed_captures_on_a_copy_of_the_sample(monkeypatch):
+    """examples/train_resnet.graphed hands make_graphed_callables a copy of the sample batch: the
+    graphs read their input from the sample's memory and every call copies its batch there, so the
+    caller's batch would be overwritten (seen on the GPU: the eager side then trained on another batch)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_resnet
+
+    seen = {}
+
+    def fake(model, samples):
+        seen["sample"] = samples[0]
+        seen["autocast_cache"] = torch.is_autocast_cache_enabled()
+        return model
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
+    x = torch.randn(2, 3, 8, 8)
+    model = torch.nn.Conv2d(3, 4, 3)
+    assert train_resnet.graphed(model, x, amp=False) is model
+    assert torch.equal(seen["sample"], x) and seen["sample"].data_ptr() != x.data_ptr()
+    assert seen["autocast_cache"] is False
