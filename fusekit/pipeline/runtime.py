@@ -451,7 +451,6 @@ class Pipeline:
             f"{sum(r['bound'] == 'compute' for r in roof)} stages compute-bound, {sum(r['bound'] == 'memory' for r in roof)} memory-bound",
         ] if roof else []) + [
             f"CUDA graph: {'captured' if self.graph_captured else ('failed: ' + self.capture_error if self.capture_error else 'not captured')}",
-        ] + [
             f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
             f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)",
             "fallbacks (run by PyTorch):" if self.fallbacks else "fallbacks: none",
