@@ -1,0 +1,136 @@
+"""Where the converted ResNet-50's uncaptured forward + backward host time goes, in one process.
+
+Variants, alternated over rounds (host ms of forward + backward, GPU synchronized before each):
+  eager         torch.nn as is
+  fusekit       the converted model
+  no-execute    the converted model with the frontend's execute a no-op (everything else real:
+                keys, allocations, autograd): the host time that is not cuDNN's
+  timed         the converted model with each execute timed (perf_counter_ns): executes in the model
+  replay        the executes the timed pass recorded, replayed alone in order
+  replay+work   the same, with a fixed chunk of Python + torch host work between executes
+                (two torch.empty and a small dict loop): does work in between slow the executes?
+
+    python benchmarks/probes/probe_train_partition.py [--model resnet50] [--rounds 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import converted
+
+from fusekit import dispatch
+
+
+def fwd_bwd(model, data) -> None:
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.cross_entropy(model(data.x), data.y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def host_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    dt = (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    return dt
+
+
+def graph_class():
+    classes = {type(c.graph) for c in dispatch._FAST.values()}
+    assert len(classes) == 1, classes
+    return classes.pop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    base, fk, data = converted(args.model, args.batch)
+    for _ in range(3):
+        host_ms(lambda: fwd_bwd(base, data))
+        host_ms(lambda: fwd_bwd(fk, data))
+    G = graph_class()
+    real = G.execute
+    record: list[tuple] = []
+    spent = [0, 0]
+
+    def noop(self, *a, **k):
+        return None
+
+    def timed(self, tensors, ws=None, handle=None, **k):
+        t = time.perf_counter_ns()
+        real(self, tensors, ws, handle, **k)
+        spent[0] += time.perf_counter_ns() - t
+        spent[1] += 1
+        record.append((self, tuple(tensors), ws, handle, k.get("tensor_uids")))
+
+    def replay(work: bool) -> None:
+        sink = {}
+        for g, ts, ws, h, uids in record:
+            real(g, ts, ws, h, tensor_uids=uids)
+            if work:
+                a = torch.empty(64, device="cuda")
+                b = torch.empty(64, device="cuda")
+                for i in range(20):
+                    sink[i] = (a, b, i)
+
+    results: dict[str, list[float]] = {k: [] for k in ("eager", "fusekit", "no-execute", "timed", "replay", "replay+work")}
+    per_exec: list[float] = []
+    for r in range(args.rounds):
+        results["eager"] += [host_ms(lambda: fwd_bwd(base, data)) for _ in range(3)]
+        results["fusekit"] += [host_ms(lambda: fwd_bwd(fk, data)) for _ in range(3)]
+        G.execute = noop
+        try:
+            results["no-execute"] += [host_ms(lambda: fwd_bwd(fk, data)) for _ in range(3)]
+        finally:
+            G.execute = real
+        for _ in range(3):
+            record.clear()
+            spent[:] = [0, 0]
+            G.execute = timed
+            try:
+                results["timed"].append(host_ms(lambda: fwd_bwd(fk, data)))
+            finally:
+                G.execute = real
+            per_exec.append(spent[0] / 1e3 / max(spent[1], 1))
+        n = len(record)
+        results["replay"] += [host_ms(lambda: replay(False)) for _ in range(3)]
+        results["replay+work"] += [host_ms(lambda: replay(True)) for _ in range(3)]
+        print(f"round {r}: " + ", ".join(f"{k} {statistics.median(v[-3:]):.2f}" for k, v in results.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"\n{args.model} b{args.batch} amp-fp16, forward + backward host ms (median of {3 * args.rounds}):")
+    for k, v in med.items():
+        print(f"  {k:<12} {v:8.2f}")
+    print(f"executes per pass: {n}; timed in the model: {statistics.median(per_exec):.1f} us each "
+          f"({statistics.median(per_exec) * n / 1e3:.2f} ms); replayed alone: {med['replay'] * 1e3 / n:.1f} us each; "
+          f"with work between: {med['replay+work'] * 1e3 / n:.1f} us each (the work alone is not subtracted)")
+    work = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        sink = {}
+        for _ in range(n):
+            a = torch.empty(64, device="cuda")
+            b = torch.empty(64, device="cuda")
+            for i in range(20):
+                sink[i] = (a, b, i)
+        work.append((time.perf_counter() - t) * 1e3)
+    print(f"the work alone: {statistics.median(work):.2f} ms for {n} chunks")
+    print(f"not cuDNN (fusekit - timed executes): {med['fusekit'] - statistics.median(per_exec) * n / 1e3:.2f} ms; "
+          f"no-execute pass {med['no-execute']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
