@@ -51,11 +51,44 @@ def graph_class():
     return classes.pop()
 
 
+def profile_passes(base, fk, data, G, noop) -> None:
+    """cProfile of 5 no-execute passes (the host work that is not cuDNN's), then the aten ops each
+    side issues in one pass (torch.profiler, CPU), most frequent first."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    G.execute, real = noop, G.execute
+    try:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            fwd_bwd(fk, data)
+        pr.disable()
+    finally:
+        G.execute = real
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(30)
+    for name, model in (("eager", base), ("fusekit", fk)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fwd_bwd(model, data)
+        torch.cuda.synchronize()
+        rows = sorted(prof.key_averages(), key=lambda e: -e.count)
+        total = sum(e.count for e in rows)
+        print(f"{name}: {total} profiled CPU events in one pass; most frequent:")
+        for e in rows[:28]:
+            print(f"  x{e.count:<5} {e.cpu_time_total / max(e.count, 1):8.1f} us avg  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="instead: cProfile of the no-execute pass, and aten op counts per side")
     args = ap.parse_args()
     base, fk, data = converted(args.model, args.batch)
     for _ in range(3):
@@ -86,6 +119,9 @@ def main() -> None:
                 for i in range(20):
                     sink[i] = (a, b, i)
 
+    if args.profile:
+        profile_passes(base, fk, data, G, noop)
+        return
     results: dict[str, list[float]] = {k: [] for k in ("eager", "fusekit", "no-execute", "timed", "replay", "replay+work")}
     per_exec: list[float] = []
     for r in range(args.rounds):
