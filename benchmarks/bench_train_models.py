@@ -133,8 +133,7 @@ def time_graphed(model: torch.nn.Module, data: Data, precision: str, args: argpa
     dtype = PRECISIONS[precision]
     data.reset()
     try:
-        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None, cache_enabled=False):
-            graphed = torch.cuda.make_graphed_callables(model, (data.x,))
+        graphed = ft.graphed(model, data.x, autocast=dtype)
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
         return None, None, f"make_graphed_callables failed: {type(e).__name__}: {str(e)[:300]}"
     step, box = make_step(graphed, data, precision, captured=False)

@@ -12,7 +12,7 @@ classifier on fusekit's graphs; the other runs PyTorch eager. Prints both loss c
 largest relative gap between them, and the milliseconds per step of each.
 
 ``--graphed`` makes the converted model's forward and backward CUDA graphs
-(``torch.cuda.make_graphed_callables``, see :func:`graphed`): the loop stays the same (autocast,
+(``fusekit.torch.graphed``, over ``torch.cuda.make_graphed_callables``): the loop stays the same (autocast,
 GradScaler, optimizer), and the per-layer host work is replayed by the driver instead of redone in
 Python at every step, which is where an uncaptured step of small layers spends its time.
 
@@ -64,16 +64,6 @@ def make_models(classes: int = 10, seed: int = 0, device: str = "cuda") -> tuple
     return (eager.to(device, memory_format=torch.channels_last), fused.to(device, memory_format=torch.channels_last), report)
 
 
-def graphed(model: torch.nn.Module, sample: torch.Tensor, amp: bool = True) -> torch.nn.Module:
-    """``model`` with its training forward and backward as CUDA graphs, for inputs shaped like ``sample``
-    (torch.cuda.make_graphed_callables: three warm-up passes, which also build fusekit's plans, then
-    the captures; autocast without its weight cache, as capturing requires). The graphs read their
-    input from the sample's memory, and every call copies its input there: hence a copy of ``sample``,
-    which would otherwise be overwritten by each batch."""
-    with torch.autocast("cuda", dtype=torch.float16, enabled=amp, cache_enabled=False):
-        return torch.cuda.make_graphed_callables(model.train(), (sample.clone(),))
-
-
 def train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float = 0.002,
           momentum: float = 0.9, amp: bool = True, times: list[float] | None = None) -> list[float]:
     """SGD (momentum) steps over ``batches`` in order (cycling), under fp16 autocast with a GradScaler;
@@ -108,12 +98,15 @@ def max_relative_gap(a: list[float], b: list[float]) -> float:
 def run(steps: int = 100, batch: int = 64, size: int = 64, seed: int = 0, lr: float = 0.002, graph: bool = False,
         times: dict[str, list[float]] | None = None) -> tuple[list[float], list[float], Any]:
     """(fusekit losses, eager losses, conversion report) of the two models trained from the same weights
-    on the same ``steps`` fresh batches (``graph``: the fusekit model :func:`graphed`; ``times``, if
+    on the same ``steps`` fresh batches (``graph``: the fusekit model's forward and backward as CUDA
+    graphs, ``fusekit.torch.graphed``; ``times``, if
     given, receives each side's milliseconds per step under "fusekit" and "eager")."""
     eager, fused, report = make_models(seed=seed)
     batches = synthetic_batches(steps, batch, size, seed=seed)
     if graph:
-        fused = graphed(fused, batches[0][0])
+        import fusekit.torch as ft
+
+        fused = ft.graphed(fused, batches[0][0], autocast=torch.float16)
     times = {} if times is None else times
     fused_losses = train(fused, batches, steps, lr=lr, times=times.setdefault("fusekit", []))
     eager_losses = train(eager, batches, steps, lr=lr, times=times.setdefault("eager", []))

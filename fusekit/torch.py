@@ -63,6 +63,7 @@ __all__ = [
     "Softmax",
     "TorchFallbackWarning",
     "convert",
+    "graphed",
 ]
 
 
@@ -920,3 +921,62 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
             _link(converted[p], converted[c])
     report.fused = _describe_groups(model, names)
     return model, report
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------------------
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def graphed(model: torch.nn.Module, sample: torch.Tensor, *, autocast: Any = None, warmup: int = 3) -> torch.nn.Module:
+    """``model`` with its training forward and backward captured as CUDA graphs
+    (``torch.cuda.make_graphed_callables``) for inputs shaped like ``sample``: the fast way to train a
+    converted model (each graph replays every layer's work in one launch; fusekit's host work per
+    layer is paid at capture only). The loop around it stays as it is: loss, GradScaler, optimizer.
+
+    ``autocast``: the dtype (float16 / bfloat16) to capture under ``torch.autocast("cuda")``, without
+    autocast's weight cache (capturing requires it off), or None for the model's own dtypes. The
+    model is put in training mode; the ``warmup`` passes before the capture build fusekit's plans
+    and move the batch-norm running statistics as training steps would.
+
+    Calls in training mode must pass a tensor of ``sample``'s shape, dtype, device and
+    ``requires_grad`` (else OperandError, before anything runs); eval-mode calls run uncaptured. The
+    graphs read the input from a copy of ``sample`` and write outputs into fixed buffers, which the
+    next call overwrites: clone an output to keep it past the next call. Returns ``model`` itself."""
+    who = "fusekit.torch.graphed"
+    if not isinstance(model, torch.nn.Module):
+        raise OperandError(who, "model", f"expected a torch.nn.Module, got {type(model).__name__}", what="argument")
+    if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks:
+        raise OperandError(who, "model", "has hooks registered on it (make_graphed_callables refuses those): remove them first",
+                           what="argument")
+    if autocast is not None and autocast not in _AUTOCAST_DTYPES:
+        raise OperandError(who, "autocast", f"expected None, torch.float16 or torch.bfloat16, got {autocast!r}", what="argument")
+    if not isinstance(warmup, int) or warmup < 1:
+        raise OperandError(who, "warmup", f"expected an int >= 1 (fusekit builds its plans in those passes), got {warmup!r}",
+                           what="argument")
+    if not isinstance(sample, torch.Tensor):
+        raise OperandError(who, "sample", f"expected a CUDA tensor, got {type(sample).__name__}")
+    if not sample.is_cuda:
+        raise OperandError(who, "sample", f"expected a CUDA tensor, got one on {sample.device} (CUDA graphs run on the GPU)")
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.device != sample.device:
+            raise OperandError(who, f"model.{name}", f"expected on {sample.device} (the sample's device), got {t.device}")
+    static = sample.detach().clone().requires_grad_(sample.requires_grad)  # the graphs' input buffer, not the caller's tensor
+    with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None, cache_enabled=False):
+        model = torch.cuda.make_graphed_callables(model.train(), (static,), num_warmup_iters=warmup)
+    replay = model.forward
+    shape, dtype, device, needs_grad = static.shape, static.dtype, static.device, static.requires_grad
+
+    def forward(x: torch.Tensor) -> Any:
+        if model.training and (
+            not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device or x.requires_grad != needs_grad
+        ):
+            got = (f"{x.dtype} {tuple(x.shape)} on {x.device}, requires_grad={x.requires_grad}" if isinstance(x, torch.Tensor)
+                   else type(x).__name__)
+            raise OperandError(who, "x", f"expected {dtype} {tuple(shape)} on {device}, requires_grad={needs_grad} "
+                               f"(what the graphs were captured for), got {got}")
+        return replay(x)
+
+    model.forward = forward
+    return model

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -821,26 +822,25 @@ def test_fx_tracer_keeps_fusekit_modules_as_leaves():
         assert torch.allclose(gm(x), fk.eval()(x))
 
 
-def test_train_resnet_graphed_captures_on_a_copy_of_the_sample(monkeypatch):
-    """examples/train_resnet.graphed hands make_graphed_callables a copy of the sample batch: the
-    graphs read their input from the sample's memory and every call copies its batch there, so the
-    caller's batch would be overwritten (seen on the GPU: the eager side then trained on another batch)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import train_resnet
-
-    seen = {}
-
-    def fake(model, samples):
-        seen["sample"] = samples[0]
-        seen["autocast_cache"] = torch.is_autocast_cache_enabled()
-        return model
-
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
-    x = torch.randn(2, 3, 8, 8)
+def test_graphed_checks_its_arguments_before_capturing(monkeypatch):
+    """fusekit.torch.graphed names the bad argument (model, autocast, warmup, sample, a parameter on
+    another device) before make_graphed_callables runs."""
+    called = []
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda *a, **k: called.append(a))
     model = torch.nn.Conv2d(3, 4, 3)
-    assert train_resnet.graphed(model, x, amp=False) is model
-    assert torch.equal(seen["sample"], x) and seen["sample"].data_ptr() != x.data_ptr()
-    assert seen["autocast_cache"] is False
+    x = torch.randn(2, 3, 8, 8)
+    cases = [
+        ((object(), x), {}, "'model': expected a torch.nn.Module"),
+        ((model, x), {"autocast": torch.float32}, "'autocast': expected None, torch.float16 or torch.bfloat16"),
+        ((model, x), {"warmup": 0}, "'warmup': expected an int >= 1"),
+        ((model, x.numpy()), {}, "'sample': expected a CUDA tensor, got ndarray"),
+        ((model, x), {}, "'sample': expected a CUDA tensor, got one on cpu"),
+    ]
+    for args, kwargs, msg in cases:
+        with pytest.raises(OperandError, match=re.escape(msg)):
+            ft.graphed(*args, **kwargs)
+    hooked = torch.nn.Conv2d(3, 4, 3)
+    hooked.register_forward_hook(lambda *a: None)
+    with pytest.raises(OperandError, match="'model': has hooks registered"):
+        ft.graphed(hooked, x)
+    assert not called

@@ -440,7 +440,7 @@ def test_train_resnet_example_tracks_eager():
 
 
 def test_train_resnet_example_graphed_tracks_uncaptured():
-    """examples/train_resnet.py's ``graphed`` (make_graphed_callables on the converted ResNet-18): 30
+    """fusekit.torch.graphed on examples/train_resnet.py's converted ResNet-18 (fp16 autocast): 30
     steps of the same loop (fp16 AMP, GradScaler, SGD momentum) track the uncaptured converted model
     from the same weights on the same batches: within 1% over the first 10 steps, 5% over all 30."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -452,7 +452,7 @@ def test_train_resnet_example_graphed_tracks_uncaptured():
     for name in ("uncaptured", "graphed"):
         _, fused, _ = train_resnet.make_models()
         if name == "graphed":
-            fused = train_resnet.graphed(fused, batches[0][0])
+            fused = ft().graphed(fused, batches[0][0], autocast=torch.float16)
         curves[name] = train_resnet.train(fused, batches, steps, times=times.setdefault(name, []))
     fg, fu = curves["graphed"], curves["uncaptured"]
     for i in range(steps):
@@ -550,14 +550,15 @@ def test_cuda_graph_training_step_replays_the_eager_step(kind, precision):
     assert int(captured[1].num_batches_tracked) == 3 + 4  # warm-up steps and replays (a capture runs nothing)
 
 
-def test_make_graphed_callables_trains_like_the_uncaptured_model():
-    """torch.cuda.make_graphed_callables on a converted model (fp16 autocast without its weight
-    cache): the ordinary loop around it (GradScaler, SGD momentum, loss outside the graphs) gives per
-    step the loss and weight updates of the same converted model run uncaptured from the same state."""
+def test_graphed_trains_like_the_uncaptured_model():
+    """fusekit.torch.graphed on a converted model (fp16 autocast): the ordinary loop around it
+    (GradScaler, SGD momentum, loss outside the graphs) gives per step the loss and weight updates of
+    the same converted model run uncaptured from the same state. The caller's sample is not the
+    graphs' input buffer (it keeps its values)."""
     graphed = _graph_net()
     sample = cl(torch.randn(16, 3, 16, 16, device="cuda"))
-    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-        graphed = torch.cuda.make_graphed_callables(graphed, (sample,))
+    kept = sample.clone()
+    graphed = ft().graphed(graphed, sample, autocast=torch.float16)
     eager = _graph_net()
     eager.load_state_dict(graphed.state_dict())  # the warm-up moved the BN running statistics
     sides = []
@@ -585,3 +586,32 @@ def test_make_graphed_callables_trains_like_the_uncaptured_model():
             assert rel(ug, ue) < 5e-2, f"step {i}: update of {n} differs by {rel(ug, ue):.2e}"
         _sync(graphed, sides[0][1], eager, sides[1][1])  # the next step starts from the same state
         sides[1][2].load_state_dict(sides[0][2].state_dict())
+    assert torch.equal(sample, kept), "the graphs wrote into the caller's sample"
+
+
+def test_graphed_refuses_other_inputs_and_runs_eval_uncaptured():
+    """A graphed model called in training mode with another shape, dtype or requires_grad raises an
+    OperandError naming x and the captured shape (make_graphed_callables would copy it into the
+    captured buffer, broadcasting); in eval mode it runs uncaptured, any batch size. A model left
+    on the CPU is named before anything is captured."""
+    model = _graph_net()
+    sample = cl(torch.randn(8, 3, 16, 16, device="cuda"))
+    from fusekit.errors import OperandError
+
+    with pytest.raises(OperandError, match=r"'model\.0\.weight': expected on cuda:0"):
+        ft().graphed(model.cpu(), sample)
+    model = ft().graphed(model.cuda(), sample)
+    good = model(cl(torch.randn(8, 3, 16, 16, device="cuda")))
+    assert good.shape == (8, 10) and torch.isfinite(good).all()
+    for bad in (torch.randn(1, 3, 16, 16, device="cuda"), torch.randn(8, 3, 16, 16, device="cuda", dtype=torch.float16),
+                torch.randn(8, 3, 16, 16, device="cuda", requires_grad=True)):
+        with pytest.raises(OperandError, match=r"'x': expected torch.float32 \(8, 3, 16, 16\) on cuda:0, requires_grad=False"):
+            model(cl(bad) if not bad.requires_grad else bad)
+    model.eval()
+    x = cl(torch.randn(3, 3, 16, 16, device="cuda"))
+    with torch.no_grad():
+        y = model(x)
+    ref = _graph_net().cuda().eval()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert rel(y, ref(x)) < 1e-3
