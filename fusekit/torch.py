@@ -177,6 +177,36 @@ def _already_done(x: Any, m: torch.nn.Module) -> bool:
     return True
 
 
+# ReLU backward across modules (set up by convert): a ReLU output (BN+ReLU, ReLU, conv+ReLU) used
+# only by a convolution lets that convolution's backward compute its input gradient with the ReLU's
+# mask applied (cuDNN's dgrad + dReLU graph) and tag it; the producer's backward, given exactly that
+# tensor (same version: autograd accumulating another gradient into it bumps the version, and a sum
+# is a new tensor), skips its own dReLU. Masking is idempotent: an untagged gradient is masked again.
+_RELU_OUT = "_fusekit_relu_out"
+_RELU_DONE = "_fusekit_relu_done"
+
+
+def _mark_relu_output(y: torch.Tensor) -> torch.Tensor:
+    setattr(y, _RELU_OUT, y._version)
+    return y
+
+
+def _is_relu_output(x: Any) -> bool:
+    """Whether ``x`` is, unmodified, the output of a fusekit ReLU (its gradient may carry the dReLU)."""
+    return getattr(x, _RELU_OUT, None) == x._version
+
+
+def _mark_relu_done(dx: torch.Tensor, relu_out: torch.Tensor) -> torch.Tensor:
+    setattr(dx, _RELU_DONE, (relu_out.data_ptr(), dx._version))
+    return dx
+
+
+def _relu_done(dy: Any, y: torch.Tensor | None) -> bool:
+    """Whether ``dy`` already has the mask of the ReLU whose output is ``y`` applied (by the consumer's dgrad)."""
+    tag = getattr(dy, _RELU_DONE, None)
+    return tag is not None and y is not None and tag == (y.data_ptr(), dy._version)
+
+
 def _check_act(act: str | None, who: str = "fusekit.torch") -> str | None:
     if act not in (None, "relu"):
         raise OperandError(who, "activation", f"expected None or 'relu', got {act!r}", what="argument")
@@ -205,7 +235,7 @@ class ConvBiasAct(torch.autograd.Function):
     backward. ``b`` None: the plain conv graph (a zero bias when the ReLU is fused), no bias gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x, w, b, padding, stride, dilation, groups, act):  # type: ignore[override]
+    def forward(ctx: Any, x, w, b, padding, stride, dilation, groups, act, input_relu=False):  # type: ignore[override]
         w = _like(w, x)
         kw = {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}
         relu = act == "relu"
@@ -216,21 +246,25 @@ class ConvBiasAct(torch.autograd.Function):
             y = (ops.conv_bias_relu if relu else ops.conv_bias)(x, w, bias, **kw)
         ctx.save_for_backward(x, w, y if relu else None)
         ctx.kw, ctx.relu, ctx.has_bias = kw, relu, b is not None
+        ctx.input_relu = input_relu  # x is a ReLU's output used only here: dx carries that ReLU's backward
         return y
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, w, y = ctx.saved_tensors
+        relu = ctx.relu and not _relu_done(dy, y)  # a consumer's dgrad may have applied this ReLU's mask
         dy = _like(dy, x)
         nx, nw, nb = ctx.needs_input_grad[:3]
-        needs = (nx, nw, nb and ctx.has_bias)
-        if ctx.relu:
-            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, **ctx.kw)
+        needs, kw = (nx, nw, nb and ctx.has_bias), dict(ctx.kw, input_relu=ctx.input_relu)
+        if relu:
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, **kw)
         elif ctx.has_bias:
-            dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **ctx.kw)
+            dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **kw)
         else:
-            (dx, dw), db = ops.conv2d_backward(dy, x, w, needs=(nx, nw), **ctx.kw), None
-        return dx, dw, db, None, None, None, None, None
+            (dx, dw), db = ops.conv2d_backward(dy, x, w, needs=(nx, nw), **kw), None
+        if dx is not None and ctx.input_relu:
+            _mark_relu_done(dx, x)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class ConvTransposeBiasAct(torch.autograd.Function):
@@ -307,6 +341,8 @@ class BatchNormAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, gamma, mean, inv, y = ctx.saved_tensors
+        if _relu_done(dy, y):  # the consuming conv's dgrad applied the ReLU's mask
+            y = None
         dx, dg, db = ops.batchnorm_backward(_like(dy, x), x, gamma, mean, inv, y=y, needs=ctx.needs_input_grad[:3])
         return dx, dg, db, None, None, None, None, None
 
@@ -344,6 +380,8 @@ class _ReLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         (y,) = ctx.saved_tensors
+        if _relu_done(dy, y):
+            return dy, None
         return ops.relu_backward(_like(dy, y), y), None
 
 
@@ -396,6 +434,7 @@ class _Fusekit:
 
     _fk_bn: Any = None
     _fk_relu: Any = None
+    _fk_drelu = False  # (convolutions) every call's input is a ReLU output used only by this module
     activation: str | None = None
 
     def _fk_setup(self) -> None:
@@ -473,8 +512,9 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
                 relu, done = True, (self._fk_relu,)
         if self._fk_extra is not None:
             x = F.pad(x, self._fk_extra)
-        y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, "relu" if relu else None)
-        return _hand_on(y, done)
+        drelu = self._fk_drelu and _is_relu_output(x)
+        y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, "relu" if relu else None, drelu)
+        return _hand_on(_mark_relu_output(y) if relu else y, done)
 
 
 class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
@@ -576,6 +616,8 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
             y = BatchNormAct.apply(
                 x, gamma, beta, self.running_mean if track else None, self.running_var if track else None, self.eps, factor, relu
             )
+            if relu:
+                _mark_relu_output(y)
         else:
             scale, shift = self._scale_shift()
             y = ScaleShiftAct.apply(x, scale, shift, relu)
@@ -594,7 +636,7 @@ class ReLU(_Fusekit, torch.nn.ReLU):
             if self.inplace:
                 return torch.relu_(x)  # write through the caller's strides, as PyTorch does
             x = _dense(x, "ReLU")
-        return _ReLUFn.apply(x, self.inplace)
+        return _mark_relu_output(_ReLUFn.apply(x, self.inplace))
 
 
 class ChannelScaleShift(_Fusekit, torch.nn.Module):
@@ -759,13 +801,24 @@ class FxTracer(torch.fx.Tracer):
         return isinstance(m, _Fusekit) or super().is_leaf_module(m, module_qualified_name)
 
 
-def _fx_consumers(model: torch.nn.Module) -> tuple[dict[int, int], list[str]]:
+def _relu_node(model: torch.nn.Module, n: Any) -> bool:
+    """Whether fx node ``n`` calls a module whose output is a ReLU's (a ReLU, or a layer with a fused one)."""
+    if n.op != "call_module":
+        return False
+    m = model.get_submodule(n.target)
+    return isinstance(m, torch.nn.ReLU) or getattr(m, "activation", None) == "relu"
+
+
+def _fx_consumers(model: torch.nn.Module) -> tuple[dict[int, int], list[str], dict[int, str]]:
     """From ``torch.fx`` traces of ``model`` in training and in eval mode: producer -> consumer (module
     ids) where every call of the producer feeds exactly one call of the same module and nothing else,
-    in both traces; and notes on outputs that feed a functional ReLU. Raises what tracing raises."""
+    in both traces; notes on outputs that feed a functional ReLU; and the convolutions (module id ->
+    the ReLU module's name) whose every training call takes a ReLU module's output that nothing else
+    uses. Raises what tracing raises."""
     modes = [(m, m.training) for m in model.modules()]
     found: list[dict[int, int]] = []
     notes: list[str] = []
+    relu_fed: dict[int, str] = {}
     relu_fns = {F.relu, torch.relu}
     try:
         for mode in (True, False):
@@ -792,12 +845,17 @@ def _fx_consumers(model: torch.nn.Module) -> tuple[dict[int, int], list[str]]:
                             notes.append(f"{target}: its output goes to a functional ReLU in forward(); not fused (no module to swap)")
                 if len(consumers) == 1 and None not in consumers:
                     links[id(model.get_submodule(target))] = id(model.get_submodule(consumers.pop()))
+                if mode and isinstance(model.get_submodule(target), torch.nn.Conv2d) and all(
+                    len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], torch.fx.Node) and _relu_node(model, n.args[0])
+                    and len(n.args[0].users) == 1 for n in nodes
+                ):
+                    relu_fed[id(model.get_submodule(target))] = str(nodes[0].args[0].target)
             found.append(links)
     finally:
         for m, t in modes:
             m.training = t
     train, evaluate = found
-    return {p: c for p, c in train.items() if evaluate.get(p) == c}, notes
+    return {p: c for p, c in train.items() if evaluate.get(p) == c}, notes, relu_fed
 
 
 def _sequential_consumers(model: torch.nn.Module) -> dict[int, int]:
@@ -867,7 +925,8 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
     conv -> BN [-> ReLU] (training: conv, then the fused BN+ReLU graph; eval: BN folded into one
     conv+bias[+ReLU] graph), BN -> ReLU, conv / transposed conv / Linear -> ReLU. The producer then
     computes its followers' work and they pass its output on: calling a fused producer on its own
-    returns the fused result (as torch.ao.quantization.fuse_modules does). The links are plain
+    returns the fused result (as torch.ao.quantization.fuse_modules does). A conv whose input is a
+    ReLU module's output that nothing else uses runs that ReLU's backward in its dgrad (training). The links are plain
     attributes (not submodules, not in the state dict; deepcopy keeps them within the copy);
     nn.DataParallel's replicas would share the original's, so use DistributedDataParallel or ``fuse=False``.
 
@@ -882,11 +941,12 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
         names.setdefault(id(m), name or "(root)")
 
     links: dict[int, int] = {}
+    relu_fed: dict[int, str] = {}
     if not fuse:
         report.analysis = "fusion off"
     else:
         try:
-            links, report.notes = _fx_consumers(model)
+            links, report.notes, relu_fed = _fx_consumers(model)
             report.analysis = "call order from torch.fx traces in training and eval mode"
         except Exception as e:  # noqa: BLE001 - any tracing failure: fall back to Sequential order
             links = _sequential_consumers(model)
@@ -920,6 +980,10 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
         if p in converted and c in converted:
             _link(converted[p], converted[c])
     report.fused = _describe_groups(model, names)
+    for i, relu in relu_fed.items():
+        if isinstance(converted.get(i), Conv2d):
+            converted[i].__dict__["_fk_drelu"] = True
+            report.fused.append(((relu, names[i]), "training backward: the ReLU's backward runs in the conv's dgrad (one dgrad + dReLU graph)"))
     return model, report
 
 

@@ -84,6 +84,9 @@ class FakeOps:
         _image(dz, x, w)
         _same_dtype(dz, x, w)
         dx, dw = _vjp(lambda a, b: F.conv2d(a, b, None, kw["stride"], kw["padding"], kw["dilation"], kw["groups"]), (x, w), dz)
+        if kw.get("input_relu") and needs[0]:  # as ops: x is a ReLU's output, dx carries its backward
+            self.calls.append("dgrad_drelu")
+            dx = dx * (x > 0)
         return dx if needs[0] else None, dw if needs[1] else None
 
     def conv2d_backward(self, dy, x, w, *, needs=(True, True), **kw):
@@ -608,7 +611,7 @@ def test_converted_small_cnn_train_and_eval_match_torch(fake):
     _randomize_bn(ref)
     fk, report = ft.convert(ref)
     assert [type(m).__module__ for m in fk] == ["fusekit.torch"] * 9 + ["torch.nn.modules.flatten"] + ["fusekit.torch"] * 4
-    assert len(report.fused) == 4, report
+    assert len(report.fused) == 5, report  # the last: the first ReLU's backward in the second conv's dgrad
     x = torch.randn(3, 3, 12, 12, dtype=torch.float64)
     compare(fk, ref, x, tol=1e-6)  # training: conv, then BN+ReLU fused; conv+ReLU; conv, BN; linear+ReLU
     assert "batchnorm_relu" in fake and "conv_bias_relu" in fake and "linear_bias_relu" in fake
@@ -626,6 +629,65 @@ def test_converted_small_cnn_train_and_eval_match_torch(fake):
         fk[0].weight.data.mul_(0.5)  # even through .data (no version bump): the fold is never cached
         ref[0].weight.data.mul_(0.5)
         assert rel(fk(x), ref(x)) < 1e-6
+
+
+def test_relu_backward_moves_into_the_consuming_convs_dgrad(fake):
+    """conv -> BN -> ReLU -> conv: convert marks the second conv (its input is a ReLU output nothing
+    else uses); its backward computes dx with the ReLU's mask (the dgrad + dReLU graph) and the BN
+    backward then runs without its dReLU. Gradients as torch.nn's."""
+    ref = small_cnn().double()
+    _randomize_bn(ref)
+    fk, _ = ft.convert(ref)
+    assert [m._fk_drelu for m in fk if isinstance(m, ft.Conv2d)] == [False, True, False]
+    compare(fk, ref, torch.randn(3, 3, 12, 12, dtype=torch.float64), tol=1e-6)
+    assert fake.count("dgrad_drelu") == 1
+    assert "batchnorm_backward" in fake and "batchnorm_relu_backward" not in fake  # the first BN: no dReLU of its own
+
+
+class _TwoUses(torch.nn.Module):
+    """A ReLU output read by a conv and by an add (a residual): its gradient is a sum."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.bn, self.relu = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        r = self.relu(self.bn(self.conv1(x)))
+        return self.conv2(r) + r
+
+
+def test_relu_output_with_two_uses_keeps_its_own_relu_backward(fake):
+    """A ReLU output that also feeds an add is not marked for the consumer's dReLU; forced on anyway,
+    the summed gradient carries no valid tag and the producer masks it itself: gradients stay exact."""
+    ref = _TwoUses().double()
+    _randomize_bn(ref)
+    fk, _ = ft.convert(ref)
+    assert not fk.conv2._fk_drelu
+    x = torch.randn(2, 3, 10, 10, dtype=torch.float64)
+    compare(fk, ref, x, tol=1e-6)
+    assert "dgrad_drelu" not in fake and "batchnorm_relu_backward" in fake
+    fk.conv2.__dict__["_fk_drelu"] = True  # as if the analysis had missed the add
+    fake.clear()
+    compare(fk, ref, x, tol=1e-6)
+    assert "dgrad_drelu" in fake and "batchnorm_relu_backward" in fake
+
+
+def test_relu_output_changed_in_place_is_not_fused(fake):
+    """A ReLU output modified in place before the conv reads it (version bumped) is not a ReLU output
+    any more: the conv computes a plain dgrad."""
+    ref = small_cnn().double()
+    fk, _ = ft.convert(ref)
+    x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    with torch.no_grad():
+        h = fk[2](fk[1](fk[0](x)))
+    assert ft._is_relu_output(h)
+    h.add_(1.0)
+    assert not ft._is_relu_output(h)
+    h.requires_grad_(True)
+    fk[3](h).sum().backward()
+    assert "dgrad_drelu" not in fake and h.grad is not None
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
@@ -765,11 +827,11 @@ def test_fx_finds_functional_relu_and_shared_modules():
 
 
 TORCHVISION = {
-    # model: (replaced counts, fused groups, left-alone types)
-    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 20, {"AdaptiveAvgPool2d"}),
-    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 53, {"AdaptiveAvgPool2d"}),
+    # model: (replaced counts, fused groups (with the convs whose dgrad takes a ReLU's backward), left-alone types)
+    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 28, {"AdaptiveAvgPool2d"}),
+    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 85, {"AdaptiveAvgPool2d"}),
     "mobilenet_v2": ({"Conv2d": 52, "BatchNorm2d": 52, "Linear": 1}, 52, {"ReLU6", "Dropout"}),
-    "vgg11_bn": ({"Conv2d": 8, "BatchNorm2d": 8, "ReLU": 10, "MaxPool2d": 5, "Linear": 3}, 10, {"AdaptiveAvgPool2d", "Dropout"}),
+    "vgg11_bn": ({"Conv2d": 8, "BatchNorm2d": 8, "ReLU": 10, "MaxPool2d": 5, "Linear": 3}, 13, {"AdaptiveAvgPool2d", "Dropout"}),
 }
 
 

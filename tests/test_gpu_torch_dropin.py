@@ -410,6 +410,51 @@ def test_converted_resnet_gradients_match_original(name, precision):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_relu_backward_in_the_next_convs_dgrad_matches_float64(dtype, monkeypatch):
+    """conv -> BN -> ReLU -> conv -> BN -> ReLU -> conv (ResNet's bottleneck order), converted: the two
+    later convs compute their input gradient with the ReLU's mask (dgrad + dReLU), the BNs skip their
+    own; every gradient as close to float64 as with the fusion turned off (within 2x, or the dtype's
+    tolerance), and the fused path really ran."""
+    import fusekit.ops.conv as opsconv
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Conv2d(16, 32, 1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(32, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(32, 64, 1, bias=False),
+    ).cuda()
+    ref64 = copy.deepcopy(base).double()
+    dt = getattr(torch, dtype)
+    x = cl(torch.randn(8, 16, 14, 14, device="cuda"))
+    g = cl(torch.randn(8, 64, 14, 14, device="cuda"))
+    seen = []
+    real = opsconv._conv_grads
+    monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: seen.append(a[-1]) or real(*a))
+
+    def grads(model, fused):
+        for m in model.modules():
+            if isinstance(m, ft().Conv2d):
+                m.__dict__["_fk_drelu"] = fused and m is not model[0]
+        xi = x.to(dt).requires_grad_(True)
+        (model(xi).double() * g.double()).sum().backward()
+        return [xi.grad] + [p.grad for p in model.parameters()]
+
+    xr = x.double().requires_grad_(True)
+    (ref64(xr) * g.double()).sum().backward()
+    want = [xr.grad] + [p.grad for p in ref64.parameters()]
+    errs = {}
+    for fused in (True, False):
+        fk, _ = ft().convert(base)
+        fk = fk.to(dt).to(memory_format=torch.channels_last).train()
+        seen.clear()
+        errs[fused] = [rel(a, b) for a, b in zip(grads(fk, fused), want)]
+        assert seen == ([True, True, False] if fused else [False] * 3)  # backward order: the last conv first
+    print(f"{dtype}: gradient errors vs float64, fused {max(errs[True]):.2e}, unfused {max(errs[False]):.2e}")
+    for ef, eu in zip(errs[True], errs[False]):
+        assert ef < max(2 * eu, TOL[dtype])
+
+
 # ----------------------------------------------------------------------------------------------
 # Training: the example, and a captured training step
 # ----------------------------------------------------------------------------------------------
