@@ -73,3 +73,21 @@ def resnet50_eval(batch: int) -> tuple[torch.nn.Module, torch.Tensor]:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error of ``a`` against ``b`` (Frobenius norms, in float32)."""
     return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def fwd_bwd(model: torch.nn.Module, data: Data) -> None:
+    """One uncaptured forward (fp16 autocast) + cross-entropy + backward; gradients dropped after."""
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.cross_entropy(model(data.x), data.y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def host_ms(fn: Callable[[], object]) -> float:
+    """Host milliseconds of one call of ``fn``, the GPU synchronized before and after (not counted)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    dt = (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    return dt

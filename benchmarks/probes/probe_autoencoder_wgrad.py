@@ -4,7 +4,7 @@ PyTorch's cuDNN ``convolution_backward`` (weight only, cudnn.benchmark) on the s
 Both of the autoencoder's weight gradients have one shape: image (64, 3, 64, 64), gradient
 (64, 16, 32, 32), 3x3 stride 2 padding 1 (the transposed conv's with the roles swapped). The seventh
 session saw the same cuDNN kernel take 70.4 us per step in fusekit against 60.8 us in eager. Here:
-each side's time per call (CUDA graph of 20 calls, replays timed by events, median), the autotuner's
+each side's time per call (timing.graph_time_us), the autotuner's
 candidates (time, engine, knobs), and the relative error of each side's result to float64.
 
     python benchmarks/probes/probe_autoencoder_wgrad.py [--batch 64] [--nchw]
@@ -13,40 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from timing import graph_time_us
 
 import fusekit
 from fusekit import dispatch
 from fusekit.engine.autotune import TuneOptions, autotune
-
-
-def graphed_us(fn, calls: int = 20, replays: int = 15) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -84,7 +62,8 @@ def main() -> None:
     for name, fn in (("fusekit", fk), ("torch", pt)):
         out = fn().double()
         err = ((out - ref).norm() / ref.norm()).item()
-        print(f"{name:<8} {graphed_us(fn):7.1f} us per call (then {graphed_us(fn):7.1f}), rel err {err:.2e}, "
+        us = [graph_time_us(lambda i: fn()) for _ in range(2)]
+        print(f"{name:<8} {us[0]:7.1f} us per call (then {us[1]:7.1f}), rel err {err:.2e}, "
               f"out strides {tuple(fn().stride())}")
     prof_rows = []
     from torch.profiler import ProfilerActivity, profile

@@ -14,34 +14,17 @@ import copy
 import os
 import statistics
 import sys
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import converted
+from common import converted, fwd_bwd, host_ms
 
 import fusekit.torch as ft
 from fusekit import dispatch
 from fusekit.errors import FusionWarning
-
-
-def fwd_bwd(model, data) -> None:
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = F.cross_entropy(model(data.x), data.y)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-
-
-def host_ms(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    dt = (time.perf_counter() - t) * 1e3
-    torch.cuda.synchronize()
-    return dt
 
 
 def gpu_ms(fn, steps: int = 20) -> float:

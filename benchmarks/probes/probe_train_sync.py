@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import converted
+from common import converted, fwd_bwd
 
 from fusekit import dispatch, ops
 
@@ -28,13 +28,6 @@ SLEEP_MS = 300.0
 
 def sleep(ms: float) -> None:
     torch.cuda._sleep(int(ms * 1.98e6))
-
-
-def fwd_bwd(model, data) -> None:
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = F.cross_entropy(model(data.x), data.y)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
 
 
 def host_ms(fn, queued: bool) -> float:
