@@ -9,6 +9,7 @@ parameters, buffers and state-dict keys. ``Conv2d``, ``ConvTranspose2d``, ``Line
     model, report = ft.convert(torchvision.models.resnet50())
     print(report)                      # what was replaced, fused, left alone
     model = model.cuda().to(memory_format=torch.channels_last)
+    model = ft.graphed(model, batch, autocast=torch.float16)  # training forward + backward as CUDA graphs
 
 Where a module runs:
 
@@ -926,9 +927,10 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
     conv+bias[+ReLU] graph), BN -> ReLU, conv / transposed conv / Linear -> ReLU. The producer then
     computes its followers' work and they pass its output on: calling a fused producer on its own
     returns the fused result (as torch.ao.quantization.fuse_modules does). A conv whose input is a
-    ReLU module's output that nothing else uses runs that ReLU's backward in its dgrad (training). The links are plain
-    attributes (not submodules, not in the state dict; deepcopy keeps them within the copy);
-    nn.DataParallel's replicas would share the original's, so use DistributedDataParallel or ``fuse=False``.
+    ReLU module's output that nothing else uses runs that ReLU's backward in its dgrad (training).
+    The links are plain attributes (not submodules, not in the state dict; deepcopy keeps them
+    within the copy); nn.DataParallel's replicas would share the original's, so use
+    DistributedDataParallel or ``fuse=False``.
 
     ``inplace=False`` converts a deep copy. Returns (model, report); ``print(report)`` lists what was
     replaced, fused and left alone, with reasons."""
