@@ -19,7 +19,7 @@ FIGURE_TAGS = {
     "01_quickstart": ["graph", "speedup"],
     "02_autotune": ["candidates"],
     "03_batchnorm_split": ["variants"],
-    "04_training": ["loss", "reconstructions", "train_step"],
+    "04_training": ["loss", "reconstructions", "train_step", "train_models"],
     "05_pipeline": ["stages", "speedup", "committed"],
 }
 
