@@ -1007,7 +1007,8 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor, *, autocast: Any = Non
     and move the batch-norm running statistics as training steps would.
 
     Calls in training mode must pass a tensor of ``sample``'s shape, dtype, device and
-    ``requires_grad`` (else OperandError, before anything runs); eval-mode calls run uncaptured. The
+    ``requires_grad`` (else OperandError, before anything runs), and are warned once if made under
+    another autocast dtype than ``autocast`` (the graphs keep theirs); eval-mode calls run uncaptured. The
     graphs read the input from a copy of ``sample`` and write outputs into fixed buffers, which the
     next call overwrites: clone an output to keep it past the next call. Returns ``model`` itself."""
     who = "fusekit.torch.graphed"
@@ -1031,18 +1032,32 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor, *, autocast: Any = Non
     static = sample.detach().clone().requires_grad_(sample.requires_grad)  # the graphs' input buffer, not the caller's tensor
     with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None, cache_enabled=False):
         model = torch.cuda.make_graphed_callables(model.train(), (static,), num_warmup_iters=warmup)
-    replay = model.forward
+    model.forward = _checked_forward(model, model.forward, static, autocast)
+    return model
+
+
+def _checked_forward(model: torch.nn.Module, replay: Any, static: torch.Tensor, autocast: Any) -> Any:
+    """The graphed model's forward: in training mode, ``x`` must match the captured ``static`` input
+    (OperandError), and a call under an autocast other than the captured one is warned once (the
+    graphs run in the dtypes they were captured in)."""
     shape, dtype, device, needs_grad = static.shape, static.dtype, static.device, static.requires_grad
+    warned: list[bool] = []
 
     def forward(x: torch.Tensor) -> Any:
-        if model.training and (
-            not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device or x.requires_grad != needs_grad
-        ):
-            got = (f"{x.dtype} {tuple(x.shape)} on {x.device}, requires_grad={x.requires_grad}" if isinstance(x, torch.Tensor)
-                   else type(x).__name__)
-            raise OperandError(who, "x", f"expected {dtype} {tuple(shape)} on {device}, requires_grad={needs_grad} "
-                               f"(what the graphs were captured for), got {got}")
+        if model.training:
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device or x.requires_grad != needs_grad:
+                got = (f"{x.dtype} {tuple(x.shape)} on {x.device}, requires_grad={x.requires_grad}" if isinstance(x, torch.Tensor)
+                       else type(x).__name__)
+                raise OperandError("fusekit.torch.graphed", "x", f"expected {dtype} {tuple(shape)} on {device}, requires_grad={needs_grad} "
+                                   f"(what the graphs were captured for), got {got}")
+            amp = _amp_dtype()
+            if amp is not None and amp != autocast and not warned:
+                warned.append(True)
+                warnings.warn(
+                    f"fusekit.torch.graphed: called under torch.autocast({amp}) but captured with autocast={autocast}: the graphs "
+                    f"run in the dtypes they were captured in; pass autocast={amp} to graphed() to capture the autocast step",
+                    UserWarning, stacklevel=2,
+                )
         return replay(x)
 
-    model.forward = forward
-    return model
+    return forward

@@ -884,6 +884,34 @@ def test_fx_tracer_keeps_fusekit_modules_as_leaves():
         assert torch.allclose(gm(x), fk.eval()(x))
 
 
+def test_graphed_forward_checks_training_inputs_and_warns_on_another_autocast(monkeypatch):
+    """The graphed model's forward (fusekit.torch._checked_forward over the replaying one): in training
+    mode an input unlike the captured one is an OperandError naming x and the captured shape; in eval
+    mode anything passes to the original forward; a training call under an autocast dtype other than
+    the captured one warns once."""
+    model = torch.nn.Linear(3, 3)
+    static = torch.randn(2, 3)
+    seen = []
+    fwd = ft._checked_forward(model, lambda x: seen.append(x) or x, static, None)
+    x = torch.randn(2, 3)
+    assert fwd(x) is x
+    for bad, got in ((torch.randn(4, 3), "(4, 3)"), (torch.randn(2, 3, dtype=torch.float64), "torch.float64"),
+                     (torch.randn(2, 3, requires_grad=True), "requires_grad=True"), ([1, 2], "got list")):
+        with pytest.raises(OperandError, match=re.escape("'x': expected torch.float32 (2, 3) on cpu, requires_grad=False")) as e:
+            fwd(bad)
+        assert got in str(e.value)
+    model.eval()
+    assert fwd(torch.randn(5, 3)).shape == (5, 3)  # eval: no check (the replaying forward runs the original)
+    model.train()
+    monkeypatch.setattr(ft, "_amp_dtype", lambda: torch.float16)
+    with pytest.warns(UserWarning, match=r"called under torch.autocast\(torch.float16\) but captured with autocast=None"):
+        fwd(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fwd(x)  # once
+        ft._checked_forward(model, lambda x: x, static, torch.float16)(x)  # captured under the same dtype: silent
+
+
 def test_graphed_checks_its_arguments_before_capturing(monkeypatch):
     """fusekit.torch.graphed names the bad argument (model, autocast, warmup, sample, a parameter on
     another device) before make_graphed_callables runs."""
