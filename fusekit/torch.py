@@ -151,6 +151,18 @@ def _zero_bias(n: int, like: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def _tag(t: torch.Tensor, name: str, value: Any) -> torch.Tensor:
+    """Attach ``value`` to ``t`` under ``name``, valid while ``t`` is unmodified (its version)."""
+    setattr(t, name, (value, t._version))
+    return t
+
+
+def _tagged(t: Any, name: str) -> Any:
+    """The value :func:`_tag` attached to ``t`` under ``name``, or None (no tag, or ``t`` modified since)."""
+    tag = getattr(t, name, None) if isinstance(t, torch.Tensor) else None
+    return tag[0] if tag is not None and tag[1] == t._version else None
+
+
 # Fusion across modules (set up by convert): a producer computes its followers' work too and tags
 # its output with them; each follower, given exactly that tensor (same object, unmodified), passes
 # it on instead of computing again. Any other input is computed as usual.
@@ -158,21 +170,16 @@ _DONE = "_fusekit_done"
 
 
 def _hand_on(y: torch.Tensor, followers: tuple) -> torch.Tensor:
-    if followers:
-        setattr(y, _DONE, (tuple(id(m) for m in followers), y._version))
-    return y
+    return _tag(y, _DONE, tuple(id(m) for m in followers)) if followers else y
 
 
 def _already_done(x: Any, m: torch.nn.Module) -> bool:
     """Whether ``x`` is a producer's output that already holds ``m``'s work (then ``m`` passes it on)."""
-    tag = getattr(x, _DONE, None) if isinstance(x, torch.Tensor) else None
-    if tag is None:
-        return False
-    ids, version = tag
-    if ids[0] != id(m) or version != x._version:
+    ids = _tagged(x, _DONE)
+    if ids is None or ids[0] != id(m):
         return False
     if len(ids) > 1:
-        setattr(x, _DONE, (ids[1:], version))
+        _tag(x, _DONE, ids[1:])
     else:
         delattr(x, _DONE)
     return True
@@ -181,31 +188,28 @@ def _already_done(x: Any, m: torch.nn.Module) -> bool:
 # ReLU backward across modules (set up by convert): a ReLU output (BN+ReLU, ReLU, conv+ReLU) used
 # only by a convolution lets that convolution's backward compute its input gradient with the ReLU's
 # mask applied (cuDNN's dgrad + dReLU graph) and tag it; the producer's backward, given exactly that
-# tensor (same version: autograd accumulating another gradient into it bumps the version, and a sum
+# tensor (unmodified: autograd accumulating another gradient into it bumps the version, and a sum
 # is a new tensor), skips its own dReLU. Masking is idempotent: an untagged gradient is masked again.
 _RELU_OUT = "_fusekit_relu_out"
 _RELU_DONE = "_fusekit_relu_done"
 
 
 def _mark_relu_output(y: torch.Tensor) -> torch.Tensor:
-    setattr(y, _RELU_OUT, y._version)
-    return y
+    return _tag(y, _RELU_OUT, True)
 
 
 def _is_relu_output(x: Any) -> bool:
     """Whether ``x`` is, unmodified, the output of a fusekit ReLU (its gradient may carry the dReLU)."""
-    return getattr(x, _RELU_OUT, None) == x._version
+    return _tagged(x, _RELU_OUT) is not None
 
 
 def _mark_relu_done(dx: torch.Tensor, relu_out: torch.Tensor) -> torch.Tensor:
-    setattr(dx, _RELU_DONE, (relu_out.data_ptr(), dx._version))
-    return dx
+    return _tag(dx, _RELU_DONE, relu_out.data_ptr())
 
 
 def _relu_done(dy: Any, y: torch.Tensor | None) -> bool:
     """Whether ``dy`` already has the mask of the ReLU whose output is ``y`` applied (by the consumer's dgrad)."""
-    tag = getattr(dy, _RELU_DONE, None)
-    return tag is not None and y is not None and tag == (y.data_ptr(), dy._version)
+    return y is not None and _tagged(dy, _RELU_DONE) == y.data_ptr()
 
 
 def _check_act(act: str | None, who: str = "fusekit.torch") -> str | None:
