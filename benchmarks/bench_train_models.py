@@ -216,13 +216,11 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     log(f"{name} {precision}: torch.compile {ms if ms is None else round(ms, 2)} ms/step, loss {loss} ({note})")
     _free()
 
-    fk = rec["fusekit_ms"]
-    for k in ("torch_eager_ms", "torch_compile_ms"):
-        rec[k.replace("_ms", "_over_fusekit")] = None if rec[k] is None else round(rec[k] / fk, 3)
-
     def ratio(num: float | None, den: float | None) -> float | None:
         return None if num is None or den is None else round(num / den, 3)
 
+    for k in ("torch_eager_ms", "torch_compile_ms"):
+        rec[k.replace("_ms", "_over_fusekit")] = ratio(rec[k], rec["fusekit_ms"])
     rec["torch_graph_over_fusekit_graph"] = ratio(rec["torch_graph_ms"], rec["fusekit_graph_ms"])
     rec["torch_graphed_over_fusekit_graphed"] = ratio(rec["torch_graphed_ms"], rec["fusekit_graphed_ms"])
     rec["torch_eager_over_fusekit_graphed"] = ratio(rec["torch_eager_ms"], rec["fusekit_graphed_ms"])
