@@ -67,8 +67,9 @@ def make_models(classes: int = 10, seed: int = 0, device: str = "cuda") -> tuple
 def train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float = 0.002,
           momentum: float = 0.9, amp: bool = True, times: list[float] | None = None) -> list[float]:
     """SGD (momentum) steps over ``batches`` in order (cycling), under fp16 autocast with a GradScaler;
-    the loss of every step (``times``, if given, receives each step's milliseconds). The scaler starts at 2**10 and grows rarely, so both models skip the same
-    (no) steps for overflow and their curves stay comparable."""
+    the loss of every step (``times``, if given, receives each step's milliseconds). The scaler starts
+    at 2**10 and grows rarely, so both models skip the same (no) steps for overflow and their curves
+    stay comparable."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1000, enabled=amp)
@@ -99,8 +100,8 @@ def run(steps: int = 100, batch: int = 64, size: int = 64, seed: int = 0, lr: fl
         times: dict[str, list[float]] | None = None) -> tuple[list[float], list[float], Any]:
     """(fusekit losses, eager losses, conversion report) of the two models trained from the same weights
     on the same ``steps`` fresh batches (``graph``: the fusekit model's forward and backward as CUDA
-    graphs, ``fusekit.torch.graphed``; ``times``, if
-    given, receives each side's milliseconds per step under "fusekit" and "eager")."""
+    graphs, ``fusekit.torch.graphed``; ``times``, if given, receives each side's milliseconds per
+    step under "fusekit" and "eager")."""
     eager, fused, report = make_models(seed=seed)
     batches = synthetic_batches(steps, batch, size, seed=seed)
     if graph:
