@@ -143,13 +143,14 @@ def test_norm_errors():
 def test_batchnorm_from_reductions_matches_the_node(monkeypatch, relu):
     """The split batch norm (for keys cuDNN's node refuses, e.g. C not a multiple of its vector
     width) gives the node's forward and backward: ops' own code, with each graph evaluated by the oracle."""
-    from fusekit.ops import norm
+    from fusekit.ops import common, norm
 
     def call(name, *a, out=None, **kw):  # the oracle in place of the GPU; channel outputs as (C,) like fusekit's
         res = tuple(r.reshape(-1) if r.ndim == 4 and r.shape[0] == 1 and r.shape[2:] == (1, 1) else r for r in oracle.evaluate(name, *a, **kw))
         return res[0] if len(res) == 1 else res
 
     monkeypatch.setattr(norm, "call", call)
+    monkeypatch.setattr(common, "call", call)
     rng = np.random.default_rng(3)
     c = 3
     x = rng.standard_normal((4, c, 5, 6)) * 2 + 0.5

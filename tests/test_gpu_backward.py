@@ -89,6 +89,32 @@ def test_only_requested_gradients_are_made():
     assert rel(dw, dwr) < TOL["float16"]
 
 
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("c", [1, 3, 16])
+def test_few_channel_bias_gradients(c, dtype, lib):
+    """ReLU backward + bias gradient and the bias gradient alone on few channels (run on rows of
+    pixels of the channels-last memory) against float64, torch tensors and CuPy NHWC arrays."""
+    import fusekit
+    from fusekit.ops.common import bias_grad, relu_bias_grad
+
+    dy, y = rnd((64, c, 32, 32), dtype, True), torch.relu(rnd((64, c, 32, 32), dtype, True))
+    want = dy.double() * (y.double() > 0)
+    if lib == "cupy":
+        cp = pytest.importorskip("cupy")
+        as_cp = lambda t: fusekit.nhwc(cp.from_dlpack(t.permute(0, 2, 3, 1).contiguous()))  # noqa: E731
+        dz, db = relu_bias_grad(as_cp(dy), as_cp(y), True)
+        dz = torch.from_dlpack(dz.transpose(0, 2, 3, 1).copy()).permute(0, 3, 1, 2)
+        db, db_only = torch.from_dlpack(db), torch.from_dlpack(bias_grad(as_cp(dy)))
+    else:
+        dz, db = relu_bias_grad(dy, y, True)
+        db_only = bias_grad(dy)
+        assert dz.is_contiguous(memory_format=torch.channels_last)
+    assert dz.shape == dy.shape and db.shape == db_only.shape == (c,)
+    assert rel(dz, want) == 0.0
+    assert rel(db, want.sum((0, 2, 3))) < 1e-5 and rel(db_only, dy.double().sum((0, 2, 3))) < 1e-5
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=IDS[:3])
 def test_dgrad_drelu_fusion(shape):
     """dx with the previous ReLU's backward fused (x = that ReLU's output)."""

@@ -4,7 +4,7 @@ graphs. torch.profiler records the kernels of 20 replays; per side one replay (t
 is printed kernel by kernel in launch order: start offset from the replay's first kernel, duration,
 gap to the previous kernel's end (negative = overlap, e.g. programmatic dependent launch).
 
-    python benchmarks/probes/probe_autoencoder_timeline.py [--batch 64] [--fp16]
+    python benchmarks/probes/probe_autoencoder_timeline.py [--batch 64] [--fp16] [--no-input-grad]
 """
 from __future__ import annotations
 
@@ -92,10 +92,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--fp16", action="store_true")
+    ap.add_argument("--no-input-grad", action="store_true", help="the image does not require grad (no first-layer dgrad)")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     fusekit.configure(mode="autotune", disk=False)
     name, fused, eager, x = autoencoder_case(args.batch, torch.float16 if args.fp16 else torch.float32)
+    if args.no_input_grad:
+        x.requires_grad_(False)
+        name += ", no input gradient"
     tf, te = graphed_time_us(fused, x), graphed_time_us(eager, x)
     print(f"{name}: captured step fusekit {tf:.1f} us, eager {te:.1f} us ({te / tf:.2f}x)")
     print("columns: start us, duration us, gap to the previous kernel's end (negative = overlap), kernel")

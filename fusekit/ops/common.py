@@ -1,11 +1,16 @@
-"""Helpers the op families share: call tags for split-and-warn, dtype casts, the ReLU + bias-gradient step."""
+"""Helpers the op families share: call tags for split-and-warn, dtype casts, the ReLU + bias-gradient
+step and the per-channel sums over few channels."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..dispatch import call, fused_or_split
-from ..tensors import adapter_for
+from ..tensors import adapter_for, matches, nhwc_strides
+
+#: Per-channel sums over fewer channels than this read their channels-last operands as rows of
+#: several pixels (see :func:`_pixels_per_row`).
+ROW_CHANNELS = 32
 
 
 def cast_like(a: Any, like: Any) -> Any:
@@ -26,9 +31,66 @@ def relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
     """(dz, db) of ``relu(z)`` with upstream ``dy``: relu_backward, fused with the bias gradient when wanted."""
     if not need_db:
         return call("relu_backward", dy, y), None
+    k = _pixels_per_row(dy, y)
+    if k > 1:
+        dz, db = relu_bias_grad(_as_rows(dy, k), _as_rows(y, k), True)
+        return _from_rows(dz, dy.shape), _fold(db, k)
     return fused_or_split(
         tag("relu_bias_grad", dy, y),
         lambda: call("relu_bias_grad", dy, y),
         lambda: (lambda d: (d, call("bias_grad", d)))(call("relu_backward", dy, y)),
         like=dy,
     )
+
+
+def bias_grad(dy: Any) -> Any:
+    """Per-channel sum of ``dy`` in float32 (the bias gradient), shaped as cuDNN's reduction gives it."""
+    k = _pixels_per_row(dy)
+    if k > 1:
+        return _fold(call("bias_grad", _as_rows(dy, k)), k)
+    return call("bias_grad", dy)
+
+
+def _pixels_per_row(*arrays: Any) -> int:
+    """k such that the per-channel sums of ``arrays`` (same shape, dense channels-last (N, C, H, W),
+    C < ROW_CHANNELS) run on their memory read as (N*H*W / k, k*C, 1, 1), the k*C sums folded to C;
+    1 where that does not apply. cuDNN's reductions give each row of threads a tile of channels, most
+    of it idle when C is a few: ReLU backward + bias gradient of a 64x3x64x64 float32 image took
+    22.9 us, 9.2 us as rows of 16 pixels; 256x3x64x64 float16 64.9 -> 10.7 us (H200, probe_bias_grad_view)."""
+    shape = arrays[0].shape
+    if len(shape) != 4 or not 0 < shape[1] < ROW_CHANNELS:
+        return 1
+    n, c, h, w = (int(d) for d in shape)
+    p, k = n * h * w, 1
+    if p % 2:
+        return 1
+    if type(arrays[0]).__module__.split(".")[0] not in ("torch", "cupy"):  # views as below
+        return 1
+    ad = adapter_for(arrays[0])
+    dense = nhwc_strides((n, c, h, w))
+    for a in arrays:
+        s, strides = ad.describe(a)[:2]
+        if tuple(s) != (n, c, h, w) or not matches(tuple(strides), dense, (n, c, h, w)):
+            return 1
+    while k * c < ROW_CHANNELS and p % (2 * k) == 0:
+        k *= 2
+    return k
+
+
+def _as_rows(a: Any, k: int) -> Any:
+    """Dense channels-last (N, C, H, W) ``a`` as the (N*H*W / k, k*C, 1, 1) view of the same memory."""
+    n, c, h, w = (int(d) for d in a.shape)
+    t = a.permute(0, 2, 3, 1) if hasattr(a, "permute") else a.transpose(0, 2, 3, 1)
+    return t.reshape(n * h * w // k, k * c, 1, 1)
+
+
+def _from_rows(a: Any, shape: Any) -> Any:
+    """The channels-last (N, C, H, W) view of an array shaped by :func:`_as_rows`."""
+    n, c, h, w = (int(d) for d in shape)
+    t = a.reshape(n, h, w, c)
+    return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else t.transpose(0, 3, 1, 2)
+
+
+def _fold(db: Any, k: int) -> Any:
+    """k*C per-column sums -> the C per-channel sums (column j sums channel j % C)."""
+    return db.reshape(k, -1).sum(0)

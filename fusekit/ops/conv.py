@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from ..dispatch import call, fused_or_split, run
 from ..tensors import adapter_for
-from .common import cast_like, relu_bias_grad, tag
+from .common import bias_grad, cast_like, relu_bias_grad, tag
 from .norm import affine_identity
 
 _CONV_ATTRS = ("padding", "stride", "dilation", "groups")
@@ -144,7 +144,7 @@ def conv_bias_backward(
 ) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = conv2d(x, w) + b``; saved: x, w."""
     need_dx, need_dw, need_db = needs
-    db = call("bias_grad", dy) if need_db else None
+    db = bias_grad(dy) if need_db else None
     dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu)
     return dx, dw, cast_like(db, dy)
 
@@ -168,7 +168,7 @@ def conv_transpose_bias_relu_backward(
     if relu:
         dz, db = relu_bias_grad(dy, y, need_db)
     else:
-        dz, db = dy, (call("bias_grad", dy) if need_db else None)
+        dz, db = dy, (bias_grad(dy) if need_db else None)
     dx = call("conv", dz, w, **conv) if need_dx else None
     dw = call("conv_wgrad", dz, x, kernel=tuple(w.shape[2:]), **conv) if need_dw else None
     return dx, dw, cast_like(db, dy)

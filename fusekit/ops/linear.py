@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from ..dispatch import call, run
 from ..errors import OperandError
-from .common import cast_like, relu_bias_grad
+from .common import bias_grad, cast_like, relu_bias_grad
 
 
 def linear_bias_relu(x: Any, w: Any, b: Any, *, out: Any = None) -> Any:
@@ -37,7 +37,7 @@ def linear_bias_relu_backward(dy: Any, x: Any, w: Any, y: Any, *, needs: Sequenc
 
 def linear_bias_backward(dy: Any, x: Any, w: Any, *, needs: Sequence[bool] = (True, True, True)) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = x @ w.T + b``; saved: x, w."""
-    db = call("bias_grad", _as_image(dy, "linear_bias_backward", "dy")) if needs[2] else None
+    db = bias_grad(_as_image(dy, "linear_bias_backward", "dy")) if needs[2] else None
     return _linear_grads(dy, x, w, needs[0], needs[1]) + (cast_like(db, dy),)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from ..dispatch import call, fused_or_split
 from ..errors import OperandError
 from ..tensors import TensorSpec, adapter_for, make_spec
-from .common import tag
+from .common import bias_grad, tag
 
 _IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
 
@@ -102,7 +102,7 @@ def _bn_split_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: boo
     (x - mean) * inv_std * gamma + beta [+ ReLU] as one graph."""
     m = _count(x)
     gamma, beta, rm, rv = (v.reshape(-1) for v in (gamma, beta, rm, rv))
-    mean = call("bias_grad", x) / m
+    mean = bias_grad(x) / m
     var = call("centered_sq_sum", x, mean) / m
     inv = (var + epsilon) ** -0.5
     y = batchnorm_inference(x, mean, inv, gamma, beta, relu=relu)
@@ -115,7 +115,7 @@ def _bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tupl
     """Batch-norm backward from two reductions (sum dy, sum dy * x) and one pointwise graph for dx."""
     m = _count(x)
     gamma, mean, inv = (v.reshape(-1) for v in (gamma, mean, inv))
-    dbeta = call("bias_grad", dy)
+    dbeta = bias_grad(dy)
     dgamma = (call("scale_grad", dy, x) - mean * dbeta) * inv
     a = gamma * inv
     b = -a * inv * dgamma / m
