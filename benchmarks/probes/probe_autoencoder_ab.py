@@ -7,8 +7,8 @@ probe_autoencoder_timeline: 263 vs 246 us). Two differences seen kernel by kerne
   turns that off;
 - the first layer's weight gradient takes 36-38 us in fusekit's step against 28-30 in eager's and
   29 alone on the step's own arrays: variant ``fence`` puts a one-element torch kernel before each
-  conv_wgrad, variant ``clone`` gives conv_wgrad a fresh copy of its gradient operand (does the
-  producer or the operand's memory matter?).
+  conv_wgrad, variant ``clone`` gives conv_wgrad fresh copies of both operands, ``clone-image`` /
+  ``clone-grad`` of its image-role (x) or gradient-role (dy) operand alone.
 
 Variants alternate over rounds in one process; per variant the median captured step and the two
 wgrad kernels' durations (torch.profiler over 20 replays).
@@ -47,10 +47,12 @@ def fence_call(name, *args, **kw):
     return REAL_CALL(name, *args, **kw)
 
 
-def clone_call(name, *args, **kw):
-    if name == "conv_wgrad":
-        args = tuple(a.clone(memory_format=torch.channels_last) if i < 2 else a for i, a in enumerate(args))
-    return REAL_CALL(name, *args, **kw)
+def cloning(which: tuple[int, ...]):
+    def clone_call(name, *args, **kw):
+        if name == "conv_wgrad":
+            args = tuple(a.clone(memory_format=torch.channels_last) if i in which else a for i, a in enumerate(args))
+        return REAL_CALL(name, *args, **kw)
+    return clone_call
 
 
 @contextlib.contextmanager
@@ -59,8 +61,8 @@ def variant(name: str):
         common_ops.ROW_CHANNELS = 1
     if "fence" in name:
         conv_ops.call = fence_call
-    if "clone" in name:
-        conv_ops.call = clone_call
+    if name.startswith("clone"):
+        conv_ops.call = cloning({"clone": (0, 1), "clone-image": (0,), "clone-grad": (1,)}[name])
     try:
         yield
     finally:
@@ -73,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     fusekit.configure(mode="autotune", disk=False)
-    variants = ["eager", "fusekit", "norows", "fence", "clone"]
+    variants = ["eager", "fusekit", "norows", "clone", "clone-image", "clone-grad"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     wgrads: dict[str, list[list[float]]] = {v: [] for v in variants}
     for r in range(args.rounds):
