@@ -1,5 +1,5 @@
 """Kernel timeline of one captured training step of the float32 batch-64 autoencoder (bench_train's
-case: 0.92x of eager autotuned), fusekit against eager, both autotuned and both replayed as CUDA
+case: 0.92x of eager autotuned in the seventh session), fusekit against eager, both autotuned and both replayed as CUDA
 graphs. torch.profiler records the kernels of 20 replays; per side one replay (the median by span)
 is printed kernel by kernel in launch order: start offset from the replay's first kernel, duration,
 gap to the previous kernel's end (negative = overlap, e.g. programmatic dependent launch).
