@@ -792,6 +792,9 @@ class ConvertReport:
         if self.notes:
             lines.append("notes:")
             lines += [f"  {n}" for n in self.notes]
+        if self.replaced:
+            lines.append("training: uncaptured, every fusekit layer pays Python and cuDNN host time per call; for speed run "
+                         "forward and backward as CUDA graphs: fusekit.torch.graphed(model, batch)")
         return "\n".join(lines)
 
 
