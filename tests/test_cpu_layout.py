@@ -132,5 +132,6 @@ def test_few_channel_sums_run_on_rows_of_pixels(monkeypatch, c, rows):
     odd = torch.randn(1, c, 3, 3, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     common.bias_grad(odd)
     assert [s[1][0] for s in seen] == [(2, c, 8, 8), (1, c, 3, 3)]
+    assert common._pixels_per_row(torch.empty(0, c, 8, 8).contiguous(memory_format=torch.channels_last)) == 1  # empty
     if c > 1:  # operands in different layouts: as they are
         assert common._pixels_per_row(dy, y.contiguous()) == 1

@@ -62,7 +62,7 @@ def _pixels_per_row(*arrays: Any) -> int:
         return 1
     n, c, h, w = (int(d) for d in shape)
     p, k = n * h * w, 1
-    if p % 2:
+    if p == 0 or p % 2:  # empty (handled as it is) or no pairs of pixels
         return 1
     if type(arrays[0]).__module__.split(".")[0] not in ("torch", "cupy"):  # views as below
         return 1
