@@ -44,7 +44,7 @@ def relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
 
 
 def bias_grad(dy: Any) -> Any:
-    """Per-channel sum of ``dy`` in float32 (the bias gradient), shaped as cuDNN's reduction gives it."""
+    """The (C,) per-channel sum of ``dy`` in float32: the bias gradient."""
     k = _pixels_per_row(dy)
     if k > 1:
         return _fold(call("bias_grad", _as_rows(dy, k)), k)
