@@ -66,17 +66,22 @@ def step_fn(model, x):
     return step
 
 
-def graphed_time_us(model, x) -> float:
-    """Median device time of one forward+backward, captured (with its allocations) in a CUDA graph."""
-    params = list(model.parameters())
+def graph_step(model, x) -> tuple[Callable[[int], object], Callable[[], None]]:
+    """(fn_i, reset) of one forward+backward for the graph timers: reset clears every gradient."""
+    params, step = list(model.parameters()), step_fn(model, x)
 
     def reset() -> None:
         for p in params:
             p.grad = None
         x.grad = None
 
-    step = step_fn(model, x)
-    return graph_time_us(lambda i: step(), reps=REPS, trials=TRIALS, warm=3, reset=reset)
+    return (lambda i: step()), reset
+
+
+def graphed_time_us(model, x) -> float:
+    """Median device time of one forward+backward, captured (with its allocations) in a CUDA graph."""
+    fn_i, reset = graph_step(model, x)
+    return graph_time_us(fn_i, reps=REPS, trials=TRIALS, warm=3, reset=reset)
 
 
 @contextlib.contextmanager

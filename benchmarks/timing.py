@@ -22,6 +22,24 @@ def graph_time_us(
     ``warm`` eager calls on the capture stream first (plans built, workspaces sized, allocator
     warmed); ``reset()`` runs before each of them and before capture (e.g. clearing gradients).
     Each trial replays the graph between two CUDA events; the median over trials is divided by reps."""
+    g = capture(fn_i, reps, warm, reset)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def capture(fn_i: Callable[[int], object], reps: int = 1, warm: int = 3, reset: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
+    """fn_i(0..reps-1) captured in one CUDA graph, after ``warm`` eager calls on the capture stream
+    (``reset()`` before each of them and before the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -37,18 +55,7 @@ def graph_time_us(
     with torch.cuda.graph(g, stream=s):
         for i in range(reps):
             fn_i(i)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    return g
 
 
 def host_us(fn: Callable[[], object], n: int = 300, warm: int = 20, trials: int = 3) -> float:

@@ -1,5 +1,6 @@
-"""What the training-host probes share: a torchvision model and its fusekit.torch conversion on one
-batch, and an uncaptured AMP step timed stage by stage on the host."""
+"""What the training probes share: a torchvision model and its fusekit.torch conversion on one
+batch, an uncaptured AMP step timed stage by stage on the host, and bench_train's autoencoder with
+both sides autotuned."""
 from __future__ import annotations
 
 import os
@@ -13,8 +14,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_train import autoencoder_case, graphed_time_us
 from bench_train_models import Data
 
+import fusekit
 import fusekit.torch as ft
 
 
@@ -91,3 +94,17 @@ def host_ms(fn: Callable[[], object]) -> float:
     dt = (time.perf_counter() - t) * 1e3
     torch.cuda.synchronize()
     return dt
+
+
+def autotuned_autoencoder(batch: int, fp16: bool, input_grad: bool = True) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """bench_train's autoencoder case (fused, eager, x) with fusekit in "autotune" mode and eager's
+    cudnn.benchmark on; prints both sides' captured step times."""
+    torch.backends.cudnn.benchmark = True
+    fusekit.configure(mode="autotune", disk=False)
+    name, fused, eager, x = autoencoder_case(batch, torch.float16 if fp16 else torch.float32)
+    if not input_grad:
+        x.requires_grad_(False)
+        name += ", no input gradient"
+    tf, te = graphed_time_us(fused, x), graphed_time_us(eager, x)
+    print(f"{name}: captured step fusekit {tf:.1f} us, eager {te:.1f} us ({te / tf:.2f}x)")
+    return fused, eager, x

@@ -18,19 +18,16 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_train import autoencoder_case, graphed_time_us, step_fn
-
-import fusekit
+from bench_train import graph_step
+from common import autotuned_autoencoder
 
 
 def kernels(model, x, steps: int = 20) -> list[tuple[str, float, int]]:
-    step, params = step_fn(model, x), list(model.parameters())
+    fn_i, reset = graph_step(model, x)
 
     def run() -> None:
-        for p in params:
-            p.grad = None
-        x.grad = None
-        step()
+        reset()
+        fn_i(0)
 
     for _ in range(5):
         run()
@@ -53,11 +50,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--fp16", action="store_true")
     args = ap.parse_args()
-    torch.backends.cudnn.benchmark = True
-    fusekit.configure(mode="autotune", disk=False)
-    name, fused, eager, x = autoencoder_case(args.batch, torch.float16 if args.fp16 else torch.float32)
-    tf, te = graphed_time_us(fused, x), graphed_time_us(eager, x)
-    print(f"{name}: captured step fusekit {tf:.1f} us, eager {te:.1f} us ({te / tf:.2f}x)")
+    fused, eager, x = autotuned_autoencoder(args.batch, args.fp16)
     for side, model in (("fusekit", fused), ("eager", eager)):
         rows = kernels(model, x)
         print(f"{side}: {sum(r[1] for r in rows):.1f} us of kernels per step")

@@ -21,34 +21,15 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_train import autoencoder_case, graphed_time_us, step_fn
-
-import fusekit
+from bench_train import graph_step
+from common import autotuned_autoencoder
+from timing import capture
 
 
 def captured(model, x) -> torch.cuda.CUDAGraph:
     """One step (gradients cleared first) captured in a CUDA graph after 3 warm steps."""
-    params = list(model.parameters())
-    step = step_fn(model, x)
-
-    def reset() -> None:
-        for p in params:
-            p.grad = None
-        x.grad = None
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            reset()
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    reset()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        step()
-    return g
+    fn_i, reset = graph_step(model, x)
+    return capture(fn_i, reps=1, warm=3, reset=reset)
 
 
 def timeline(g: torch.cuda.CUDAGraph, replays: int = 20) -> list[list[dict]]:
@@ -94,14 +75,7 @@ def main() -> None:
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--no-input-grad", action="store_true", help="the image does not require grad (no first-layer dgrad)")
     args = ap.parse_args()
-    torch.backends.cudnn.benchmark = True
-    fusekit.configure(mode="autotune", disk=False)
-    name, fused, eager, x = autoencoder_case(args.batch, torch.float16 if args.fp16 else torch.float32)
-    if args.no_input_grad:
-        x.requires_grad_(False)
-        name += ", no input gradient"
-    tf, te = graphed_time_us(fused, x), graphed_time_us(eager, x)
-    print(f"{name}: captured step fusekit {tf:.1f} us, eager {te:.1f} us ({te / tf:.2f}x)")
+    fused, eager, x = autotuned_autoencoder(args.batch, args.fp16, input_grad=not args.no_input_grad)
     print("columns: start us, duration us, gap to the previous kernel's end (negative = overlap), kernel")
     for side, model in (("fusekit", fused), ("eager", eager)):
         show(side, timeline(captured(model, x)))
