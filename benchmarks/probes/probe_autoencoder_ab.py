@@ -32,9 +32,8 @@ from bench_train import autoencoder_case, graphed_time_us
 from probe_autoencoder_timeline import captured, timeline
 
 import fusekit
-import fusekit.ops.conv as conv_ops
-
 import fusekit.ops.common as common_ops
+import fusekit.ops.conv as conv_ops
 
 REAL_CALL, ROWS = conv_ops.call, common_ops.ROW_CHANNELS
 _ONE = {}
@@ -81,7 +80,7 @@ def main() -> None:
     for r in range(args.rounds):
         for v in variants:
             torch.manual_seed(0)
-            name, fused, eager, x = autoencoder_case(64, torch.float32)
+            _, fused, eager, x = autoencoder_case(64, torch.float32)
             model = eager if v == "eager" else fused
             with variant(v):
                 times[v].append(graphed_time_us(model, x))
