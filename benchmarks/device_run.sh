@@ -22,18 +22,24 @@ for part in "$@"; do
       timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TEST_FILES:-tests/} > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -45 ;;
     tests-par)  # the GPU suite in SHARDS processes sharing the GPU (files dealt largest first), each with its own cache;
-      # the fuzzer (the longest file, ~150 s alone) in a process of its own, its report in $OUT/fuzz.json
-      mapfile -t files < <(ls -S tests/test_*.py | grep -v test_gpu_fuzz.py)
+      # the fuzzer (the longest file, ~270 s alone; its report in $OUT/fuzz.json) and the SOLO files (the torchvision
+      # models of test_gpu_torch_dropin, ~200 s) each in a process of its own
+      solo=(${SOLO:-test_gpu_torch_dropin.py})
+      mapfile -t files < <(ls -S tests/test_*.py | grep -v -e test_gpu_fuzz.py $(printf -- '-e %s ' "${solo[@]}"))
       n=${SHARDS:-3}; pids=()
       FUSEKIT_FUZZ_REPORT=${FUSEKIT_FUZZ_REPORT:-$OUT/fuzz.json} FUSEKIT_CACHE_DIR=/tmp/fk-cache-fuzz timeout ${TESTS_TIMEOUT:-330} \
         python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short -s tests/test_gpu_fuzz.py > "$OUT/gpu_tests_fuzz.log" 2>&1 & pids+=($!)
+      for f in "${solo[@]}"; do
+        FUSEKIT_CACHE_DIR=/tmp/fk-cache-${f%.py} timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+          "tests/$f" > "$OUT/gpu_tests_${f%.py}.log" 2>&1 & pids+=($!)
+      done
       for ((k = 0; k < n; k++)); do
         shard=(); for ((j = k; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
         FUSEKIT_CACHE_DIR=/tmp/fk-cache-$k timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "${shard[@]}" \
           > "$OUT/gpu_tests_$k.log" 2>&1 & pids+=($!)
       done
       wait "${pids[@]}"
-      for k in $(seq 0 $((n - 1))) fuzz; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done ;;
+      for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}"; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;

@@ -452,7 +452,8 @@ def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: Pla
 
 
 _SPLIT: set[tuple] = set()
-#: tag -> (fused ms, split ms) for the tags timed in "autotune" mode (fused_or_split with ``like``).
+#: (tag, mode) -> (fused ms, split ms): each fused-or-split tag with ``like``, timed on its first call
+#: outside a capture, once per plan mode ("heuristic" plans and autotuned ones can rank differently).
 FUSION_TIMES: dict[tuple, tuple[float, float]] = {}
 #: A split runs instead of the fused graph only when it measured at least this much faster.
 SPLIT_MARGIN = 0.97
@@ -460,13 +461,19 @@ SPLIT_MARGIN = 0.97
 
 def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None) -> Any:
     """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on.
-    With ``like`` (an operand; only for side-effect-free ops) in "autotune" mode, the first call of a
-    tag outside a capture times both on the GPU and keeps the faster (:data:`FUSION_TIMES`)."""
+    With ``like`` (an operand; only for side-effect-free ops) the first call of a tag outside a
+    capture, in each plan mode, times both on the GPU and keeps the faster (:data:`FUSION_TIMES`)."""
     if tag in _SPLIT:
         return split()
+    timed = None
+    if like is not None:
+        timed = (tag, default_cache().mode)
+        t = FUSION_TIMES.get(timed)
+        if t is not None and t[1] < SPLIT_MARGIN * t[0]:
+            return split()
     try:
-        if like is not None and default_cache().mode == "autotune" and tag not in FUSION_TIMES:
-            return _time_both(tag, fused, split, like)
+        if timed is not None and timed not in FUSION_TIMES:
+            return _time_both(timed, fused, split, like)
         return fused()
     except UnsupportedError as e:
         _SPLIT.add(tag)
@@ -479,30 +486,35 @@ def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any
         return split()
 
 
-def _time_both(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any) -> Any:
-    """First call of ``tag`` in autotune mode: run fused (its plans tuned) and split once each, then
-    time both (Adapter.device_ms, alternating, median of 3) and remember the faster. cuDNN's fused
+def fusion_choice(tag: tuple, mode: str | None = None) -> str | None:
+    """"split" or "fused": what :func:`fused_or_split` runs for ``tag`` in ``mode`` (default: the
+    cache's); None before its first timed call."""
+    if tag in _SPLIT:
+        return "split"
+    t = FUSION_TIMES.get((tag, mode or default_cache().mode))
+    return None if t is None else "split" if t[1] < SPLIT_MARGIN * t[0] else "fused"
+
+
+def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any) -> Any:
+    """First call of a (tag, mode): run fused and split once each (their plans built in that mode),
+    then time both (Adapter.device_ms, alternating, median of 3) and remember the faster. cuDNN's fused
     engines are at times far slower than the split graphs (a float32 transposed conv + bias + ReLU:
     149 us fused against 44 us for its dgrad alone, H200)."""
+    y = fused()  # first: it checks the operands (an OperandError before any timing)
     ad = adapter_for(like)
-    dev = ad.describe(like)[3]
-    if ad.capturing(dev):
-        return fused()
-    y = fused()
+    if ad.capturing(ad.describe(like)[3]):
+        return y
     try:
         split()
     except UnsupportedError:  # no split either: the fused graph it is
-        FUSION_TIMES[tag] = (math.nan, math.inf)
+        FUSION_TIMES[timed] = (math.nan, math.inf)
         return y
     tf, ts = [], []
     for _ in range(3):
         tf.append(ad.device_ms(fused))
         ts.append(ad.device_ms(split))
-    t = FUSION_TIMES[tag] = (sorted(tf)[1], sorted(ts)[1])
-    if t[1] < SPLIT_MARGIN * t[0]:
-        _SPLIT.add(tag)
-        return split()
-    return fused()
+    t = FUSION_TIMES[timed] = (sorted(tf)[1], sorted(ts)[1])
+    return split() if t[1] < SPLIT_MARGIN * t[0] else fused()
 
 
 def _describe_tag(tag: tuple) -> str:

@@ -25,6 +25,7 @@ def test_few_channel_sums_run_on_rows_of_pixels(monkeypatch, c, rows):
         return res[0] if len(res) == 1 else res
 
     monkeypatch.setattr(common, "call", call)
+    monkeypatch.setattr(common, "fused_or_split", lambda tag, fused, split, like=None: fused())  # no GPU timing
     g = torch.Generator().manual_seed(c)
     dy = torch.randn(2, c, 8, 8, generator=g, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     y = torch.randn(2, c, 8, 8, generator=g, dtype=torch.float64).relu().contiguous(memory_format=torch.channels_last)

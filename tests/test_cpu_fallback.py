@@ -123,16 +123,18 @@ def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeyp
 @pytest.mark.parametrize("fused_ms,split_ms,mode,expect", [
     (1.0, 0.5, "autotune", "split"),  # split measured faster: kept from then on
     (1.0, 0.99, "autotune", "fused"),  # within the 3% margin: the fused graph stays
-    (1.0, 0.5, "heuristic", "fused"),  # heuristic mode times nothing
+    (1.0, 0.5, "heuristic", "split"),  # heuristic plans are timed too (a fused plan 3x slower than split)
+    (0.5, 1.0, "heuristic", "fused"),
 ])
-def test_fused_or_split_keeps_the_faster_in_autotune_mode(monkeypatch, fused_ms, split_ms, mode, expect):
+def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, split_ms, mode, expect):
     from types import SimpleNamespace
 
     from fusekit import dispatch
 
     monkeypatch.setattr(dispatch, "_SPLIT", set())
     monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
-    monkeypatch.setattr(dispatch, "default_cache", lambda: SimpleNamespace(mode=mode))
+    cache = SimpleNamespace(mode=mode)
+    monkeypatch.setattr(dispatch, "default_cache", lambda: cache)
     runs = []
     fused = lambda: runs.append("fused") or "fused"  # noqa: E731
     split = lambda: runs.append("split") or "split"  # noqa: E731
@@ -145,14 +147,53 @@ def test_fused_or_split_keeps_the_faster_in_autotune_mode(monkeypatch, fused_ms,
 
     monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
     tag = ("conv_transpose_bias_relu", ((64, 32, 8, 8), "float32"))
+    assert dispatch.fusion_choice(tag) is None
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
-    assert (tag in dispatch.FUSION_TIMES) == (mode == "autotune")
-    if mode == "autotune":
-        assert dispatch.FUSION_TIMES[tag] == (fused_ms, split_ms)
-        assert runs.count("fused") >= 4 and runs.count("split") >= 4  # one untimed run each, then three timed
+    assert dispatch.FUSION_TIMES == {(tag, mode): (fused_ms, split_ms)} and dispatch.fusion_choice(tag) == expect
+    assert runs.count("fused") >= 4 and runs.count("split") >= 4  # one untimed run each, then three timed
     runs.clear()
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
     assert runs == [expect]  # later calls: no timing, the kept path only
+    # the other plan mode decides for itself (its plans can rank the two the other way)
+    cache.mode = "autotune" if mode == "heuristic" else "heuristic"
+    times[fused], times[split] = split_ms, fused_ms
+    other = "split" if fused_ms < dispatch.SPLIT_MARGIN * split_ms else "fused"
+    assert dispatch.fused_or_split(tag, fused, split, like=object()) == other
+    assert len(dispatch.FUSION_TIMES) == 2 and dispatch.fusion_choice(tag, mode) == expect
+
+
+def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first(monkeypatch):
+    """Inside a capture the fused graph runs untimed (and is timed on the first call outside one);
+    the fused call runs before the adapter is asked anything, so bad operands get its OperandError."""
+    from types import SimpleNamespace
+
+    import fusekit
+    from fusekit import dispatch
+
+    monkeypatch.setattr(dispatch, "_SPLIT", set())
+    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
+    monkeypatch.setattr(dispatch, "default_cache", lambda: SimpleNamespace(mode="heuristic"))
+    capturing = [True]
+
+    class Ad:
+        describe = staticmethod(lambda a: ((), (), "float16", 0))
+        capturing = staticmethod(lambda dev: capturing[0])
+        device_ms = staticmethod(lambda fn: (fn(), 1.0)[1])
+
+    monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
+    tag = ("conv_dgrad_drelu", ((8, 8, 4, 4), "float16"))
+    runs = []
+    assert dispatch.fused_or_split(tag, lambda: runs.append("f") or "f", lambda: runs.append("s") or "s", like=object()) == "f"
+    assert runs == ["f"] and dispatch.FUSION_TIMES == {}
+    capturing[0] = False
+    dispatch.fused_or_split(tag, lambda: runs.append("f") or "f", lambda: runs.append("s") or "s", like=object())
+    assert (tag, "heuristic") in dispatch.FUSION_TIMES
+
+    def bad():
+        raise fusekit.OperandError("conv_dgrad_drelu", "dy", "expected a CUDA device array")
+
+    with pytest.raises(fusekit.OperandError, match="operand 'dy'"):
+        dispatch.fused_or_split(("conv_dgrad_drelu", "other"), bad, lambda: "s", like=object())
 
 
 def test_cupy_fence_first_made_inside_a_capture_raises_capture_error(monkeypatch):

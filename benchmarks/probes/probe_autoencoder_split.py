@@ -34,9 +34,9 @@ def main() -> None:
         tf[1], te[1] = graphed_time_us(fused, x), graphed_time_us(eager, x)
         print(f"{name}: fusekit autotuned {tf[0]:.1f} / {tf[1]:.1f} us, eager {te[0]:.1f} / {te[1]:.1f} us -> "
               f"{te[0] / tf[0]:.2f}x / {te[1] / tf[1]:.2f}x; grad err {err:.1e}", flush=True)
-        for tag, (a, b) in dispatch.FUSION_TIMES.items():
-            if tag not in before:
-                kept = "split" if tag in dispatch._SPLIT else "fused"
+        for (tag, mode), (a, b) in dispatch.FUSION_TIMES.items():
+            if (tag, mode) not in before:
+                kept = dispatch.fusion_choice(tag, mode)
                 print(f"   {tag[0]} {dispatch._describe_tag(tag)}: fused {a * 1e3:.1f} us, split {b * 1e3:.1f} us -> {kept}")
 
 
