@@ -192,6 +192,10 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
     def bad():
         raise fusekit.OperandError("conv_dgrad_drelu", "dy", "expected a CUDA device array")
 
+    def host_adapter(a):  # what asking PyTorch about a host tensor's device raised before the reordering
+        raise RuntimeError("invalid argument to exchangeDevice")
+
+    monkeypatch.setattr(dispatch, "adapter_for", host_adapter)
     with pytest.raises(fusekit.OperandError, match="operand 'dy'"):
         dispatch.fused_or_split(("conv_dgrad_drelu", "other"), bad, lambda: "s", like=object())
 
