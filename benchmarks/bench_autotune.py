@@ -139,7 +139,7 @@ def main() -> None:
         gpu=props.name, cc=f"{props.major}{props.minor}", cudnn_backend=v.cudnn_backend, frontend=v.frontend,
         torch=torch.__version__, date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), budget_s=args.budget,
         summary=dict(
-            geomean_tuned_speedup=math.exp(sum(map(math.log, sps)) / len(sps)),
+            geomean_tuned_speedup=statistics.geometric_mean(sps),
             max_tuned_vs_fastest=max(r_["tuned_vs_fastest"] for r_ in rows),
             median_tune_seconds=statistics.median(r_["tune_seconds"] for r_ in rows),
             median_cold_first_ms=statistics.median(r_["cold_first_ms"] for r_ in rows),

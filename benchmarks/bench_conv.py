@@ -264,7 +264,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "method": {"rot": ROT, "reps": REPS, "trials": TRIALS, "peak_flops": PEAK_FLOPS, "peak_bytes": PEAK_BYTES},
         "summary": {
-            "geomean_speedup": math.exp(sum(math.log(s) for s in sps) / len(sps)),
+            "geomean_speedup": statistics.geometric_mean(sps),
             "min_speedup": min(sps),
             "max_speedup": max(sps),
             "median_host_overhead_us": statistics.median(r["host_overhead_us"] for r in rows),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -109,7 +109,7 @@ def main() -> None:
         by_case.setdefault(r["case"], []).append(r["speedup"])
     meta = dict(gpu=props.name, cudnn_backend=v.cudnn_backend, frontend=v.frontend, torch=torch.__version__,
                 date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                geomean_by_case={k: math.exp(sum(map(math.log, s)) / len(s)) for k, s in by_case.items()},
+                geomean_by_case={k: statistics.geometric_mean(s) for k, s in by_case.items()},
                 worst_bn_relu_vs_floor=max(r["fusekit_us"] / r["floor_us"] for r in rows if r["case"].startswith("bn+relu")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

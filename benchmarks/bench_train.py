@@ -28,11 +28,11 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from statistics import geometric_mean
 
 import torch
 
@@ -135,10 +135,6 @@ def graph_profile(model, x, top: int = 6) -> list[dict]:
     return sorted(groups.values(), key=lambda g: -g["us"])[:top]
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
-
-
 def grads(model, x):
     for p in model.parameters():
         p.grad = None
@@ -239,7 +235,6 @@ def main() -> None:
         rows.append(dict(case=name, fusekit_us=tf, eager_us=te, fusekit_repeat_us=tf2, eager_repeat_us=te2, speedup=te / tf, grad_rel_err=err,
                          eager_grad_rel_err=err_eager, eager_default_us=d["eager_default_us"], fusekit_us_defaults_process=d["fusekit_us"],
                          default_speedup=d["eager_default_us"] / d["fusekit_us"]))
-        td = d["eager_default_us"]
         if name.startswith("autoencoder"):
             try:
                 rows[-1]["top_graphs"] = graph_profile(fused, x)
@@ -248,7 +243,7 @@ def main() -> None:
             for g in rows[-1].get("top_graphs", []):
                 print(f"  {g['graph']} ({g['operands']}): {g['calls']} call(s), {g['us']:.1f} us per step", flush=True)
         print(f"{name}: fusekit {tf:.1f} us (again {tf2:.1f}), eager {te:.1f} us (again {te2:.1f}) -> {te / tf:.2f}x; "
-              f"defaults process: fusekit {d['fusekit_us']:.1f} us, eager default {td:.1f} us -> {rows[-1]['default_speedup']:.2f}x; "
+              f"defaults process: fusekit {d['fusekit_us']:.1f} us, eager default {d['eager_default_us']:.1f} us -> {rows[-1]['default_speedup']:.2f}x; "
               f"grad err vs float64: fusekit {err:.1e}, eager {err_eager:.1e}", flush=True)
     if not args.no_autotune:  # the same cases with every fusekit graph autotuned (a fresh, memory-only cache)
         fusekit.configure(mode="autotune", disk=False)
@@ -267,11 +262,11 @@ def main() -> None:
     v = fusekit.engine.runtime.versions()
     meta = dict(gpu=props.name, cudnn_backend=v.cudnn_backend, frontend=v.frontend, torch=torch.__version__,
                 date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                geomean_speedup=geomean([r["speedup"] for r in rows]), geomean_default_speedup=geomean([r["default_speedup"] for r in rows]),
+                geomean_speedup=geometric_mean([r["speedup"] for r in rows]), geomean_default_speedup=geometric_mean([r["default_speedup"] for r in rows]),
                 trials=TRIALS, reps=REPS)
     tuned = [r["autotuned_speedup"] for r in rows if "autotuned_speedup" in r]
     if tuned:
-        meta["geomean_autotuned_speedup"] = geomean(tuned)
+        meta["geomean_autotuned_speedup"] = geometric_mean(tuned)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = props.name.replace(" ", "-") + "-train"

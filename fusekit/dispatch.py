@@ -514,7 +514,7 @@ def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any],
         tf.append(ad.device_ms(fused))
         ts.append(ad.device_ms(split))
     t = FUSION_TIMES[timed] = (sorted(tf)[1], sorted(ts)[1])
-    return split() if t[1] < SPLIT_MARGIN * t[0] else fused()
+    return split() if t[1] < SPLIT_MARGIN * t[0] else fused()  # run again: with ``out`` given, the timed runs left the split's values in it
 
 
 def _describe_tag(tag: tuple) -> str:
