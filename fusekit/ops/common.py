@@ -6,11 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..dispatch import call, fused_or_split
-from ..tensors import adapter_for, matches, nhwc_strides
+from ..tensors import TensorSpec, adapter_for, matches, nhwc_strides
 
 #: Per-channel sums over fewer channels than this read their channels-last operands as rows of
 #: several pixels (see :func:`_pixels_per_row`).
 ROW_CHANNELS = 32
+#: Convolution gradients whose few-channel side (the dgrad output, the wgrad image) is channels-last
+#: with more than one and fewer than this many channels also time a route through an NCHW copy
+#: (see :func:`few_channels_last`).
+NCHW_CHANNELS = 4
 
 
 def cast_like(a: Any, like: Any) -> Any:
@@ -94,3 +98,28 @@ def _from_rows(a: Any, shape: Any) -> Any:
 def _fold(db: Any, k: int) -> Any:
     """k*C per-column sums -> the C per-channel sums (column j sums channel j % C)."""
     return db.reshape(k, -1).sum(0)
+
+
+def few_channels_last(a: Any, channels: int | None = None) -> bool:
+    """Whether ``a`` (a torch / CuPy array) is dense channels-last (N, C, H, W) with 1 < C < NCHW_CHANNELS
+    (``channels``: that C instead of ``a``'s own, for an output shaped like ``a`` but for its channels).
+    cuDNN's NHWC convolution kernels transpose such tensors internally: a float32 64x16x32x32 ->
+    64x3x64x64 stride-2 dgrad took 41.7 us writing NHWC and 31.1 us writing NCHW; the heuristic plan
+    of the matching wgrad 51.6 us reading the image NHWC and 35.9 us reading it NCHW (H200,
+    probe_few_channel_layouts). Which route runs is timed on first use (fused_or_split)."""
+    shape = a.shape
+    c = int(shape[1]) if channels is None and len(shape) == 4 else channels
+    if len(shape) != 4 or c is None or not 1 < c < NCHW_CHANNELS:
+        return False
+    if type(a).__module__.split(".")[0] not in ("torch", "cupy"):
+        return False
+    s, strides = adapter_for(a).describe(a)[:2]
+    s = tuple(int(d) for d in s)
+    return 0 not in s and s[1] > 1 and matches(tuple(strides), nhwc_strides(s), s)
+
+
+def empty_as(like: Any, shape: Any, layout: str) -> Any:
+    """A new array of ``like``'s library, dtype and device, of ``shape`` in ``layout`` ("NCHW" / "NHWC")."""
+    ad = adapter_for(like)
+    _, _, dtype, device = ad.describe(like)
+    return ad.empty(TensorSpec.build(tuple(int(d) for d in shape), dtype, device, layout))

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from ..dispatch import call, fused_or_split, run
 from ..tensors import adapter_for
-from .common import bias_grad, cast_like, relu_bias_grad, tag
+from .common import bias_grad, cast_like, empty_as, few_channels_last, relu_bias_grad, tag
 from .norm import affine_identity
 
 _CONV_ATTRS = ("padding", "stride", "dilation", "groups")
@@ -83,11 +83,26 @@ def conv_transpose_bias(
 
 def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any) -> Any:
     name = "conv_transpose_bias_relu" if relu else "conv_transpose_bias"
+    attrs = dict(zip(_CONVT_ATTRS, values))
 
     def split() -> Any:  # dgrad alone, then bias (and ReLU) as a pointwise graph
-        return _bias_act(call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values))), b, relu, out)
+        return _bias_act(call("conv_dgrad", x, w, **attrs), b, relu, out)
 
-    return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), split, like=x)
+    def split_nchw() -> Any:  # the dgrad writes NCHW; the pointwise graph reads it and writes channels-last
+        y = call("conv_dgrad", x, w, out=empty_as(x, _convt_shape(x, w, values), "NCHW"), **attrs)
+        return _bias_act(y, b, relu, empty_as(x, y.shape, "NHWC"))
+
+    alt = split
+    if out is None and few_channels_last(x, int(w.shape[1]) * int(values[4])):
+        alt = lambda: fused_or_split(tag(name + "_split_nchw", x, w), split, split_nchw, like=x)  # noqa: E731
+    return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), alt, like=x)
+
+
+def _convt_shape(x: Any, w: Any, values: tuple) -> tuple[int, ...]:
+    """(N, C_out, H, W) of ``conv_transpose2d(x, w)`` with (padding, stride, dilation, output_padding, groups) ``values``."""
+    p, s, d, op = (_pair(v) for v in values[:4])
+    hw = tuple((int(x.shape[2 + i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(w.shape[2 + i]) - 1) + op[i] + 1 for i in range(2))
+    return (int(x.shape[0]), int(w.shape[1]) * int(values[4])) + hw
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -113,10 +128,34 @@ def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, i
                 like=dz,
             )
         else:
-            dx = call("conv_dgrad", dz, w, output_padding=op, **conv)
+            dx = _dgrad(dz, w, tuple(x.shape), op, conv)
     if need_dw:
-        dw = call("conv_wgrad", x, dz, kernel=tuple(w.shape[2:]), **conv)
+        dw = _wgrad(x, dz, tuple(w.shape[2:]), conv)
     return dx, dw
+
+
+def _dgrad(dz: Any, w: Any, x_shape: tuple, output_padding: tuple, conv: dict) -> Any:
+    """conv_dgrad of ``dz``; a channels-last result of few channels also times a route that writes
+    it NCHW and copies it to channels-last (see few_channels_last)."""
+    direct = lambda: call("conv_dgrad", dz, w, output_padding=output_padding, **conv)  # noqa: E731
+    if not few_channels_last(dz, int(x_shape[1])):
+        return direct()
+
+    def via_nchw() -> Any:
+        y = call("conv_dgrad", dz, w, output_padding=output_padding, out=empty_as(dz, x_shape, "NCHW"), **conv)
+        return adapter_for(y).relayout(y, "NHWC")
+
+    return fused_or_split(tag("conv_dgrad_via_nchw", dz, w), direct, via_nchw, like=dz)
+
+
+def _wgrad(x: Any, dz: Any, kernel: tuple, conv: dict) -> Any:
+    """conv_wgrad with image ``x``; a channels-last image of few channels also times a route through
+    an NCHW copy of it (see few_channels_last)."""
+    direct = lambda: call("conv_wgrad", x, dz, kernel=kernel, **conv)  # noqa: E731
+    if not few_channels_last(x):
+        return direct()
+    via_nchw = lambda: call("conv_wgrad", adapter_for(x).relayout(x, "NCHW"), dz, kernel=kernel, **conv)  # noqa: E731
+    return fused_or_split(tag("conv_wgrad_via_nchw", x, dz), direct, via_nchw, like=x)
 
 
 def relu_backward(dy: Any, y: Any) -> Any:
@@ -170,7 +209,7 @@ def conv_transpose_bias_relu_backward(
     else:
         dz, db = dy, (bias_grad(dy) if need_db else None)
     dx = call("conv", dz, w, **conv) if need_dx else None
-    dw = call("conv_wgrad", dz, x, kernel=tuple(w.shape[2:]), **conv) if need_dw else None
+    dw = _wgrad(dz, x, tuple(w.shape[2:]), conv) if need_dw else None
     return dx, dw, cast_like(db, dy)
 
 

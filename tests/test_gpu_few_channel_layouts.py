@@ -1,0 +1,115 @@
+"""GPU: convolution gradients and transposed convolutions whose few-channel side is channels-last
+(the autoencoder's 3-channel image) have a route through NCHW memory; each route, forced and as
+timed on first use, against float64 PyTorch, for torch and CuPy arrays, in both plan modes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+from torchref import float64_nchw, rel
+
+import fusekit
+from fusekit import dispatch, ops
+from fusekit.ops.common import tag
+
+F = torch.nn.functional
+BOUND = {"float32": 2e-3, "float16": 5e-3}  # float32 convolutions may run TF32 (the default policy, as PyTorch's)
+
+
+def _arrays(lib: str, *ts: torch.Tensor):
+    """The tensors as ``lib`` arrays (CuPy: the same memory through DLPack), layouts kept."""
+    if lib == "torch":
+        return ts
+    cp = pytest.importorskip("cupy")
+    return tuple(cp.from_dlpack(t) for t in ts)
+
+
+def _torch(a) -> torch.Tensor:
+    return a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
+
+
+def _is_channels_last(a) -> bool:
+    return _torch(a).is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.fixture(params=["heuristic", "autotune"])
+def mode(request, monkeypatch):
+    monkeypatch.setattr(dispatch, "_SPLIT", set())
+    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
+    fusekit.configure(mode=request.param, disk=False)
+    yield request.param
+    fusekit.configure()
+
+
+def _force(mode: str, t: tuple, alternative: bool) -> None:
+    """Make fused_or_split take ``t``'s alternative route (or its first one) without timing."""
+    dispatch.FUSION_TIMES[(t, mode)] = (1.0, 0.5) if alternative else (0.5, 1.0)
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("route", ["direct", "via_nchw", "timed"])
+def test_three_channel_image_gradients_match_float64(mode, lib, dtype, route):
+    """dx and dw of conv2d(x, w), x a 64x3x32x32 channels-last image, stride 2: the dgrad written
+    channels-last or NCHW (copied back), the wgrad reading the image or an NCHW copy of it."""
+    cl = torch.channels_last
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dt = getattr(torch, dtype)
+    x = torch.randn(64, 3, 32, 32, device="cuda", generator=g).to(dt).contiguous(memory_format=cl)
+    w = (torch.randn(16, 3, 3, 3, device="cuda", generator=g) * 0.3).to(dt).contiguous(memory_format=cl)
+    dz = torch.randn(64, 16, 16, 16, device="cuda", generator=g).to(dt).contiguous(memory_format=cl)
+    xa, wa, dza = _arrays(lib, x, w, dz)
+    tags = (tag("conv_dgrad_via_nchw", dza, wa), tag("conv_wgrad_via_nchw", xa, dza))
+    if route != "timed":
+        for t in tags:
+            _force(mode, t, route == "via_nchw")
+    dx, dw = ops.conv2d_backward(dza, xa, wa, padding=1, stride=2)
+    xr, wr = float64_nchw(x).requires_grad_(True), float64_nchw(w).requires_grad_(True)
+    F.conv2d(xr, wr, padding=1, stride=2).backward(float64_nchw(dz))
+    dx, dw = _torch(dx), _torch(dw)
+    assert dx.dtype == dt and dx.shape == x.shape and _is_channels_last(dx)
+    assert rel(dx, xr.grad) < BOUND[dtype] and rel(dw, wr.grad) < BOUND[dtype]
+    choices = [dispatch.fusion_choice(t, mode) for t in tags]
+    print(f"{lib} {dtype} {mode} {route}: dx {rel(dx, xr.grad):.1e}, dw {rel(dw, wr.grad):.1e}; "
+          f"times {[dispatch.FUSION_TIMES.get((t, mode)) for t in tags]} -> {choices}")
+    want = {"direct": "fused", "via_nchw": "split"}.get(route)
+    assert all(c is not None and (want is None or c == want) for c in choices)
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("route", ["fused", "split", "split_nchw", "timed"])
+def test_transposed_conv_to_three_channels_matches_float64(mode, lib, dtype, route):
+    """relu(conv_transpose2d(x, w) + b), 16 -> 3 channels, stride 2, channels-last: the fused graph,
+    the channels-last split, the split through an NCHW dgrad output, or as timed; then its backward
+    (the weight gradient's image is the 3-channel gradient)."""
+    cl = torch.channels_last
+    g = torch.Generator(device="cuda").manual_seed(4)
+    dt = getattr(torch, dtype)
+    x = torch.randn(64, 16, 32, 32, device="cuda", generator=g).to(dt).contiguous(memory_format=cl)
+    w = (torch.randn(16, 3, 3, 3, device="cuda", generator=g) * 0.2).to(dt).contiguous(memory_format=cl)
+    b = (torch.rand(3, device="cuda", generator=g) * 0.5).to(dt)
+    dy = torch.randn(64, 3, 64, 64, device="cuda", generator=g).to(dt).contiguous(memory_format=cl)
+    xa, wa, ba, dya = _arrays(lib, x, w, b, dy)
+    outer, inner = tag("conv_transpose_bias_relu", xa, wa), tag("conv_transpose_bias_relu_split_nchw", xa, wa)
+    if route != "timed":
+        _force(mode, outer, route != "fused")
+        _force(mode, inner, route == "split_nchw")
+    kw = dict(padding=1, stride=2)
+    y = ops.conv_transpose_bias_relu(xa, wa, ba, output_padding=1, **kw)
+    dx, dw, db = ops.conv_transpose_bias_relu_backward(dya, xa, wa, y, **kw)
+    xr, wr, br = (float64_nchw(t).requires_grad_(True) for t in (x, w, b))
+    ref = F.relu(F.conv_transpose2d(xr, wr, br, output_padding=1, **kw))
+    ref.backward(float64_nchw(dy))
+    y, dx, dw, db = (_torch(a) for a in (y, dx, dw, db))
+    assert y.dtype == dt and y.shape == ref.shape and _is_channels_last(y)
+    errs = [rel(a, r) for a, r in ((y, ref.detach()), (dx, xr.grad), (dw, wr.grad), (db, br.grad))]
+    print(f"{lib} {dtype} {mode} {route}: y/dx/dw/db {' '.join(f'{e:.1e}' for e in errs)}; "
+          f"outer {dispatch.fusion_choice(outer, mode)}, inner {dispatch.fusion_choice(inner, mode)}")
+    assert max(errs) < BOUND[dtype], errs
+    assert dispatch.fusion_choice(outer, mode) is not None
+    if dispatch.fusion_choice(outer, mode) == "split":
+        assert dispatch.fusion_choice(inner, mode) is not None
