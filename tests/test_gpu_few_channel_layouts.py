@@ -101,12 +101,15 @@ def test_transposed_conv_to_three_channels_matches_float64(mode, lib, dtype, rou
     kw = dict(padding=1, stride=2)
     y = ops.conv_transpose_bias_relu(xa, wa, ba, output_padding=1, **kw)
     dx, dw, db = ops.conv_transpose_bias_relu_backward(dya, xa, wa, y, **kw)
-    xr, wr, br = (float64_nchw(t).requires_grad_(True) for t in (x, w, b))
-    ref = F.relu(F.conv_transpose2d(xr, wr, br, output_padding=1, **kw))
-    ref.backward(float64_nchw(dy))
     y, dx, dw, db = (_torch(a) for a in (y, dx, dw, db))
+    xr, wr, br = (float64_nchw(t).requires_grad_(True) for t in (x, w, b))
+    pre = F.conv_transpose2d(xr, wr, br, output_padding=1, **kw)
+    ref = F.relu(pre.detach())
+    # the backward through fusekit's own ReLU mask: rounding (TF32, float16) moves outputs near zero
+    # across it, and each flip moves a random-sign gradient sum far more than the convolutions' error
+    pre.backward(float64_nchw(dy) * (float64_nchw(y) > 0))
     assert y.dtype == dt and y.shape == ref.shape and _is_channels_last(y)
-    errs = [rel(a, r) for a, r in ((y, ref.detach()), (dx, xr.grad), (dw, wr.grad), (db, br.grad))]
+    errs = [rel(a, r) for a, r in ((y, ref), (dx, xr.grad), (dw, wr.grad), (db, br.grad))]
     print(f"{lib} {dtype} {mode} {route}: y/dx/dw/db {' '.join(f'{e:.1e}' for e in errs)}; "
           f"outer {dispatch.fusion_choice(outer, mode)}, inner {dispatch.fusion_choice(inner, mode)}")
     assert max(errs) < BOUND[dtype], errs
