@@ -459,6 +459,11 @@ FUSION_TIMES: dict[tuple, tuple[float, float]] = {}
 SPLIT_MARGIN = 0.97
 
 
+def _split_wins(t: tuple[float, float]) -> bool:
+    """Whether timings ``t`` = (fused ms, split ms) keep the split (:data:`SPLIT_MARGIN`)."""
+    return t[1] < SPLIT_MARGIN * t[0]
+
+
 def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None) -> Any:
     """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on.
     With ``like`` (an operand; only for side-effect-free ops) the first call of a tag outside a
@@ -469,7 +474,7 @@ def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any
     if like is not None:
         timed = (tag, default_cache().mode)
         t = FUSION_TIMES.get(timed)
-        if t is not None and t[1] < SPLIT_MARGIN * t[0]:
+        if t is not None and _split_wins(t):
             return split()
     try:
         if timed is not None and timed not in FUSION_TIMES:
@@ -492,7 +497,7 @@ def fusion_choice(tag: tuple, mode: str | None = None) -> str | None:
     if tag in _SPLIT:
         return "split"
     t = FUSION_TIMES.get((tag, mode or default_cache().mode))
-    return None if t is None else "split" if t[1] < SPLIT_MARGIN * t[0] else "fused"
+    return None if t is None else "split" if _split_wins(t) else "fused"
 
 
 def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any) -> Any:
@@ -514,7 +519,7 @@ def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any],
         tf.append(ad.device_ms(fused))
         ts.append(ad.device_ms(split))
     t = FUSION_TIMES[timed] = (sorted(tf)[1], sorted(ts)[1])
-    return split() if t[1] < SPLIT_MARGIN * t[0] else fused()  # run again: with ``out`` given, the timed runs left the split's values in it
+    return split() if _split_wins(t) else fused()  # run again: with ``out`` given, the timed runs left the split's values in it
 
 
 def _describe_tag(tag: tuple) -> str:

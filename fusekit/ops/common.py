@@ -68,14 +68,8 @@ def _pixels_per_row(*arrays: Any) -> int:
     p, k = n * h * w, 1
     if p == 0 or p % 2:  # empty (handled as it is) or no pairs of pixels
         return 1
-    if type(arrays[0]).__module__.split(".")[0] not in ("torch", "cupy"):  # views as below
+    if not _dense_channels_last(*arrays):
         return 1
-    ad = adapter_for(arrays[0])
-    dense = nhwc_strides((n, c, h, w))
-    for a in arrays:
-        s, strides = ad.describe(a)[:2]
-        if tuple(s) != (n, c, h, w) or not matches(tuple(strides), dense, (n, c, h, w)):
-            return 1
     while k * c < ROW_CHANNELS and p % (2 * k) == 0:
         k *= 2
     return k
@@ -111,11 +105,23 @@ def few_channels_last(a: Any, channels: int | None = None) -> bool:
     c = int(shape[1]) if channels is None and len(shape) == 4 else channels
     if len(shape) != 4 or c is None or not 1 < c < NCHW_CHANNELS:
         return False
-    if type(a).__module__.split(".")[0] not in ("torch", "cupy"):
+    return 0 not in shape and shape[1] > 1 and _dense_channels_last(a)
+
+
+def _dense_channels_last(*arrays: Any) -> bool:
+    """Whether ``arrays`` (torch / CuPy) are 4-D, all of the first one's shape, with dense channels-last
+    strides (the memory the row views and the NCHW routes rely on; other array types are never viewed)."""
+    if type(arrays[0]).__module__.split(".")[0] not in ("torch", "cupy"):
         return False
-    s, strides = adapter_for(a).describe(a)[:2]
-    s = tuple(int(d) for d in s)
-    return 0 not in s and s[1] > 1 and matches(tuple(strides), nhwc_strides(s), s)
+    shape = tuple(int(d) for d in arrays[0].shape)
+    if len(shape) != 4:
+        return False
+    ad, dense = adapter_for(arrays[0]), nhwc_strides(shape)
+    for a in arrays:
+        s, strides = ad.describe(a)[:2]
+        if tuple(s) != shape or not matches(tuple(strides), dense, shape):
+            return False
+    return True
 
 
 def empty_as(like: Any, shape: Any, layout: str) -> Any:

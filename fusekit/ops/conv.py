@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from ..dispatch import call, fused_or_split, run
+from ..engine.patterns import get_pattern
 from ..tensors import adapter_for
 from .common import bias_grad, cast_like, empty_as, few_channels_last, relu_bias_grad, tag
 from .norm import affine_identity
@@ -99,10 +101,16 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
 
 
 def _convt_shape(x: Any, w: Any, values: tuple) -> tuple[int, ...]:
-    """(N, C_out, H, W) of ``conv_transpose2d(x, w)`` with (padding, stride, dilation, output_padding, groups) ``values``."""
-    p, s, d, op = (_pair(v) for v in values[:4])
-    hw = tuple((int(x.shape[2 + i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(w.shape[2 + i]) - 1) + op[i] + 1 for i in range(2))
-    return (int(x.shape[0]), int(w.shape[1]) * int(values[4])) + hw
+    """(N, C_out, H, W) of ``conv_transpose2d(x, w)`` with (padding, stride, dilation, output_padding, groups)
+    ``values``: the conv_dgrad pattern's own shape inference (remembered per shapes and values: a hot path)."""
+    vals = tuple(tuple(v) if isinstance(v, list) else v for v in values)
+    return _dgrad_shape(tuple(int(d) for d in x.shape), tuple(int(d) for d in w.shape), vals)
+
+
+@functools.lru_cache(maxsize=256)
+def _dgrad_shape(dy: tuple, w: tuple, values: tuple) -> tuple[int, ...]:
+    pat = get_pattern("conv_dgrad")
+    return tuple(pat.infer_shapes({"dy": dy, "w": w}, dict(pat.normalize_attrs(dict(zip(_CONVT_ATTRS, values)))))["dx"])
 
 
 def _pair(v: Any) -> tuple[int, int]:
