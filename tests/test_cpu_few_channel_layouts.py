@@ -182,3 +182,20 @@ def test_a_given_out_keeps_the_plain_split(routes):
     conv.conv_transpose_bias_relu(x, w, b, padding=1, stride=2, output_padding=1, out=out)
     assert tags == ["conv_transpose_bias_relu"]
     assert [(s[0], s[2]) for s in rec.seen] == [("conv_dgrad", None), ("channel_scale_shift_relu", "NCHW")]
+
+
+def test_host_tensors_on_the_few_channel_routes_name_the_operand():
+    """Host (CPU) channels-last tensors with 3 channels qualify for the NCHW routes; the first graph
+    they reach refuses them naming its operand, before anything reaches cuDNN or any timing."""
+    import fusekit
+    from fusekit import ops
+
+    x = _cl(torch.ones(2, 3, 8, 8))
+    dz = _cl(torch.ones(2, 5, 4, 4))
+    assert common.few_channels_last(x) and common.few_channels_last(dz, 3)
+    with pytest.raises(fusekit.OperandError, match=r"conv_dgrad: operand 'dy': expected a CUDA device array"):
+        ops.conv2d_backward(dz, x, torch.ones(5, 3, 3, 3), padding=1, stride=2)
+    with pytest.raises(fusekit.OperandError, match=r"conv_wgrad: operand 'x': expected a CUDA device array"):
+        ops.conv2d_backward(dz, x, torch.ones(5, 3, 3, 3), padding=1, stride=2, needs=(False, True))
+    with pytest.raises(fusekit.OperandError, match=r"conv_transpose_bias_relu: operand 'x': expected a CUDA device array"):
+        ops.conv_transpose_bias_relu(dz, torch.ones(5, 3, 3, 3), torch.ones(3), padding=1, stride=2, output_padding=1)
