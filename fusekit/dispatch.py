@@ -524,7 +524,7 @@ def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any],
 
 def _describe_tag(tag: tuple) -> str:
     """A tag's arrays as dtype[shape] (e.g. float16[8, 256, 7, 7]), comma-separated."""
-    return ", ".join(f"{str(dt).replace('torch.', '')}{list(shape)}" for shape, dt in tag[1:])
+    return ", ".join(f"{str(a[1]).replace('torch.', '')}{list(a[0])}" for a in tag[2:])
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:

@@ -106,7 +106,7 @@ def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeyp
         ran.append("fused")
         raise fusekit.UnsupportedError(log)
 
-    tag = ("bn_relu_bwd", ((4, 8, 2, 2), "float16"))
+    tag = ("bn_relu_bwd", (), ((4, 8, 2, 2), "float16", (32, 4, 2, 1)))
     with pytest.warns(fusekit.FusionWarning) as got:
         assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"
     (w,) = got
@@ -146,7 +146,7 @@ def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, spl
         device_ms = staticmethod(lambda fn: (fn(), times[fn])[1])
 
     monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
-    tag = ("conv_transpose_bias_relu", ((64, 32, 8, 8), "float32"))
+    tag = ("conv_transpose_bias_relu", ((1, 1), (2, 2)), ((64, 32, 8, 8), "float32", (2048, 1, 256, 32)))
     assert dispatch.fusion_choice(tag) is None
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
     assert dispatch.FUSION_TIMES == {(tag, mode): (fused_ms, split_ms)} and dispatch.fusion_choice(tag) == expect
@@ -181,7 +181,7 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
         device_ms = staticmethod(lambda fn: (fn(), 1.0)[1])
 
     monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
-    tag = ("conv_dgrad_drelu", ((8, 8, 4, 4), "float16"))
+    tag = ("conv_dgrad_drelu", ((0, 0), 1, 1, 1, 1), ((8, 8, 4, 4), "float16", (128, 16, 4, 1)))
     runs = []
     assert dispatch.fused_or_split(tag, lambda: runs.append("f") or "f", lambda: runs.append("s") or "s", like=object()) == "f"
     assert runs == ["f"] and dispatch.FUSION_TIMES == {}

@@ -73,9 +73,11 @@ def routes(monkeypatch):
     """(oracle call recorder, chosen tags): fused_or_split runs the route named by ``pick`` (the tag -> bool
     "take the alternative" map, default True) and records each tag's first element."""
     rec, tags, pick = _Oracle(), [], {}
+    rec.tags = []  # the whole tags
 
     def fused_or_split(tag, fused, split, like=None):
         tags.append(tag[0])
+        rec.tags.append(tag)
         return split() if pick.get(tag[0], True) else fused()
 
     for m in (conv, common):
@@ -199,3 +201,30 @@ def test_host_tensors_on_the_few_channel_routes_name_the_operand():
         ops.conv2d_backward(dz, x, torch.ones(5, 3, 3, 3), padding=1, stride=2, needs=(False, True))
     with pytest.raises(fusekit.OperandError, match=r"conv_transpose_bias_relu: operand 'x': expected a CUDA device array"):
         ops.conv_transpose_bias_relu(dz, torch.ones(5, 3, 3, 3), torch.ones(3), padding=1, stride=2, output_padding=1)
+
+
+def test_timing_decisions_are_kept_per_stride_kernel_and_layout(routes):
+    """fused_or_split keeps one decision per tag, so a tag must tell apart calls whose graphs differ:
+    the same dgrad operands at stride 2 and stride 1 (other output shapes), the same wgrad operands
+    with a 3x3 and a 2x2 kernel, the same arrays channels-last and NCHW. (Tags were pattern, shapes and
+    dtypes: the first call's timing decided for all of them.)"""
+    rec, _, _ = routes
+    g = torch.Generator().manual_seed(2)
+    dz = _cl(torch.randn(2, 5, 4, 4, generator=g, dtype=torch.float64))
+    w3 = torch.randn(5, 3, 3, 3, generator=g, dtype=torch.float64)
+    w2 = torch.randn(5, 3, 2, 2, generator=g, dtype=torch.float64)
+    x8, x4 = (_cl(torch.randn(2, 3, n, n, generator=g, dtype=torch.float64)) for n in (8, 4))
+    for x, w, kw in ((x8, w3, dict(padding=1, stride=2)), (x4, w3, dict(padding=1, stride=1)), (x8, w2, dict(padding=0, stride=2))):
+        dx, dw = conv.conv2d_backward(dz, x, w, **kw)
+        rx, rw = _ref_grads(x, w, dz, **kw)
+        torch.testing.assert_close(dx, rx, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dw, rw, rtol=1e-12, atol=1e-12)
+    dgrads = [t for t in rec.tags if t[0] == "conv_dgrad_via_nchw"]
+    wgrads = [t for t in rec.tags if t[0] == "conv_wgrad_via_nchw"]
+    assert len(dgrads) == 3 and dgrads[0][2:] == dgrads[1][2:] and dgrads[0] != dgrads[1]  # same dz, w; stride 2 vs 1
+    assert len(wgrads) == 3 and wgrads[0][2:] == wgrads[2][2:] and wgrads[0] != wgrads[2]  # same x, dz; 3x3 vs 2x2
+    assert len(set(dgrads)) == 3 and len(set(wgrads)) == 3
+    a = torch.randn(2, 16, 5, 5)
+    assert common.tag("t", a) != common.tag("t", _cl(a))  # same shape and dtype, another layout
+    assert common.tag("t", a, attrs=([1, 1], 2)) == common.tag("t", a, attrs=((1, 1), 2))  # lists as tuples: hashable
+    hash(common.tag("t", a, attrs=([1, 1], [2, 2])))

@@ -25,10 +25,19 @@ def cast_like(a: Any, like: Any) -> Any:
     return ad.astype(a, ad.describe(like)[2])
 
 
-def tag(name: str, *arrays: Any) -> tuple:
-    """What fused_or_split remembers a refusal by: the pattern and each array's shape and dtype
-    (as the array library gives them: this runs at every call of a fused-or-split op)."""
-    return (name,) + tuple((a.shape, a.dtype) for a in arrays)
+def tag(name: str, *arrays: Any, attrs: tuple = ()) -> tuple:
+    """What fused_or_split remembers a refusal or a timing by: ``(name, attrs, *arrays)``, each array
+    as (shape, dtype, strides) the way its library gives them (this runs at every call of a
+    fused-or-split op). ``attrs``: whatever else selects the graphs (padding, stride, ...): two calls
+    with the same arrays but another stride or layout may rank fused and split the other way."""
+    if attrs:
+        attrs = tuple(tuple(v) if type(v) is list else v for v in attrs)
+    return (name, attrs) + tuple((a.shape, a.dtype, _strides(a)) for a in arrays)
+
+
+def _strides(a: Any) -> tuple:
+    s = getattr(a, "strides", None)  # CuPy / NumPy (bytes); torch has stride() (elements)
+    return a.stride() if s is None else s
 
 
 def relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:

@@ -48,7 +48,7 @@ def _conv_epilogue(name: str, operands: tuple, values: tuple, out: Any) -> Any:
             return call("add_relu", _bias_act(y, b, False, None), operands[3], out=out)
         return _bias_act(y, b, name == "conv_bias_relu", out)
 
-    return fused_or_split(tag(name, *operands), lambda: run(name, _CONV_ATTRS, values, operands, out), split, like=x)
+    return fused_or_split(tag(name, *operands, attrs=values), lambda: run(name, _CONV_ATTRS, values, operands, out), split, like=x)
 
 
 def _bias_act(y: Any, b: Any, relu: bool, out: Any) -> Any:
@@ -96,8 +96,8 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
 
     alt = split
     if out is None and few_channels_last(x, int(w.shape[1]) * int(values[4])):
-        alt = lambda: fused_or_split(tag(name + "_split_nchw", x, w), split, split_nchw, like=x)  # noqa: E731
-    return fused_or_split(tag(name, x, w), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), alt, like=x)
+        alt = lambda: fused_or_split(tag(name + "_split_nchw", x, w, attrs=values), split, split_nchw, like=x)  # noqa: E731
+    return fused_or_split(tag(name, x, w, attrs=values), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), alt, like=x)
 
 
 def _convt_shape(x: Any, w: Any, values: tuple) -> tuple[int, ...]:
@@ -130,7 +130,7 @@ def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, i
         op = _output_padding(x.shape[2:], dz.shape[2:], w.shape[2:], padding, stride, dilation)
         if input_relu:
             dx = fused_or_split(
-                tag("conv_dgrad_drelu", dz, w, x),
+                tag("conv_dgrad_drelu", dz, w, x, attrs=(op, padding, stride, dilation, groups)),
                 lambda: call("conv_dgrad_drelu", dz, w, x, output_padding=op, **conv),
                 lambda: call("relu_backward", call("conv_dgrad", dz, w, output_padding=op, **conv), x),
                 like=dz,
@@ -153,7 +153,7 @@ def _dgrad(dz: Any, w: Any, x_shape: tuple, output_padding: tuple, conv: dict) -
         y = call("conv_dgrad", dz, w, output_padding=output_padding, out=empty_as(dz, x_shape, "NCHW"), **conv)
         return adapter_for(y).relayout(y, "NHWC")
 
-    return fused_or_split(tag("conv_dgrad_via_nchw", dz, w), direct, via_nchw, like=dz)
+    return fused_or_split(tag("conv_dgrad_via_nchw", dz, w, attrs=(x_shape, output_padding, *conv.values())), direct, via_nchw, like=dz)
 
 
 def _wgrad(x: Any, dz: Any, kernel: tuple, conv: dict) -> Any:
@@ -163,7 +163,7 @@ def _wgrad(x: Any, dz: Any, kernel: tuple, conv: dict) -> Any:
     if not few_channels_last(x):
         return direct()
     via_nchw = lambda: call("conv_wgrad", adapter_for(x).relayout(x, "NCHW"), dz, kernel=kernel, **conv)  # noqa: E731
-    return fused_or_split(tag("conv_wgrad_via_nchw", x, dz), direct, via_nchw, like=x)
+    return fused_or_split(tag("conv_wgrad_via_nchw", x, dz, attrs=(kernel, *conv.values())), direct, via_nchw, like=x)
 
 
 def relu_backward(dy: Any, y: Any) -> Any:
