@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -29,13 +30,14 @@ from collections import OrderedDict
 from threading import get_ident
 from typing import Any, Callable, Mapping, Sequence
 
+from . import config
 from .engine import lower
 from .engine.cache import Plan, PlanCache, PlanKey, default_cache
 from .engine.keys import as_outs, check_operands, make_key
 from .engine.patterns import Pattern, get_pattern
 from .engine.planner import planner
 from .engine.lower import load_cudnn
-from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory
+from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory, versions
 from .errors import CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
 from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter_for, as_device_array
 
@@ -453,7 +455,8 @@ def plan_for(pattern: str | Pattern, *operands: Any, out: Any = None, cache: Pla
 
 _SPLIT: set[tuple] = set()
 #: (tag, mode) -> (fused ms, split ms): each fused-or-split tag with ``like``, timed on its first call
-#: outside a capture, once per plan mode ("heuristic" plans and autotuned ones can rank differently).
+#: outside a capture, once per plan mode ("heuristic" plans and autotuned ones can rank differently),
+#: and kept in the plan cache's disk store, where a later process finds it instead of timing again.
 FUSION_TIMES: dict[tuple, tuple[float, float]] = {}
 #: A split runs instead of the fused graph only when it measured at least this much faster.
 SPLIT_MARGIN = 0.97
@@ -467,7 +470,8 @@ def _split_wins(t: tuple[float, float]) -> bool:
 def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None) -> Any:
     """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on.
     With ``like`` (an operand; only for side-effect-free ops) the first call of a tag outside a
-    capture, in each plan mode, times both on the GPU and keeps the faster (:data:`FUSION_TIMES`)."""
+    capture, in each plan mode, times both on the GPU (or reads an earlier process's timings from the
+    disk store) and keeps the faster (:data:`FUSION_TIMES`)."""
     if tag in _SPLIT:
         return split()
     timed = None
@@ -507,8 +511,15 @@ def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any],
     149 us fused against 44 us for its dgrad alone, H200)."""
     y = fused()  # first: it checks the operands (an OperandError before any timing)
     ad = adapter_for(like)
-    if ad.capturing(ad.describe(like)[3]):
+    device = ad.describe(like)[3]
+    if ad.capturing(device):
         return y
+    cache = default_cache()
+    key = _decision_key(timed, ad, device, cache) if cache.store is not None else None
+    t = cache.stored_fusion(key) if key is not None else None
+    if t is not None:  # timed by an earlier process on this GPU with these versions
+        FUSION_TIMES[timed] = t
+        return split() if _split_wins(t) else y
     try:
         split()
     except UnsupportedError:  # no split either: the fused graph it is
@@ -519,7 +530,27 @@ def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any],
         tf.append(ad.device_ms(fused))
         ts.append(ad.device_ms(split))
     t = FUSION_TIMES[timed] = (sorted(tf)[1], sorted(ts)[1])
+    if key is not None:
+        cache.store_fusion(key, t[0], t[1], "split" if _split_wins(t) else "fused")
     return split() if _split_wins(t) else fused()  # run again: with ``out`` given, the timed runs left the split's values in it
+
+
+def _decision_key(timed: tuple, ad: Adapter, device: int, cache: PlanCache) -> dict:
+    """What a stored fused-or-split decision is valid for, as JSON values: the tag (pattern, attributes,
+    each array's shape, dtype and strides in elements), the plan mode and heuristics, the numerics
+    policy, the GPU, and the cuDNN, frontend and fusekit versions."""
+    tag, mode = timed
+    facts, v, tf32 = RUNTIME.device_facts(ad, device), versions(), config.allow_tf32()
+    arrays = []
+    for shape, dt, strides in tag[2:]:
+        per = getattr(dt, "itemsize", 1) if not str(dt).startswith("torch.") else 1  # CuPy strides are in bytes
+        arrays.append([list(shape), str(dt).replace("torch.", ""), [int(st) // per for st in strides]])
+    key = {
+        "tag": tag[0], "attrs": tag[1], "arrays": arrays, "mode": mode, "heuristics": list(cache.heuristics),
+        "tf32": {"conv": tf32.conv, "matmul": tf32.matmul}, "gpu": facts.name, "cc": list(facts.cc),
+        "cudnn_backend": v.cudnn_backend, "frontend": v.frontend, "fusekit": config.__version__,
+    }
+    return json.loads(json.dumps(key, default=str))  # tuples as lists: as it reads back from the file
 
 
 def _describe_tag(tag: tuple) -> str:

@@ -1,5 +1,6 @@
 """What fusekit offers cuDNN when it refuses a description of a call (no GPU needed)."""
 
+import json
 import warnings
 
 import pytest
@@ -133,7 +134,7 @@ def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, spl
 
     monkeypatch.setattr(dispatch, "_SPLIT", set())
     monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
-    cache = SimpleNamespace(mode=mode)
+    cache = SimpleNamespace(mode=mode, store=None)
     monkeypatch.setattr(dispatch, "default_cache", lambda: cache)
     runs = []
     fused = lambda: runs.append("fused") or "fused"  # noqa: E731
@@ -172,7 +173,7 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
 
     monkeypatch.setattr(dispatch, "_SPLIT", set())
     monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
-    monkeypatch.setattr(dispatch, "default_cache", lambda: SimpleNamespace(mode="heuristic"))
+    monkeypatch.setattr(dispatch, "default_cache", lambda: SimpleNamespace(mode="heuristic", store=None))
     capturing = [True]
 
     class Ad:
@@ -212,3 +213,96 @@ def test_cupy_fence_first_made_inside_a_capture_raises_capture_error(monkeypatch
     monkeypatch.setattr(ad.cp, "zeros", lambda *a, **k: pytest.fail("allocated inside a capture"))
     with pytest.raises(CaptureError, match="warm-up"):
         ad.fence(0)
+
+
+def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_timed_again(monkeypatch, tmp_path):
+    """A timed decision is written to the plan cache's disk store; a later process (here: the
+    in-memory table emptied) reads it and runs the kept path without timing. A file that fails its
+    checks is moved aside with a warning and the pair is timed again; another GPU or plan mode
+    does not reuse it."""
+    from types import SimpleNamespace
+
+    import fusekit
+    from fusekit import dispatch
+    from fusekit.engine.cache import DiskStore, PlanCache
+
+    cache = PlanCache(store=DiskStore(tmp_path), mode="heuristic")
+    monkeypatch.setattr(dispatch, "default_cache", lambda: cache)
+    monkeypatch.setattr(dispatch, "_SPLIT", set())
+    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
+    gpu = ["Test GPU"]
+    monkeypatch.setattr(dispatch, "RUNTIME", SimpleNamespace(device_facts=lambda ad, dev: SimpleNamespace(name=gpu[0], cc=(9, 0))))
+    monkeypatch.setattr(dispatch, "versions", lambda: SimpleNamespace(cudnn_backend=91900, frontend="1.32.0"))
+    timings = []
+
+    class Ad:
+        describe = staticmethod(lambda a: ((), (), "float16", 0))
+        capturing = staticmethod(lambda dev: False)
+
+        @staticmethod
+        def device_ms(fn):
+            timings.append(fn)
+            fn()
+            return 1.0 if fn is fused else 0.5
+
+    monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
+    runs = []
+    fused = lambda: runs.append("fused") or "fused"  # noqa: E731
+    split = lambda: runs.append("split") or "split"  # noqa: E731
+    tag = ("conv_dgrad_via_nchw", ((64, 3, 64, 64), (1, 1), (2, 2), (1, 1), 1), ((64, 16, 32, 32), "float16", (16384, 1, 512, 16)))
+
+    assert dispatch.fused_or_split(tag, fused, split, like=object()) == "split" and len(timings) == 6
+    (f,) = DiskStore(tmp_path).decisions()
+    record = json.loads(f.read_bytes())
+    assert (record["fused_ms"], record["split_ms"], record["choice"]) == (1.0, 0.5, "split")
+    assert record["key"]["arrays"] == [[[64, 16, 32, 32], "float16", [16384, 1, 512, 16]]] and record["key"]["gpu"] == "Test GPU"
+
+    def fresh():  # a new process: nothing in memory
+        dispatch.FUSION_TIMES.clear()
+        timings.clear()
+        runs.clear()
+
+    fresh()
+    assert dispatch.fused_or_split(tag, fused, split, like=object()) == "split"
+    assert timings == [] and runs == ["fused", "split"]  # the fused call checks the operands; then the stored choice
+    assert dispatch.FUSION_TIMES == {(tag, "heuristic"): (1.0, 0.5)}
+
+    fresh()
+    cache.mode = "autotune"  # another plan mode: timed for itself
+    dispatch.fused_or_split(tag, fused, split, like=object())
+    assert len(timings) == 6 and len(list(DiskStore(tmp_path).decisions())) == 2
+    cache.mode = "heuristic"
+
+    fresh()
+    gpu[0] = "Other GPU"  # another GPU: timed for itself
+    dispatch.fused_or_split(tag, fused, split, like=object())
+    assert len(timings) == 6 and len(list(DiskStore(tmp_path).decisions())) == 3
+    gpu[0] = "Test GPU"
+
+    for bad in (b"{not json", json.dumps({**record, "split_ms": -1.0}).encode(), json.dumps({**record, "key": {**record["key"], "mode": "x"}}).encode()):
+        f.write_bytes(bad)
+        fresh()
+        with pytest.warns(fusekit.CacheWarning, match="ignoring"):
+            assert dispatch.fused_or_split(tag, fused, split, like=object()) == "split"
+        assert len(timings) == 6  # timed again
+        assert json.loads(f.read_bytes())["split_ms"] == 0.5  # and rewritten whole
+    assert len(list(f.parent.glob("*.bad"))) == 3
+
+
+def test_fused_or_split_decisions_follow_the_store_through_verify_clear_export_and_import(tmp_path):
+    from fusekit.engine.cache import DiskStore
+
+    store = DiskStore(tmp_path / "a")
+    key = {"tag": "batchnorm_relu", "attrs": [], "arrays": [[[8, 64, 7, 7], "float16", [3136, 1, 448, 64]]], "mode": "heuristic"}
+    p = store.write_fusion(key, 0.02, 0.03, "fused")
+    assert store.read_fusion(key) == (0.02, 0.03) and store.read_fusion({**key, "mode": "autotune"}) is None
+    assert store.verify() == []
+    archive = tmp_path / "x.tar.gz"
+    store.export(archive)
+    other = DiskStore(tmp_path / "b")
+    assert other.import_(archive) == (0, [])  # no plans, one decision
+    assert other.read_fusion(key) == (0.02, 0.03)
+    p.write_bytes(b"garbage")
+    assert [q for q, _ in store.verify()] == [p]
+    store.clear()
+    assert list(store.decisions()) == [] and list(p.parent.iterdir()) == []

@@ -140,3 +140,54 @@ def test_bad_blob_is_rebuilt_with_a_warning(tmp_path):
     y = fusekit.call("conv_bias_relu", x, w, b, cache=cache2)
     ref = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), b.double()))
     assert float((y.double() - ref).norm() / ref.norm()) < 2e-3
+
+
+FUSION_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from fusekit import dispatch, ops
+    from fusekit.tensors import library
+
+    if sys.argv[1] == "no-timing":  # a later process must read the decisions, not time them again
+        def refuse(*a, **k):
+            raise AssertionError("fused_or_split timed again")
+        type(library("torch")).device_ms = refuse
+    g = torch.Generator(device="cuda").manual_seed(int(sys.argv[2]))
+    cl = torch.channels_last
+    x = torch.randn(64, 16, 32, 32, device="cuda", generator=g).contiguous(memory_format=cl)
+    w = (torch.randn(16, 3, 3, 3, device="cuda", generator=g) * 0.2).contiguous(memory_format=cl)
+    b = torch.rand(3, device="cuda", generator=g)
+    y = ops.conv_transpose_bias_relu(x, w, b, padding=1, stride=2, output_padding=1)
+    ref = torch.relu(torch.nn.functional.conv_transpose2d(x.double(), w.double(), b.double(), padding=1, stride=2, output_padding=1))
+    err = float((y.double() - ref).norm() / ref.norm())
+    times = sorted([k[0][0], k[1], list(t)] for k, t in dispatch.FUSION_TIMES.items())
+    print(json.dumps(dict(times=times, err=err)))
+    """
+)
+
+
+def test_second_process_reads_fused_or_split_decisions_from_disk(tmp_path):
+    """The float32 transposed conv + bias + ReLU to 3 channels times fused against split (and, for the
+    split, its NCHW route) on first use; a second process with the same cache directory reads both
+    decisions from the disk store and runs the kept graphs without timing (device_ms raises there)."""
+    env = dict(os.environ, FUSEKIT_CACHE_DIR=str(tmp_path))
+
+    def child(*args):
+        r = subprocess.run([sys.executable, "-c", FUSION_CHILD, *args], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = child("time", "1")
+    names = [t[0] for t in first["times"]]
+    assert "conv_transpose_bias_relu" in names and all(f > 0 and s > 0 for _, _, (f, s) in first["times"]), first
+    assert len(list((tmp_path / "fusion").glob("*/*.json"))) == len(first["times"])
+    second = child("no-timing", "2")  # fresh process, fresh data
+    # the inner decision (the split's NCHW route) is read only when the outer one keeps the split
+    outer = [t for t in first["times"] if t[0] == "conv_transpose_bias_relu"]
+    assert outer == [t for t in second["times"] if t[0] == "conv_transpose_bias_relu"], (first, second)
+    assert all(t in first["times"] for t in second["times"]), (first, second)
+    if fusekit.dispatch._split_wins(tuple(outer[0][2])):
+        assert second["times"] == first["times"], (first, second)
+    assert first["err"] < 2e-3 and second["err"] < 2e-3
+    print(f"decisions {first['times']}; errors {first['err']:.1e} / {second['err']:.1e}")

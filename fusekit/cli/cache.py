@@ -168,6 +168,9 @@ def cache_ls(cache_dir: Path | None) -> None:
             t.add_row(*[text(c) for c in cells])
         emit(con, t)
     con.print(f"{plural(len(good), 'plan')} in {store.plans_dir}" + ("" if good else " (empty)"))
+    n_fusion = sum(1 for _ in store.decisions())
+    if n_fusion:
+        con.print(f"{plural(n_fusion, 'fused-or-split decision')} in {store.fusion_dir}")
     if bad:
         con.print(f"{plural(len(bad), 'bad entry', 'bad entries')} (not listed): `fusekit cache verify` shows them, `--fix` moves them aside")
     left = _leftover_sizes(store)
@@ -221,6 +224,7 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
     store = _store(cache_dir)
     n = sum(1 for _ in store.entries())
     others = sum(1 for p in store.plans_dir.glob("*/*") if p.suffix not in (".plan", ".tmp")) if store.plans_dir.is_dir() else 0
+    others += sum(1 for p in store.fusion_dir.glob("*/*") if p.suffix != ".tmp") if store.fusion_dir.is_dir() else 0
     others += len(store.leftovers(LEFTOVER_AGE_S))  # stale ones; clear() keeps a live writer's
     if n == 0 and others == 0:
         click.echo(f"nothing to clear: no plans in {store.plans_dir}")
@@ -284,6 +288,7 @@ def cache_verify(cache_dir: Path | None, fix: bool) -> None:
     minutes (younger ones may belong to a write in progress: they are only counted)."""
     store = _store(cache_dir)
     total = sum(1 for _ in store.entries())
+    decisions = sum(1 for _ in store.decisions())
     bad = store.verify(fix=fix)
     for p, why in bad:
         click.echo(f"bad {p.stem[:12]}: {one_line(why)}")
@@ -295,9 +300,12 @@ def cache_verify(cache_dir: Path | None, fix: bool) -> None:
     if kept:
         click.echo(f"kept {_files(kept)} younger than {_AGE}: a write may still be in progress")
     if not bad:
-        click.echo(f"checked {plural(total, 'stored plan')} in {store.plans_dir}: none is bad")
+        also = f" and {plural(decisions, 'fused-or-split decision')}" if decisions else ""
+        click.echo(f"checked {plural(total, 'stored plan')}{also} in {store.root}: none is bad")
         return
     if fix:
-        click.echo(f"moved {plural(len(bad), 'bad entry', 'bad entries')} aside (*.bad); kept {plural(total - len(bad), 'good plan')}")
+        good = plural(total + decisions - len(bad), "good plan") if not decisions else plural(total + decisions - len(bad), "good entry", "good entries")
+        click.echo(f"moved {plural(len(bad), 'bad entry', 'bad entries')} aside (*.bad); kept {good}")
         return
-    raise CliError(f"{len(bad)} of {plural(total, 'stored plan')} failed their checks; `fusekit cache verify --fix` moves them aside")
+    what = plural(total, "stored plan") + (f" and {plural(decisions, 'fused-or-split decision')}" if decisions else "")
+    raise CliError(f"{len(bad)} of {what} failed their checks; `fusekit cache verify --fix` moves them aside")

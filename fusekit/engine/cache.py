@@ -4,6 +4,8 @@ A miss goes memory -> disk -> build. The disk store keeps one file per key: a JS
 (the full key, the chosen plan, candidate timings, versions, the blob's length and SHA-256)
 followed by the serialized cuDNN graph. Files are written to a temporary name and renamed, so a
 reader never sees half an entry; a per-key file lock makes concurrent processes build a key once.
+Beside the plans it keeps fused-or-split decisions (``<root>/fusion``, one small JSON file each):
+the two timings of a fused graph and its split, per call configuration, plan mode, GPU and versions.
 An entry that fails its checks is moved aside with a warning and rebuilt, never trusted; so is one
 that another user could have written (a cuDNN plan can carry engine code). A store that cannot be
 used (not writable, full, unlockable) costs one warning and the cache goes on in memory.
@@ -16,6 +18,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import tarfile
 import tempfile
@@ -38,6 +41,7 @@ LEFTOVER_AGE_S = 600.0
 MODES = config.MODES
 #: /2: float32 convolution and matmul plans never down-convert inputs (entries of /1 may: rebuilt)
 ENTRY_FORMAT = "fusekit-plan/2"
+FUSION_FORMAT = "fusekit-fusion/1"
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,28 @@ def _decode(data: bytes, path: Path) -> Entry:
     return Entry(path, header, blob)
 
 
+def fusion_digest(key: Mapping[str, Any]) -> str:
+    """Stable hash of a fused-or-split decision's key (its file name in the store)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:40]
+
+
+def _decode_fusion(data: bytes, path: Path) -> dict:
+    """A decision file's record, checked: format, key against its digest and file name, timings."""
+    try:
+        d = json.loads(data)
+    except ValueError as e:
+        raise EntryError(f"{path.name}: not JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FUSION_FORMAT:
+        raise EntryError(f"{path.name}: unknown format {d.get('format') if isinstance(d, dict) else d!r}")
+    key = d.get("key")
+    if not isinstance(key, dict) or fusion_digest(key) != d.get("key_digest") or path.stem != d.get("key_digest"):
+        raise EntryError(f"{path.name}: key does not match the file it is stored in")
+    t = (d.get("fused_ms"), d.get("split_ms"))
+    if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in t):
+        raise EntryError(f"{path.name}: timings {t} are not two positive numbers of milliseconds")
+    return d
+
+
 def _mkdirs(path: Path) -> None:
     """Make directory ``path`` and its missing parents, each 0o700 (existing ones are left as they are)."""
     if path.is_dir():
@@ -225,7 +251,8 @@ _TRUST = "a cuDNN plan can carry engine code, so only what this user alone can w
 
 
 class DiskStore:
-    """Directory of plan entries: ``<root>/plans/<digest[:2]>/<digest>.plan``."""
+    """Directory of plan entries, ``<root>/plans/<digest[:2]>/<digest>.plan``, and of fused-or-split
+    decisions, ``<root>/fusion/<digest[:2]>/<digest>.json``."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
@@ -236,9 +263,17 @@ class DiskStore:
     def plans_dir(self) -> Path:
         return self.root / "plans"
 
+    @property
+    def fusion_dir(self) -> Path:
+        return self.root / "fusion"
+
     def path(self, key: PlanKey) -> Path:
         d = key.fingerprint()
         return self.plans_dir / d[:2] / f"{d}.plan"
+
+    def fusion_path(self, key: Mapping[str, Any]) -> Path:
+        d = fusion_digest(key)
+        return self.fusion_dir / d[:2] / f"{d}.json"
 
     def lock(self, key: PlanKey) -> Any:
         """Inter-process lock for one key (held while it is built and written)."""
@@ -304,6 +339,46 @@ class DiskStore:
                 os.unlink(tmp)
             raise
 
+    def read_fusion(self, key: Mapping[str, Any]) -> tuple[float, float] | None:
+        """The stored (fused ms, split ms) for decision ``key`` (JSON values), None if absent; a bad
+        file is moved aside with a warning (the pair is timed again). OSError as :meth:`read`."""
+        p = self.fusion_path(key)
+        try:
+            d = self.load_fusion(p)
+            if d["key"] != key:
+                raise EntryError(f"{p.name}: stored for another key")
+        except FileNotFoundError:
+            return None
+        except EntryError as e:
+            self.quarantine(p, str(e))
+            return None
+        return float(d["fused_ms"]), float(d["split_ms"])
+
+    def write_fusion(self, key: Mapping[str, Any], fused_ms: float, split_ms: float, choice: str) -> Path:
+        """Atomically write the decision for ``key``: both timings and the path kept (``choice``)."""
+        p = self.fusion_path(key)
+        record = {
+            "format": FUSION_FORMAT, "key": key, "key_digest": p.stem, "fused_ms": fused_ms, "split_ms": split_ms, "choice": choice,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "fusekit": config.__version__,
+        }
+        self._write_bytes(p, json.dumps(record, separators=(",", ":")).encode() + b"\n")
+        return p
+
+    def load_fusion(self, path: Path) -> dict:
+        """Read and check one decision file (EntryError / PermissionError as :meth:`load`)."""
+        self.check_dirs(path.parent)
+        with open(path, "rb") as f:
+            why = _unsafe(os.fstat(f.fileno()))
+            if why:
+                raise EntryError(f"{path.name}: refused, {why}")
+            data = f.read()
+        return _decode_fusion(data, path)
+
+    def decisions(self) -> Iterator[Path]:
+        """The fused-or-split decision files."""
+        if self.fusion_dir.is_dir():
+            yield from sorted(self.fusion_dir.glob("*/*.json"))
+
     def quarantine(self, path: Path, why: str) -> None:
         """Move a bad entry aside (``*.bad``) and warn; it will be rebuilt."""
         self.quarantined += 1
@@ -324,7 +399,7 @@ class DiskStore:
         """Hidden temporary files (``.<name>.tmp``) of writes in progress or interrupted (a killed
         writer's), untouched for at least ``min_age_s`` seconds."""
         found = []
-        for p in sorted(self.plans_dir.glob("*/.*.tmp")) if self.plans_dir.is_dir() else []:
+        for p in [t for d in (self.plans_dir, self.fusion_dir) if d.is_dir() for t in sorted(d.glob("*/.*.tmp"))]:
             with contextlib.suppress(FileNotFoundError):
                 if time.time() - p.stat().st_mtime >= min_age_s:
                     found.append(p)
@@ -351,9 +426,9 @@ class DiskStore:
     def verify(self, fix: bool = False) -> list[tuple[Path, str]]:
         """[(path, problem)] for every entry that fails its checks or cannot be read; ``fix`` moves those aside."""
         bad = []
-        for p in self.entries():
+        for p, load in [(p, self.load) for p in self.entries()] + [(p, self.load_fusion) for p in self.decisions()]:
             try:
-                self.load(p)
+                load(p)
             except (EntryError, OSError) as e:
                 bad.append((p, str(e)))
                 if fix:
@@ -362,17 +437,19 @@ class DiskStore:
         return bad
 
     def clear(self) -> int:
-        """Delete every entry, moved-aside file and stale leftover (a live writer's temporary file
-        stays); returns how many entries were removed."""
+        """Delete every entry and fused-or-split decision, moved-aside file and stale leftover (a live
+        writer's temporary file stays); returns how many plan entries were removed."""
         n = 0
-        if self.plans_dir.is_dir():
-            for p in list(self.plans_dir.glob("*/*")):
+        for d in (self.plans_dir, self.fusion_dir):
+            if not d.is_dir():
+                continue
+            for p in list(d.glob("*/*")):
                 if p.name.endswith(".tmp"):
                     continue
                 if p.suffix == ".plan":
                     n += 1
                 p.unlink(missing_ok=True)
-            self.remove_leftovers()
+        self.remove_leftovers()
         return n
 
     def export(self, dest: str | os.PathLike[str]) -> int:
@@ -389,6 +466,12 @@ class DiskStore:
                         continue
                     tar.add(p, arcname=f"plans/{p.parent.name}/{p.name}")
                     n += 1
+                for p in self.decisions():  # the fused-or-split decisions travel with the plans they were timed on
+                    try:
+                        self.load_fusion(p)
+                    except (EntryError, OSError):
+                        continue
+                    tar.add(p, arcname=f"fusion/{p.parent.name}/{p.name}")
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -399,11 +482,19 @@ class DiskStore:
         n, problems = 0, []
         with tarfile.open(src, "r:gz") as tar:
             for m in tar.getmembers():
-                if not m.isfile() or not m.name.endswith(".plan"):
+                if not m.isfile() or not m.name.endswith((".plan", ".json")):
                     continue
                 name = Path(m.name).name
                 f = tar.extractfile(m)
                 data = f.read() if f is not None else b""
+                if name.endswith(".json"):  # a fused-or-split decision: checked, not counted among the plans
+                    try:
+                        d = _decode_fusion(data, Path(name))
+                    except EntryError as e:
+                        problems.append(str(e))
+                        continue
+                    self._write_bytes(self.fusion_path(d["key"]), data)
+                    continue
                 try:
                     entry = _decode(data, Path(name))
                 except EntryError as e:
@@ -542,6 +633,25 @@ class PlanCache:
             self._store_failed("cannot write", e)
             return
         self.stats.disk_writes += 1
+
+    def stored_fusion(self, key: Mapping[str, Any]) -> tuple[float, float] | None:
+        """The disk store's (fused ms, split ms) for a fused-or-split decision ``key``, if it has one."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.read_fusion(key)
+        except OSError as e:
+            self._store_failed("cannot read", e)
+            return None
+
+    def store_fusion(self, key: Mapping[str, Any], fused_ms: float, split_ms: float, choice: str) -> None:
+        """Keep a fused-or-split decision in the disk store (if any), for later processes."""
+        if self.store is None:
+            return
+        try:
+            self.store.write_fusion(key, fused_ms, split_ms, choice)
+        except OSError as e:
+            self._store_failed("cannot write", e)
 
     def put(self, plan: Plan) -> None:
         with self._lock:
