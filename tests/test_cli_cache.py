@@ -385,3 +385,23 @@ def test_doctor_without_problems_exits_zero(tmp_path):
     assert r.exit_code == 0, r.output
     assert not any(ln.startswith("problem ") for ln in r.output.splitlines())
     assert not (tmp_path / "c").exists()  # doctor creates nothing
+
+
+def test_fused_or_split_decisions_are_counted_verified_and_cleared(store):
+    """`cache ls` counts the stored fused-or-split decisions, `verify` checks them with the plans
+    (a bad one named and moved aside by --fix), `clear` removes them."""
+    k = {"tag": "batchnorm_relu", "attrs": [], "arrays": [[[8, 64, 7, 7], "float16", [3136, 1, 448, 64]]], "mode": "heuristic"}
+    good = store.write_fusion(k, 0.02, 0.03, "fused")
+    bad = store.write_fusion({**k, "mode": "autotune"}, 0.02, 0.01, "split")
+    r = invoke("cache", "ls", "--cache-dir", store.root)
+    assert r.exit_code == 0 and "2 fused-or-split decisions in" in r.output
+    r = invoke("cache", "verify", "--cache-dir", store.root)
+    assert r.exit_code == 0 and "checked 2 stored plans and 2 fused-or-split decisions" in r.output
+    bad.write_bytes(bad.read_bytes()[:-20])  # truncated
+    r = invoke("cache", "verify", "--cache-dir", store.root)
+    assert r.exit_code == 1 and f"bad {bad.stem[:12]}:" in r.output and "not JSON" in r.output
+    assert "1 of 2 stored plans and 2 fused-or-split decisions failed their checks" in r.output
+    r = invoke("cache", "verify", "--fix", "--cache-dir", store.root)
+    assert r.exit_code == 0 and "kept 3 good entries" in r.output and not bad.exists() and good.exists()
+    r = invoke("cache", "clear", "--yes", "--cache-dir", store.root)
+    assert r.exit_code == 0 and not good.exists() and not list(store.fusion_dir.glob("*/*"))
