@@ -16,7 +16,7 @@ LAYERS = {
     "ops": 3,
     "nn": 4, "torch": 4, "pipeline": 4, "viz": 4,
     "cli": 5,
-    "__init__": 6,
+    "__init__": 6, "__main__": 6,  # `python -m fusekit`: the CLI
 }
 
 

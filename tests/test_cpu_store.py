@@ -740,3 +740,20 @@ def test_mode_validation_and_env(monkeypatch):
     monkeypatch.setenv("FUSEKIT_MODE", "turbo")
     with pytest.raises(ValueError, match="turbo"):
         PlanCache()
+
+
+def test_two_bad_entries_moved_aside_in_one_millisecond_are_both_kept(tmp_path, monkeypatch):
+    """Moved-aside files were named <name>.<ms>.bad: a second one within the same millisecond
+    replaced the first (seen in CI, where a test quarantined three files back to back)."""
+    import fusekit.engine.cache as cache_mod
+    from fusekit.engine.cache import DiskStore
+
+    monkeypatch.setattr(cache_mod.time, "time", lambda: 1_700_000_000.0)
+    store = DiskStore(tmp_path)
+    p = tmp_path / "x.plan"
+    for i in range(3):
+        p.write_bytes(b"bad %d" % i)
+        with pytest.warns(Warning, match="ignoring"):
+            store.quarantine(p, "test")
+    kept = sorted(q.read_bytes() for q in tmp_path.glob("x.plan.*.bad"))
+    assert kept == [b"bad 0", b"bad 1", b"bad 2"]

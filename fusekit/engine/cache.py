@@ -224,6 +224,17 @@ def _decode_fusion(data: bytes, path: Path) -> dict:
     return d
 
 
+def _aside(path: Path) -> Path:
+    """A free name to move a bad entry to: ``<name>.<ms>.bad``, or ``<name>.<ms>-<n>.bad`` when two
+    were moved aside within one millisecond (the second rename would replace the first)."""
+    stamp = int(time.time() * 1e3)
+    p, n = path.with_name(f"{path.name}.{stamp}.bad"), 0
+    while p.exists():
+        n += 1
+        p = path.with_name(f"{path.name}.{stamp}-{n}.bad")
+    return p
+
+
 def _mkdirs(path: Path) -> None:
     """Make directory ``path`` and its missing parents, each 0o700 (existing ones are left as they are)."""
     if path.is_dir():
@@ -384,7 +395,7 @@ class DiskStore:
         self.quarantined += 1
         done = "moved aside and rebuilding"
         try:
-            os.replace(path, path.with_name(f"{path.name}.{int(time.time() * 1e3)}.bad"))
+            os.replace(path, _aside(path))
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -433,7 +444,7 @@ class DiskStore:
                 bad.append((p, str(e)))
                 if fix:
                     with contextlib.suppress(FileNotFoundError):
-                        os.replace(p, p.with_name(f"{p.name}.{int(time.time() * 1e3)}.bad"))
+                        os.replace(p, _aside(p))
         return bad
 
     def clear(self) -> int:
