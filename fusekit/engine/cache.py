@@ -313,17 +313,21 @@ class DiskStore:
     def read(self, key: PlanKey) -> Entry | None:
         """The valid entry for ``key``, None if absent; a bad or untrusted entry is moved aside with a
         warning. Raises OSError if the store cannot be read or its directories are not trusted."""
-        p = self.path(key)
+        # header["key"] came from JSON (lists); compare as PlanKeys
+        return self._read_checked(self.path(key), self.load, lambda e: e.key, key)
+
+    def _read_checked(self, p: Path, load: Callable[[Path], Any], key_of: Callable[[Any], Any], key: Any) -> Any:
+        """``load(p)`` if its key (``key_of`` of it) is ``key``; None if absent; a bad file is moved aside."""
         try:
-            entry = self.load(p)
-            if entry.key != key:  # header["key"] came from JSON (lists); compare as PlanKeys
+            got = load(p)
+            if key_of(got) != key:
                 raise EntryError(f"{p.name}: stored for another key")
         except FileNotFoundError:
             return None
         except EntryError as e:
             self.quarantine(p, str(e))
             return None
-        return entry
+        return got
 
     def write(self, key: PlanKey, meta: dict, blob: bytes) -> Path:
         """Atomically write (temporary file + rename) the entry for ``key``."""
@@ -353,17 +357,8 @@ class DiskStore:
     def read_fusion(self, key: Mapping[str, Any]) -> tuple[float, float] | None:
         """The stored (fused ms, split ms) for decision ``key`` (JSON values), None if absent; a bad
         file is moved aside with a warning (the pair is timed again). OSError as :meth:`read`."""
-        p = self.fusion_path(key)
-        try:
-            d = self.load_fusion(p)
-            if d["key"] != key:
-                raise EntryError(f"{p.name}: stored for another key")
-        except FileNotFoundError:
-            return None
-        except EntryError as e:
-            self.quarantine(p, str(e))
-            return None
-        return float(d["fused_ms"]), float(d["split_ms"])
+        d = self._read_checked(self.fusion_path(key), self.load_fusion, lambda d: d["key"], key)
+        return None if d is None else (float(d["fused_ms"]), float(d["split_ms"]))
 
     def write_fusion(self, key: Mapping[str, Any], fused_ms: float, split_ms: float, choice: str) -> Path:
         """Atomically write the decision for ``key``: both timings and the path kept (``choice``)."""
@@ -377,13 +372,7 @@ class DiskStore:
 
     def load_fusion(self, path: Path) -> dict:
         """Read and check one decision file (EntryError / PermissionError as :meth:`load`)."""
-        self.check_dirs(path.parent)
-        with open(path, "rb") as f:
-            why = _unsafe(os.fstat(f.fileno()))
-            if why:
-                raise EntryError(f"{path.name}: refused, {why}")
-            data = f.read()
-        return _decode_fusion(data, path)
+        return _decode_fusion(self._read_trusted(path), path)
 
     def decisions(self) -> Iterator[Path]:
         """The fused-or-split decision files."""
@@ -426,13 +415,16 @@ class DiskStore:
     def load(self, path: Path) -> Entry:
         """Read and check one entry file: EntryError if it fails a check or another user could have
         written it; PermissionError if the store's directories are not trusted (see check_dirs)."""
+        return _decode(self._read_trusted(path), path)
+
+    def _read_trusted(self, path: Path) -> bytes:
+        """The bytes of a store file that only this user could have written (else EntryError)."""
         self.check_dirs(path.parent)
         with open(path, "rb") as f:
             why = _unsafe(os.fstat(f.fileno()))
             if why:
                 raise EntryError(f"{path.name}: refused, {why}; {_TRUST}")
-            data = f.read()
-        return _decode(data, path)
+            return f.read()
 
     def verify(self, fix: bool = False) -> list[tuple[Path, str]]:
         """[(path, problem)] for every entry that fails its checks or cannot be read; ``fix`` moves those aside."""
