@@ -395,9 +395,16 @@ def test_fused_or_split_decisions_are_counted_verified_and_cleared(store):
     bad = store.write_fusion({**k, "mode": "autotune"}, 0.02, 0.01, "split")
     r = invoke("cache", "ls", "--cache-dir", store.root)
     assert r.exit_code == 0 and "2 fused-or-split decisions in" in r.output
+    rows = [ln.split() for ln in r.output.splitlines() if ln.startswith((good.stem[:12], bad.stem[:12]))]
+    assert sorted(rows) == sorted([
+        [good.stem[:12], "batchnorm_relu", "float16[8,64,7,7]:NHWC", "-", "heuristic", "?", "sm_??", "20.0", "30.0", "fused"],
+        [bad.stem[:12], "batchnorm_relu", "float16[8,64,7,7]:NHWC", "-", "autotune", "?", "sm_??", "20.0", "10.0", "split"],
+    ]), r.output
     r = invoke("cache", "verify", "--cache-dir", store.root)
     assert r.exit_code == 0 and "checked 2 stored plans and 2 fused-or-split decisions" in r.output
     bad.write_bytes(bad.read_bytes()[:-20])  # truncated
+    r = invoke("cache", "ls", "--cache-dir", store.root)
+    assert "1 fused-or-split decision in" in r.output and "1 bad entry (not listed)" in r.output
     r = invoke("cache", "verify", "--cache-dir", store.root)
     assert r.exit_code == 1 and f"bad {bad.stem[:12]}:" in r.output and "not JSON" in r.output
     assert "1 of 2 stored plans and 2 fused-or-split decisions failed their checks" in r.output

@@ -16,7 +16,7 @@ from fusekit import config
 from fusekit.engine.cache import LEFTOVER_AGE_S, DiskStore, Entry, EntryError, PlanKey
 from fusekit.engine.patterns import get_pattern
 from fusekit.errors import FusekitError
-from fusekit.tensors import view_shape
+from fusekit.tensors import matches, nchw_strides, nhwc_strides, view_shape
 
 from .common import (
     CliError,
@@ -121,6 +121,35 @@ def _scan(store: DiskStore) -> tuple[list[Entry], list[tuple[Path, str]]]:
     return good, bad
 
 
+def _decisions(store: DiskStore) -> tuple[list[list[str]], list[Path]]:
+    """(table rows of the valid fused-or-split decisions, the bad decision files)."""
+    rows, bad = [], []
+    for p in store.decisions():
+        try:
+            d = store.load_fusion(p)
+        except (EntryError, OSError):
+            bad.append(p)
+            continue
+        k = d["key"]
+        arrays = " ".join(f"{dt}[{fmt_value(shape)}]{_layout(shape, strides)}" for shape, dt, strides in k.get("arrays", []))
+        cc = k.get("cc") or ["?", "?"]
+        rows.append([
+            p.stem[:12], str(k.get("tag", "?")), arrays, " ".join(fmt_value(v) for v in k.get("attrs", [])) or "-", str(k.get("mode", "?")),
+            f"{k.get('gpu', '?')} sm_{cc[0]}{cc[1]}", f"{d['fused_ms'] * 1e3:.1f}", f"{d['split_ms'] * 1e3:.1f}", str(d.get("choice", "?")),
+        ])
+    return rows, bad
+
+
+def _layout(shape: list, strides: list) -> str:
+    """``:NHWC`` / ``:NCHW`` for dense 4-D arrays, ``:strided`` for other 4-D ones, else nothing."""
+    if len(shape) != 4:
+        return ""
+    for name, canon in (("NCHW", nchw_strides), ("NHWC", nhwc_strides)):
+        if matches(tuple(strides), canon(tuple(shape)), tuple(shape)):
+            return f":{name}"
+    return ":strided"
+
+
 def _find_entry(store: DiskStore, prefix: str) -> Path:
     p = prefix.strip().lower()
     if not re.fullmatch(r"[0-9a-f]+", p):
@@ -168,11 +197,18 @@ def cache_ls(cache_dir: Path | None) -> None:
             t.add_row(*[text(c) for c in cells])
         emit(con, t)
     con.print(f"{plural(len(good), 'plan')} in {store.plans_dir}" + ("" if good else " (empty)"))
-    n_fusion = sum(1 for _ in store.decisions())
-    if n_fusion:
-        con.print(f"{plural(n_fusion, 'fused-or-split decision')} in {store.fusion_dir}")
-    if bad:
-        con.print(f"{plural(len(bad), 'bad entry', 'bad entries')} (not listed): `fusekit cache verify` shows them, `--fix` moves them aside")
+    decisions, bad_decisions = _decisions(store)
+    if decisions:
+        t = table(None, ["KEY", "CALL", "ARRAYS", "ATTRS", "MODE", "GPU", "FUSED US", "SPLIT US", "KEPT"],
+                  right=("FUSED US", "SPLIT US"), wrap=("ARRAYS", "ATTRS", "GPU"))
+        for row in sorted(decisions, key=lambda r: (r[1], r[4], r[2])):
+            t.add_row(*[text(c) for c in row])
+        emit(con)
+        emit(con, t)
+        con.print(f"{plural(len(decisions), 'fused-or-split decision')} in {store.fusion_dir}")
+    n_bad = len(bad) + len(bad_decisions)
+    if n_bad:
+        con.print(f"{plural(n_bad, 'bad entry', 'bad entries')} (not listed): `fusekit cache verify` shows them, `--fix` moves them aside")
     left = _leftover_sizes(store)
     if left:
         con.print(f"{_files(list(left.values()))} from interrupted writes: `fusekit cache verify` removes those older than {_AGE}")
