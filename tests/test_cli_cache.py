@@ -410,5 +410,12 @@ def test_fused_or_split_decisions_are_counted_verified_and_cleared(store):
     assert "1 of 2 stored plans and 2 fused-or-split decisions failed their checks" in r.output
     r = invoke("cache", "verify", "--fix", "--cache-dir", store.root)
     assert r.exit_code == 0 and "kept 3 good entries" in r.output and not bad.exists() and good.exists()
+    archive = store.root.parent / "with-decisions.tar.gz"
+    r = invoke("cache", "export", str(archive), "--cache-dir", store.root)
+    assert r.exit_code == 0 and "exported 2 plans" in r.output and "with 1 fused-or-split decision" in r.output, r.output
+    other = store.root.parent / "other"
+    r = invoke("cache", "import", str(archive), "--cache-dir", other)
+    assert r.exit_code == 0 and "imported 2 plans" in r.output and "1 new fused-or-split decision" in r.output, r.output
+    assert DiskStore(other).read_fusion(k) == (0.02, 0.03)
     r = invoke("cache", "clear", "--yes", "--cache-dir", store.root)
     assert r.exit_code == 0 and not good.exists() and not list(store.fusion_dir.glob("*/*"))

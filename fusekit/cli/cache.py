@@ -284,8 +284,11 @@ def cache_export(file: Path, cache_dir: Path | None) -> None:
     except OSError as e:
         raise CliError(f"cannot write {os.fspath(file)}: {e.strerror or e}") from None
     skipped = total - n
+    with tarfile.open(file, "r:gz") as tar:
+        decisions = sum(1 for m in tar.getmembers() if m.name.startswith("fusion/"))
     click.echo(
         f"exported {plural(n, 'plan')} from {store.plans_dir} to {os.fspath(file)}"
+        + (f" with {plural(decisions, 'fused-or-split decision')}" if decisions else "")
         + (f"; skipped {plural(skipped, 'bad entry', 'bad entries')} (`fusekit cache verify` shows them)" if skipped else "")
     )
 
@@ -298,6 +301,7 @@ def cache_import(file: Path, cache_dir: Path | None) -> None:
     """Add the plans of FILE (from `fusekit cache export`); entries that fail their checks are skipped and reported."""
     store = _store(cache_dir)
     before = {p.stem for p in store.entries()}
+    decisions = {p.stem for p in store.decisions()}
     try:
         n, problems = store.import_(file)
     except FileNotFoundError:
@@ -307,7 +311,9 @@ def cache_import(file: Path, cache_dir: Path | None) -> None:
     except OSError as e:
         raise CliError(f"cannot import {os.fspath(file)}: {e.strerror or e}") from None
     new = len({p.stem for p in store.entries()} - before)
-    click.echo(f"imported {plural(n, 'plan')} into {store.plans_dir} ({new} new, {n - new} replaced)")
+    new_decisions = len({p.stem for p in store.decisions()} - decisions)
+    click.echo(f"imported {plural(n, 'plan')} into {store.plans_dir} ({new} new, {n - new} replaced)"
+               + (f"; {plural(new_decisions, 'new fused-or-split decision')}" if new_decisions else ""))
     for pr in problems:
         click.echo(f"  skipped: {one_line(pr)}")
     if problems:
