@@ -167,6 +167,15 @@ def test_doctor_exits_zero():
         assert any(ln.startswith(key) for ln in r.output.splitlines()), key
 
 
+def test_doctor_counts_the_stored_plans_and_decisions(tmp_path, monkeypatch):
+    from fusekit.engine.cache import DiskStore
+
+    DiskStore(tmp_path).write_fusion({"tag": "batchnorm_relu", "mode": "heuristic"}, 0.02, 0.03, "fused")
+    monkeypatch.setenv("FUSEKIT_CACHE_DIR", str(tmp_path))
+    r = invoke("doctor")
+    assert r.exit_code == 0 and f"disk at {tmp_path} (0 stored plan(s), 1 fused-or-split decision(s))" in r.output, r.output
+
+
 def _sees_gpu() -> bool:
     """Whether PyTorch (or else CuPy) sees a CUDA GPU, as ``fusekit run`` checks."""
     try:

@@ -53,8 +53,8 @@ def _cache_info() -> str:
     if config.disk_cache_off():
         return f"in memory only (FUSEKIT_CACHE_DIR={setting('FUSEKIT_CACHE_DIR')}), mode {mode}"
     store = DiskStore()  # $FUSEKIT_CACHE_DIR or the user cache directory
-    n = sum(1 for _ in store.entries())
-    info = f"memory + disk at {store.root} ({n} stored plan(s)), mode {mode}"
+    n, d = sum(1 for _ in store.entries()), sum(1 for _ in store.decisions())
+    info = f"memory + disk at {store.root} ({n} stored plan(s), {d} fused-or-split decision(s)), mode {mode}"
     try:
         store.check_dirs()
     except PermissionError as e:
