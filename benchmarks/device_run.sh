@@ -28,18 +28,21 @@ for part in "$@"; do
       mapfile -t files < <(ls -S tests/test_*.py | grep -v -e test_gpu_fuzz.py $(printf -- '-e %s ' "${solo[@]}"))
       n=${SHARDS:-3}; pids=()
       FUSEKIT_FUZZ_REPORT=${FUSEKIT_FUZZ_REPORT:-$OUT/fuzz.json} FUSEKIT_CACHE_DIR=/tmp/fk-cache-fuzz timeout ${TESTS_TIMEOUT:-330} \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short -s tests/test_gpu_fuzz.py > "$OUT/gpu_tests_fuzz.log" 2>&1 & pids+=($!)
+        python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short -s tests/test_gpu_fuzz.py > "$OUT/gpu_tests_fuzz.log" 2>&1 & pids+=($!)
       for f in "${solo[@]}"; do
-        FUSEKIT_CACHE_DIR=/tmp/fk-cache-${f%.py} timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+        FUSEKIT_CACHE_DIR=/tmp/fk-cache-${f%.py} timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short \
           "tests/$f" > "$OUT/gpu_tests_${f%.py}.log" 2>&1 & pids+=($!)
       done
       for ((k = 0; k < n; k++)); do
         shard=(); for ((j = k; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
-        FUSEKIT_CACHE_DIR=/tmp/fk-cache-$k timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "${shard[@]}" \
+        FUSEKIT_CACHE_DIR=/tmp/fk-cache-$k timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short "${shard[@]}" \
           > "$OUT/gpu_tests_$k.log" 2>&1 & pids+=($!)
       done
       wait "${pids[@]}"
-      for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}"; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done ;;
+      # the tests that measure the whole GPU (marked alone), after the shards, in one process
+      FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
+        tests/ > "$OUT/gpu_tests_alone.log" 2>&1
+      for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}" alone; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;

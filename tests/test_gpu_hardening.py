@@ -321,10 +321,13 @@ def test_eight_threads_on_eight_streams_calling_different_keys():
 # ----------------------------------------------------------------------------------------------
 # a stream of new keys through a small cache
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.alone
 def test_many_keys_through_a_small_cache_stay_bounded():
     """400 distinct keys through FUSEKIT_CACHE_SIZE=16: the memory cache and the dispatch table stay
     at 16, results stay right, host and device memory settle (benchmarks/bench_cache_memory.py
-    measures 10,000 keys)."""
+    measures 10,000 keys). The device figure is the whole GPU's used memory, so other processes
+    on the GPU must not run beside it (marked ``alone``: failed once in a five-shard device run,
+    passed alone on the same tree)."""
     res = child("""
         import json, os, torch, fusekit
         from fusekit import dispatch
