@@ -402,7 +402,12 @@ def test_fused_or_split_decisions_are_counted_verified_and_cleared(store):
     ]), r.output
     r = invoke("cache", "verify", "--cache-dir", store.root)
     assert r.exit_code == 0 and "checked 2 stored plans and 2 fused-or-split decisions" in r.output
+    r = invoke("cache", "show", good.stem[:10], "--json", "--cache-dir", store.root)
+    assert r.exit_code == 0 and json.loads(r.output)["key"] == k and json.loads(r.output)["choice"] == "fused", r.output
+    r = invoke("cache", "show", good.stem[:10], "--cache-dir", store.root)
+    assert r.exit_code == 0 and r.output.startswith(f"fused-or-split decision {good.stem}") and '"split_ms": 0.03' in r.output
     bad.write_bytes(bad.read_bytes()[:-20])  # truncated
+    assert_one_line_error(invoke("cache", "show", bad.stem[:12], "--cache-dir", store.root), "stored decision", "is bad", "verify --fix")
     r = invoke("cache", "ls", "--cache-dir", store.root)
     assert "1 fused-or-split decision in" in r.output and "1 bad entry (not listed)" in r.output
     r = invoke("cache", "verify", "--cache-dir", store.root)

@@ -154,12 +154,14 @@ def _find_entry(store: DiskStore, prefix: str) -> Path:
     p = prefix.strip().lower()
     if not re.fullmatch(r"[0-9a-f]+", p):
         raise CliError(f"{prefix!r} is not a key: give the first hex digits of a KEY that `fusekit cache ls` shows")
-    matches = [e for e in store.entries() if e.stem.startswith(p)]
+    matches = [e for e in list(store.entries()) + list(store.decisions()) if e.stem.startswith(p)]
     if not matches:
-        raise CliError(f"no stored plan has a key starting with {p!r} in {store.plans_dir} (`fusekit cache ls` lists them)")
+        raise CliError(f"no stored plan or decision has a key starting with {p!r} in {store.root} (`fusekit cache ls` lists them)")
     if len(matches) > 1:
         some = ", ".join(m.stem[: max(len(p) + 4, 12)] for m in matches[:5]) + (", ..." if len(matches) > 5 else "")
-        raise CliError(f"key prefix {p!r} is ambiguous: it matches {len(matches)} stored plans ({some}); give more digits")
+        kinds = {m.suffix for m in matches}
+        what = "stored plans" if kinds == {".plan"} else "fused-or-split decisions" if kinds == {".json"} else "stored plans and decisions"
+        raise CliError(f"key prefix {p!r} is ambiguous: it matches {len(matches)} {what} ({some}); give more digits")
     return matches[0]
 
 
@@ -220,9 +222,21 @@ def cache_ls(cache_dir: Path | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the entry's whole header as JSON only.")
 @friendly
 def cache_show(key: str, cache_dir: Path | None, as_json: bool) -> None:
-    """Print the stored plan whose key starts with KEY: its header, and its candidate table if it was tuned."""
+    """Print the stored plan whose key starts with KEY: its header, and its candidate table if it was
+    tuned; or the fused-or-split decision with that key: its record."""
     store = _store(cache_dir)
     path = _find_entry(store, key)
+    if path.suffix == ".json":
+        try:
+            record = store.load_fusion(path)
+        except EntryError as e:
+            raise CliError(f"stored decision {path.stem[:12]} is bad ({e}); `fusekit cache verify --fix` moves it aside") from None
+        except OSError as e:
+            raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+        if not as_json:
+            console().print(f"fused-or-split decision {path.stem}  ({path})")
+        click.echo(pretty_json(record))
+        return
     try:
         entry = store.load(path)
     except EntryError as e:
