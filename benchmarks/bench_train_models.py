@@ -12,9 +12,9 @@ Timing: CUDA events around --iters steps per trial after --warmup steps, median 
 random batch (the same sequence on every side) before each trial. ``*_graph_ms``: the whole step
 captured in one CUDA graph (PyTorch's recipe: warm-up on a side stream, then capture) and replayed;
 the captured steps run without GradScaler (its inf check reads the host), the rest is the same.
-``*_graphed_ms``: the model's forward and backward made CUDA graphs with
-``torch.cuda.make_graphed_callables`` (autocast without its weight cache), the loss, GradScaler and
-optimizer step run as usual around them: the ordinary training loop with the host cost of the layers gone.
+``*_graphed_ms``: the model's forward and backward made CUDA graphs (fusekit: ``fusekit.torch.graphed(model)``,
+captured at its first steps; PyTorch: ``torch.cuda.make_graphed_callables``, autocast without its weight
+cache), the loss, GradScaler and optimizer step run as usual around them: the ordinary training loop with the host cost of the layers gone.
 ``torch_compile_ms``: ``torch.compile(model)`` (default mode) for the --compile-precisions, null when
 compiling the first step fails or takes longer than --compile-limit seconds. Every side starts from the same initial weights
 and sees the same batches, so the losses after the timed steps (``*_loss``) are comparable.
@@ -110,7 +110,7 @@ def time_eager(model: torch.nn.Module, data: Data, precision: str, args: argpars
     return ms, float(box["loss"])
 
 
-def time_graph(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace) -> tuple[float | None, float | None, str]:
+def time_graph(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace, side: str = "") -> tuple[float | None, float | None, str]:
     """(median ms per replay, loss after the timed replays, note) of the whole step captured in a CUDA graph."""
     model.train()
     step, box = make_step(model, data, precision, captured=True)
@@ -126,19 +126,26 @@ def time_graph(model: torch.nn.Module, data: Data, precision: str, args: argpars
     return ms, loss, ""
 
 
-def time_graphed(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace) -> tuple[float | None, float | None, str]:
+def time_graphed(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace, side: str) -> tuple[float | None, float | None, str]:
     """(median ms per step, loss, note) of the ordinary step (GradScaler in amp-fp16) around the model's
-    forward and backward made CUDA graphs by torch.cuda.make_graphed_callables."""
+    forward and backward made CUDA graphs: fusekit's side by ``fusekit.torch.graphed(model)`` (captured
+    at its first steps, inside the warm-up), PyTorch's by ``torch.cuda.make_graphed_callables``."""
     model.train()
     dtype = PRECISIONS[precision]
     data.reset()
     try:
-        graphed = ft.graphed(model, data.x, autocast=dtype)
+        if side == "fusekit":
+            graphed = ft.graphed(model, warmup=max(args.warmup - 1, 1))
+        else:
+            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None, cache_enabled=False):
+                graphed = torch.cuda.make_graphed_callables(model, (data.x.clone(),))
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-        return None, None, f"make_graphed_callables failed: {type(e).__name__}: {str(e)[:300]}"
+        return None, None, f"graphing failed: {type(e).__name__}: {str(e)[:300]}"
     step, box = make_step(graphed, data, precision, captured=False)
     data.reset()
     ms = cuda_time_ms(step, iters=args.iters, trials=args.trials, warmup=args.warmup, before_trial=data.refill)
+    if side == "fusekit" and not graphed.forward.graphs:
+        return None, None, f"not captured: {graphed.forward.refused or 'no graph after the warm-up'}"
     return ms, float(box["loss"]), ""
 
 
@@ -203,7 +210,7 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
 
     for timer, kind, what in ((time_graph, "graph", "captured step"), (time_graphed, "graphed", "graphed forward/backward")):
         for side, model in (("fusekit", ft.convert(initial)[0]), ("torch", copy.deepcopy(initial))):
-            ms, loss, note = timer(model.cuda(), data, precision, args)
+            ms, loss, note = timer(model.cuda(), data, precision, args, side)
             rec[f"{side}_{kind}_ms"], rec[f"{side}_{kind}_loss"] = ms, loss
             if note:
                 rec[f"{side}_{kind}_note"] = note
@@ -238,7 +245,7 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         "amp-fp16 = autocast float16 + GradScaler, bf16 = autocast bfloat16, fp32 = float32 (parameters float32 in all)"),
         (f"- median of {meta['trials']} trials of {meta['iters']} steps (CUDA events) after {meta['warmup']} warm-up steps, "
         "a fresh random batch before each trial, the same batches on every side; ratio = PyTorch time / fusekit time (> 1: fusekit faster)"),
-        ("- graphed = forward and backward as CUDA graphs (torch.cuda.make_graphed_callables), loss, GradScaler and optimizer "
+        ("- graphed = forward and backward as CUDA graphs (fusekit.torch.graphed; PyTorch's torch.cuda.make_graphed_callables), loss, GradScaler and optimizer "
          "as usual; captured = the whole step (forward, backward, optimizer) in one CUDA graph, without GradScaler"), "",
         ("| model | precision | fusekit ms | eager ms | eager/fk | torch.compile ms | compile/fk | fk graphed ms | torch graphed ms | "
          "graphed torch/fk | eager/fk graphed | fk captured ms | torch captured ms | captured torch/fk | loss fk | loss eager | "

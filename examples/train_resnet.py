@@ -11,8 +11,8 @@ noise. The converted model runs its convolutions, batch norms (BN+ReLU fused), p
 classifier on fusekit's graphs; the other runs PyTorch eager. Prints both loss curves and the
 largest relative gap between them, and the milliseconds per step of each.
 
-``--graphed`` makes the converted model's forward and backward CUDA graphs
-(``fusekit.torch.graphed``, over ``torch.cuda.make_graphed_callables``): the loop stays the same (autocast,
+``--graphed`` makes the converted model's forward and backward CUDA graphs (``fusekit.torch.graphed``:
+its first three steps run uncaptured, the fourth captures them): the loop stays the same (autocast,
 GradScaler, optimizer), and the per-layer host work is replayed by the driver instead of redone in
 Python at every step, which is where an uncaptured step of small layers spends its time.
 
@@ -107,7 +107,7 @@ def run(steps: int = 100, batch: int = 64, size: int = 64, seed: int = 0, lr: fl
     if graph:
         import fusekit.torch as ft
 
-        fused = ft.graphed(fused, batches[0][0], autocast=torch.float16)
+        fused = ft.graphed(fused)
     times = {} if times is None else times
     fused_losses = train(fused, batches, steps, lr=lr, times=times.setdefault("fusekit", []))
     eager_losses = train(eager, batches, steps, lr=lr, times=times.setdefault("eager", []))

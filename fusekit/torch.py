@@ -39,7 +39,7 @@ from .errors import import_or_explain
 torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import ops
-from .errors import LayoutWarning, OperandError, TorchFallbackWarning
+from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning
 from .ops import pool
 
 F = torch.nn.functional
@@ -1002,69 +1002,212 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def graphed(model: torch.nn.Module, sample: torch.Tensor, *, autocast: Any = None, warmup: int = 3) -> torch.nn.Module:
-    """``model`` with its training forward and backward captured as CUDA graphs
-    (``torch.cuda.make_graphed_callables``) for inputs shaped like ``sample``: the fast way to train a
-    converted model (each graph replays every layer's work in one launch; fusekit's host work per
-    layer is paid at capture only). The loop around it stays as it is: loss, GradScaler, optimizer.
+def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autocast: Any = None, warmup: int = 3,
+            max_graphs: int = 4) -> torch.nn.Module:
+    """``model`` with its training forward and backward replayed as CUDA graphs: the fast way to
+    train a converted model (each graph replays every layer's work in one launch; fusekit's host
+    work per layer is paid at capture only). The loop around it stays as it is: loss, GradScaler,
+    optimizer, gradient accumulation. Returns ``model`` itself (same parameters and state-dict keys).
 
-    ``autocast``: the dtype (float16 / bfloat16) to capture under ``torch.autocast("cuda")``, without
-    autocast's weight cache (capturing requires it off), or None for the model's own dtypes. The
-    model is put in training mode; the ``warmup`` passes before the capture build fusekit's plans
-    and move the batch-norm running statistics as training steps would.
+    A training-mode call with grad enabled and one CUDA tensor ``x`` is captured per input
+    signature (shape, strides, dtype, device, requires_grad, the autocast dtype in force): the
+    first ``warmup`` calls of a signature run uncaptured (ordinary training steps, which build
+    fusekit's plans), the next one captures the forward and backward and every later one replays
+    them. At most ``max_graphs`` signatures are captured; further ones, eval-mode and no-grad
+    calls run uncaptured. Moving the model (``.to``, ``.half``) drops its graphs.
 
-    Calls in training mode must pass a tensor of ``sample``'s shape, dtype, device and
-    ``requires_grad`` (else OperandError, before anything runs), and are warned once if made under
-    another autocast dtype than ``autocast`` (the graphs keep theirs); eval-mode calls run uncaptured. The
-    graphs read the input from a copy of ``sample`` and write outputs into fixed buffers, which the
-    next call overwrites: clone an output to keep it past the next call. Returns ``model`` itself."""
+    ``sample`` (optional): capture ``sample``'s signature now, under ``autocast`` (float16 /
+    bfloat16, or None for the model's own dtypes), after ``warmup`` forward + backward passes on a
+    copy of it (these move batch-norm running statistics as training steps would).
+
+    Outputs are the caller's own tensors (copied out of the graphs' buffers); gradients accumulate
+    into ``.grad`` as uncaptured ones do. Submodules must not have hooks, and the forward must be
+    capturable (no host synchronisation, no data-dependent control flow)."""
     who = "fusekit.torch.graphed"
     if not isinstance(model, torch.nn.Module):
         raise OperandError(who, "model", f"expected a torch.nn.Module, got {type(model).__name__}", what="argument")
-    if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks:
-        raise OperandError(who, "model", "has hooks registered on it (make_graphed_callables refuses those): remove them first",
-                           what="argument")
+    hooked = [n or "model" for n, m in model.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)]
+    if hooked:
+        raise OperandError(who, "model", f"has hooks registered on it ({', '.join(hooked[:3])}): a replay would skip them; "
+                           "remove them first", what="argument")
     if autocast is not None and autocast not in _AUTOCAST_DTYPES:
         raise OperandError(who, "autocast", f"expected None, torch.float16 or torch.bfloat16, got {autocast!r}", what="argument")
-    if not isinstance(warmup, int) or warmup < 1:
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
         raise OperandError(who, "warmup", f"expected an int >= 1 (fusekit builds its plans in those passes), got {warmup!r}",
                            what="argument")
-    if not isinstance(sample, torch.Tensor):
-        raise OperandError(who, "sample", f"expected a CUDA tensor, got {type(sample).__name__}")
-    if not sample.is_cuda:
-        raise OperandError(who, "sample", f"expected a CUDA tensor, got one on {sample.device} (CUDA graphs run on the GPU)")
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if t.device != sample.device:
-            raise OperandError(who, f"model.{name}", f"expected on {sample.device} (the sample's device), got {t.device}")
-    static = sample.detach().clone().requires_grad_(sample.requires_grad)  # the graphs' input buffer, not the caller's tensor
-    with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None, cache_enabled=False):
-        model = torch.cuda.make_graphed_callables(model.train(), (static,), num_warmup_iters=warmup)
-    model.forward = _checked_forward(model, model.forward, static, autocast)
+    if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
+        raise OperandError(who, "max_graphs", f"expected an int >= 1, got {max_graphs!r}", what="argument")
+    if isinstance(model.__dict__.get("forward"), _GraphedForward):
+        raise OperandError(who, "model", "is graphed already", what="argument")
+    if sample is not None:
+        if not isinstance(sample, torch.Tensor):
+            raise OperandError(who, "sample", f"expected a CUDA tensor, got {type(sample).__name__}")
+        if not sample.is_cuda:
+            raise OperandError(who, "sample", f"expected a CUDA tensor, got one on {sample.device} (CUDA graphs run on the GPU)")
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if t.device != sample.device:
+                raise OperandError(who, f"model.{name}", f"expected on {sample.device} (the sample's device), got {t.device}")
+    fwd = _GraphedForward(model, model.forward, warmup, max_graphs)
+    if sample is not None:
+        model.train()
+        fwd.capture_now(sample, autocast)
+    model.forward = fwd
     return model
 
 
-def _checked_forward(model: torch.nn.Module, replay: Any, static: torch.Tensor, autocast: Any) -> Any:
-    """The graphed model's forward: in training mode, ``x`` must match the captured ``static`` input
-    (OperandError), and a call under an autocast other than the captured one is warned once (the
-    graphs run in the dtypes they were captured in)."""
-    shape, dtype, device, needs_grad = static.shape, static.dtype, static.device, static.requires_grad
-    warned: list[bool] = []
+def _autocast_as(dtype: Any) -> Any:
+    """CUDA autocast in ``dtype`` without its weight cache (captures require it off); off for None."""
+    return torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None, cache_enabled=False)
 
-    def forward(x: torch.Tensor) -> Any:
-        if model.training:
-            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device or x.requires_grad != needs_grad:
-                got = (f"{x.dtype} {tuple(x.shape)} on {x.device}, requires_grad={x.requires_grad}" if isinstance(x, torch.Tensor)
-                       else type(x).__name__)
-                raise OperandError("fusekit.torch.graphed", "x", f"expected {dtype} {tuple(shape)} on {device}, requires_grad={needs_grad} "
-                                   f"(what the graphs were captured for), got {got}")
-            amp = _amp_dtype()
-            if amp is not None and amp != autocast and not warned:
-                warned.append(True)
-                warnings.warn(
-                    f"fusekit.torch.graphed: called under torch.autocast({amp}) but captured with autocast={autocast}: the graphs "
-                    f"run in the dtypes they were captured in; pass autocast={amp} to graphed() to capture the autocast step",
-                    UserWarning, stacklevel=2,
-                )
-        return replay(x)
 
-    return forward
+def _flat_outputs(out: Any) -> tuple:
+    """A forward's result as a tuple of tensors (a tensor, or a tuple / list of them), else TypeError."""
+    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out) if isinstance(out, (tuple, list)) else None
+    if outs is None or not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise TypeError(f"the forward returned {type(out).__name__}; graphs are made for a tensor or a tuple / list of tensors")
+    return outs
+
+
+class _Captured:
+    """One input signature's forward and backward CUDA graphs and their static buffers.
+
+    The forward is captured with the parameters swapped for fresh leaves sharing their memory
+    (``torch.func.functional_call``): gradients are taken for those, so autograd nodes kept alive
+    from earlier steps (on another stream) take no part in the capture."""
+
+    def __init__(self, graphed: "_GraphedForward", x: torch.Tensor, amp: Any) -> None:
+        named = [(n, p) for n, p in graphed.model.named_parameters() if p.requires_grad]
+        self.params = tuple(p for _, p in named)
+        leaves = {n: p.detach().requires_grad_() for n, p in named}
+        self.x = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(x.requires_grad)
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        wrt = ((self.x,) if self.x.requires_grad else ()) + tuple(leaves.values())
+        torch.cuda.synchronize()
+        graphed.capturing = True
+        try:
+            with _autocast_as(amp):
+                with torch.cuda.graph(self.fwd):
+                    out = torch.func.functional_call(graphed.model, leaves, (self.x,))
+                self.outs = _flat_outputs(out)
+                self.kind = None if isinstance(out, torch.Tensor) else type(out)
+                self.diff = tuple(o.requires_grad for o in self.outs)
+                self.grad_outs = tuple(torch.empty_like(o) for o, d in zip(self.outs, self.diff) if d)
+                with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+                    self.grads = torch.autograd.grad([o for o, d in zip(self.outs, self.diff) if d], wrt, self.grad_outs,
+                                                     allow_unused=True) if any(self.diff) and wrt else ()
+        finally:
+            graphed.capturing = False
+        torch.cuda.synchronize()
+        self.handed: tuple = ()
+
+    def result(self, outs: tuple) -> Any:
+        return outs[0] if self.kind is None else self.kind(outs)
+
+
+class _Replay(torch.autograd.Function):
+    """A captured forward replayed (input copied in, outputs copied out), its backward replayed."""
+
+    @staticmethod
+    def forward(ctx: Any, cap: _Captured, x: torch.Tensor, *params: torch.Tensor) -> tuple:
+        ctx.cap = cap
+        cap.x.copy_(x)
+        cap.fwd.replay()
+        outs = tuple(o.detach().clone(memory_format=torch.preserve_format) for o in cap.outs)  # the next replay overwrites cap.outs
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, cap.diff) if not d])
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        cap = ctx.cap
+        for buf, g in zip(cap.grad_outs, [g for g, d in zip(grads, cap.diff) if d]):
+            buf.zero_() if g is None else buf.copy_(g)
+        cap.bwd.replay()
+        # Kept referenced: autograd then copies them into (or adds them to) .grad instead of adopting
+        # the graph's buffers as .grad, which the next replay would overwrite.
+        cap.handed = tuple(None if g is None else g.detach() for g in cap.grads) or (None,) * (cap.x.requires_grad + len(cap.params))
+        gx = cap.handed[0] if cap.x.requires_grad else None
+        return (None, gx) + cap.handed[int(cap.x.requires_grad):]
+
+
+class _GraphedForward:
+    """The forward :func:`graphed` puts on a model: replays a capture per input signature."""
+
+    def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_graphs: int) -> None:
+        self.model, self.original, self.warmup, self.max_graphs = model, original, warmup, max_graphs
+        self.graphs: dict[tuple, _Captured] = {}
+        self.calls: dict[tuple, int] = {}
+        self.refused: dict[tuple, str] = {}
+        self.attempts: dict[tuple, int] = {}
+        self.tensors = tuple(itertools.chain(model.parameters(), model.buffers()))
+        self.state = self._state()
+        self.capturing = False
+
+    def _state(self) -> tuple:
+        """Where the model's tensors live and which parameters want gradients: a change drops the graphs."""
+        return tuple([(t.data_ptr(), t.requires_grad) for t in self.tensors])
+
+    def signature(self, x: torch.Tensor) -> tuple:
+        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, _amp_dtype())
+
+    def capture_now(self, sample: torch.Tensor, amp: Any) -> None:
+        """Capture ``sample``'s signature under ``amp`` after ``warmup`` forward + backward passes on a
+        copy (on a side stream, as torch.cuda.make_graphed_callables warms up)."""
+        x = sample.detach().clone(memory_format=torch.preserve_format).requires_grad_(sample.requires_grad)
+        wrt = ((x,) if x.requires_grad else ()) + tuple(p for p in self.model.parameters() if p.requires_grad)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream(sample.device)), _autocast_as(amp):
+            for _ in range(self.warmup):
+                outs = [o for o in _flat_outputs(self.original(x)) if o.requires_grad]
+                if outs and wrt:
+                    torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
+                del outs  # nothing of the warm-up's autograd graph outlives it
+            key = self.signature(x)
+        self.graphs[key] = _Captured(self, x, amp)
+
+    def _refuse(self, key: tuple, why: str) -> None:
+        self.refused[key] = why
+        warnings.warn(f"fusekit.torch.graphed: input {key[2]} {key[0]} (autocast {key[5]}) runs uncaptured: {why}",
+                      UserWarning, stacklevel=3)
+
+    def eligible(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The input of a call graphs are made for (training, grad enabled, one CUDA tensor), else None."""
+        x = args[0] if len(args) == 1 and not kwargs else None
+        ok = self.model.training and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.is_cuda
+        return x if ok else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = None if self.capturing else self.eligible(args, kwargs)
+        if x is None:
+            return self.original(*args, **kwargs)
+        if self._state() != self.state:  # moved (.to / .half) or requires_grad changed: the graphs read the old tensors
+            self.graphs.clear()
+            self.calls.clear()
+            self.refused.clear()
+            self.attempts.clear()
+            self.state = self._state()
+        key = self.signature(x)
+        cap = self.graphs.get(key)
+        if cap is None:
+            if key in self.refused:
+                return self.original(x)
+            n = self.calls[key] = self.calls.get(key, 0) + 1
+            if n <= self.warmup:
+                return self.original(x)
+            if len(self.graphs) >= self.max_graphs:
+                self._refuse(key, f"max_graphs={self.max_graphs} signatures are captured already")
+                return self.original(x)
+            try:
+                cap = self.graphs[key] = _Captured(self, x, key[5])
+            except CaptureError as e:  # raised before anything ran (a plan not built yet: the warm-up calls had no backward)
+                self.attempts[key] = self.attempts.get(key, 0) + 1
+                if self.attempts[key] >= 3:
+                    self._refuse(key, f"capturing failed 3 times ({e})")
+                self.calls[key] = 0  # warm up again, then try again
+                return self.original(x)
+            except Exception as e:
+                raise CaptureError(f"fusekit.torch.graphed: capturing the training step of input {key[2]} {key[0]} (autocast "
+                                   f"{key[5]}) failed ({type(e).__name__}: {e}); the CUDA state may be unusable: run this "
+                                   "model uncaptured instead") from e
+        return cap.result(_Replay.apply(cap, x, *cap.params))

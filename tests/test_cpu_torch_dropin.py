@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fusekit.torch")
 
-from fusekit.errors import LayoutWarning, OperandError
+from fusekit.errors import CaptureError, LayoutWarning, OperandError
 
 F = torch.nn.functional
 F32 = torch.float32
@@ -885,53 +885,107 @@ def test_fx_tracer_keeps_fusekit_modules_as_leaves():
         assert torch.allclose(gm(x), fk.eval()(x))
 
 
-def test_graphed_forward_checks_training_inputs_and_warns_on_another_autocast(monkeypatch):
-    """The graphed model's forward (fusekit.torch._checked_forward over the replaying one): in training
-    mode an input unlike the captured one is an OperandError naming x and the captured shape; in eval
-    mode anything passes to the original forward; a training call under an autocast dtype other than
-    the captured one warns once."""
-    model = torch.nn.Linear(3, 3)
-    static = torch.randn(2, 3)
-    seen = []
-    fwd = ft._checked_forward(model, lambda x: seen.append(x) or x, static, None)
-    x = torch.randn(2, 3)
-    assert fwd(x) is x
-    for bad, got in ((torch.randn(4, 3), "(4, 3)"), (torch.randn(2, 3, dtype=torch.float64), "torch.float64"),
-                     (torch.randn(2, 3, requires_grad=True), "requires_grad=True"), ([1, 2], "got list")):
-        with pytest.raises(OperandError, match=re.escape("'x': expected torch.float32 (2, 3) on cpu, requires_grad=False")) as e:
-            fwd(bad)
-        assert got in str(e.value)
-    model.eval()
-    assert fwd(torch.randn(5, 3)).shape == (5, 3)  # eval: no check (the replaying forward runs the original)
-    model.train()
+def test_graphed_forward_captures_each_signature_after_its_warmup(monkeypatch):
+    """The forward fusekit.torch.graphed puts on a model (the capture and replay faked, the GPU check
+    waived): a signature's first ``warmup`` calls run the original forward, the next captures, later
+    ones replay; the autocast dtype, shape and requires_grad each make another signature; past
+    ``max_graphs`` a signature is warned about once and runs uncaptured, as one whose capture failed;
+    eval-mode and no-grad calls run uncaptured; moving a parameter drops the graphs."""
+    made, replays = [], []
+
+    class Captured:
+        def __init__(self, graphed, x, amp):
+            if x.shape[0] == 7:
+                raise CaptureError("fusekit: no plan yet for bias_grad(...)")
+            if x.shape[0] == 6:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            made.append((tuple(x.shape), x.requires_grad, amp))
+            self.params = tuple(graphed.model.parameters())
+
+        def result(self, outs):
+            return outs[0]
+
+    class Replay:
+        @staticmethod
+        def apply(cap, x, *params):
+            replays.append(tuple(x.shape))
+            return (x * 2,)
+
+    monkeypatch.setattr(ft, "_Captured", Captured)
+    monkeypatch.setattr(ft, "_Replay", Replay)
+    monkeypatch.setattr(ft._GraphedForward, "eligible",
+                        lambda self, a, k: a[0] if self.model.training and torch.is_grad_enabled() and len(a) == 1 else None)
+    model = ft.graphed(torch.nn.Linear(3, 3), warmup=2, max_graphs=3)
+    x = torch.randn(4, 3)
+
+    def ran_original(y, x):
+        return torch.allclose(y, x @ model.weight.T + model.bias)
+
+    assert ran_original(model(x), x) and ran_original(model(x), x) and not made
+    assert torch.equal(model(x), x * 2) and made == [((4, 3), False, None)] and replays == [(4, 3)]
+    assert torch.equal(model(x), x * 2) and len(made) == 1 and len(replays) == 2
     monkeypatch.setattr(ft, "_amp_dtype", lambda: torch.float16)
-    with pytest.warns(UserWarning, match=r"called under torch.autocast\(torch.float16\) but captured with autocast=None"):
-        fwd(x)
+    for _ in range(3):
+        model(x)
+    assert made[-1] == ((4, 3), False, torch.float16)
+    monkeypatch.setattr(ft, "_amp_dtype", lambda: None)
+    xg = torch.randn(4, 3, requires_grad=True)
+    for _ in range(3):
+        model(xg)
+    assert made[-1] == ((4, 3), True, None) and len(model.forward.graphs) == 3
+    with pytest.warns(UserWarning, match=r"input torch.float32 \(5, 3\) \(autocast None\) runs uncaptured: max_graphs=3"):
+        for _ in range(3):
+            y = torch.randn(5, 3)
+            assert ran_original(model(y), y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fwd(x)  # once
-        ft._checked_forward(model, lambda x: x, static, torch.float16)(x)  # captured under the same dtype: silent
+        model(torch.randn(5, 3))  # warned once
+    del model.forward.graphs[next(iter(model.forward.graphs))]
+    with pytest.warns(UserWarning, match=r"\(7, 3\) .* capturing failed 3 times \(fusekit: no plan yet"):
+        for i in range(9):  # each attempt after `warmup` more uncaptured calls, three attempts
+            y = torch.randn(7, 3)
+            assert ran_original(model(y), y)
+            assert any(k[0] == (7, 3) for k in model.forward.refused) == (i == 8)
+    for _ in range(2):
+        model(torch.randn(6, 3))
+    with pytest.raises(CaptureError, match=r"capturing the training step of input torch.float32 \(6, 3\) .*RuntimeError: operation not"):
+        model(torch.randn(6, 3))
+    n = len(replays)
+    model.eval()
+    assert ran_original(model(x), x)
+    model.train()
+    with torch.no_grad():
+        assert ran_original(model(x), x)
+    assert len(replays) == n
+    model.weight.data = model.weight.data.clone()  # as .to() / .half() do
+    assert ran_original(model(x), x)  # the signature's warm-up again
+    assert not model.forward.graphs
 
 
 def test_graphed_checks_its_arguments_before_capturing(monkeypatch):
-    """fusekit.torch.graphed names the bad argument (model, autocast, warmup, sample, a parameter on
-    another device) before make_graphed_callables runs."""
+    """fusekit.torch.graphed names the bad argument (model, autocast, warmup, max_graphs, sample, a
+    parameter on another device, hooks on any submodule, a model graphed twice) before anything is
+    captured."""
     called = []
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(ft, "_Captured", lambda *a, **k: called.append(a))
     model = torch.nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8)
     cases = [
         ((object(), x), {}, "'model': expected a torch.nn.Module"),
         ((model, x), {"autocast": torch.float32}, "'autocast': expected None, torch.float16 or torch.bfloat16"),
         ((model, x), {"warmup": 0}, "'warmup': expected an int >= 1"),
+        ((model,), {"max_graphs": 0}, "'max_graphs': expected an int >= 1"),
         ((model, x.numpy()), {}, "'sample': expected a CUDA tensor, got ndarray"),
         ((model, x), {}, "'sample': expected a CUDA tensor, got one on cpu"),
     ]
     for args, kwargs, msg in cases:
         with pytest.raises(OperandError, match=re.escape(msg)):
             ft.graphed(*args, **kwargs)
-    hooked = torch.nn.Conv2d(3, 4, 3)
-    hooked.register_forward_hook(lambda *a: None)
-    with pytest.raises(OperandError, match="'model': has hooks registered"):
-        ft.graphed(hooked, x)
+    hooked = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    hooked[1].register_forward_hook(lambda *a: None)
+    with pytest.raises(OperandError, match=r"'model': has hooks registered on it \(1\)"):
+        ft.graphed(hooked)
+    ft.graphed(model)
+    with pytest.raises(OperandError, match="'model': is graphed already"):
+        ft.graphed(model)
     assert not called

@@ -595,68 +595,112 @@ def test_cuda_graph_training_step_replays_the_eager_step(kind, precision):
     assert int(captured[1].num_batches_tracked) == 3 + 4  # warm-up steps and replays (a capture runs nothing)
 
 
+def _amp_step(model, opt, gs, x, t):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), t)
+    gs.scale(loss).backward()
+    gs.step(opt)
+    gs.update()
+    return float(loss)
+
+
 def test_graphed_trains_like_the_uncaptured_model():
-    """fusekit.torch.graphed on a converted model (fp16 autocast): the ordinary loop around it
-    (GradScaler, SGD momentum, loss outside the graphs) gives per step the loss and weight updates of
-    the same converted model run uncaptured from the same state. The caller's sample is not the
-    graphs' input buffer (it keeps its values)."""
-    graphed = _graph_net()
-    sample = cl(torch.randn(16, 3, 16, 16, device="cuda"))
-    kept = sample.clone()
-    graphed = ft().graphed(graphed, sample, autocast=torch.float16)
+    """fusekit.torch.graphed(model) with no sample, in the ordinary loop (fp16 autocast with its weight
+    cache, GradScaler, SGD momentum): its first steps run uncaptured, then one capture, then replays;
+    per step the loss and weight updates of the same converted model run uncaptured from the same
+    state, and the batch-norm running statistics and step counts end equal (the capture runs no extra
+    training pass)."""
+    graphed = ft().graphed(_graph_net(), warmup=2)
     eager = _graph_net()
-    eager.load_state_dict(graphed.state_dict())  # the warm-up moved the BN running statistics
-    sides = []
-    for model in (graphed, eager):
-        sides.append((model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), torch.amp.GradScaler("cuda", init_scale=2.0**10)))
+    sides = [(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), torch.amp.GradScaler("cuda", init_scale=2.0**10))
+             for m in (graphed, eager)]
     gen = torch.Generator(device="cuda").manual_seed(7)
-    for i in range(5):
+    for i in range(6):
         x = cl(torch.randn(16, 3, 16, 16, device="cuda", generator=gen))
         t = torch.randint(0, 10, (16,), device="cuda", generator=gen)
         losses, updates = [], []
         for model, opt, gs in sides:
             before = [p.detach().clone() for p in model.parameters()]
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-                loss = F.cross_entropy(model(x), t)
-            gs.scale(loss).backward()
-            gs.step(opt)
-            gs.update()
-            losses.append(float(loss))
+            losses.append(_amp_step(model, opt, gs, x, t))
             updates.append([p.detach() - p0 for p, p0 in zip(model.parameters(), before)])
-        print(f"step {i}: graphed loss {losses[0]:.6f}, uncaptured {losses[1]:.6f}")
+        print(f"step {i}: graphed loss {losses[0]:.6f}, uncaptured {losses[1]:.6f}, graphs {len(graphed.forward.graphs)}")
+        assert len(graphed.forward.graphs) == (1 if i >= 2 else 0)
         assert math.isfinite(losses[0]) and abs(losses[0] - losses[1]) / losses[1] < 2e-3
         for (n, _), ug, ue in zip(graphed.named_parameters(), *updates):
             assert ug.abs().max() > 0, f"step {i}: {n} was not updated"
             assert rel(ug, ue) < 5e-2, f"step {i}: update of {n} differs by {rel(ug, ue):.2e}"
+        for (n, bg), be in zip(graphed.named_buffers(), eager.buffers()):
+            if n.endswith("num_batches_tracked"):
+                assert int(bg) == int(be) == i + 1, f"step {i}: {n} {int(bg)} against {int(be)}"
+            else:
+                assert rel(bg, be) < 1e-2, f"step {i}: {n} differs by {rel(bg, be):.2e}"
         _sync(graphed, sides[0][1], eager, sides[1][1])  # the next step starts from the same state
         sides[1][2].load_state_dict(sides[0][2].state_dict())
-    assert torch.equal(sample, kept), "the graphs wrote into the caller's sample"
 
 
-def test_graphed_refuses_other_inputs_and_runs_eval_uncaptured():
-    """A graphed model called in training mode with another shape, dtype or requires_grad raises an
-    OperandError naming x and the captured shape (make_graphed_callables would copy it into the
-    captured buffer, broadcasting); in eval mode it runs uncaptured, any batch size. A model left
-    on the CPU is named before anything is captured."""
-    model = _graph_net()
-    sample = cl(torch.randn(8, 3, 16, 16, device="cuda"))
+def test_graphed_outputs_and_gradients_are_the_callers_own():
+    """A replayed forward's output keeps its values after the next call, and gradients accumulate
+    over micro-batches into .grad (zeroed in place or set to None) as uncaptured ones do: .grad is
+    never the graphs' buffer, which the next replay overwrites. Float32, TF32 off."""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        graphed = ft().graphed(_graph_net(), warmup=1)
+        eager = _graph_net()
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        batches = [(cl(torch.randn(8, 3, 16, 16, device="cuda", generator=gen)), torch.randint(0, 10, (8,), device="cuda", generator=gen))
+                   for _ in range(8)]
+        for set_to_none in (True, False):
+            for k in range(0, 8, 2):
+                for model in (graphed, eager):
+                    model.zero_grad(set_to_none=set_to_none)
+                    outs = []
+                    for x, t in batches[k:k + 2]:  # two micro-batches, one optimizer step's worth of gradient
+                        y = model(x)
+                        outs.append((y, y.detach().clone()))
+                        F.cross_entropy(y, t).backward()
+                    for y, kept in outs:
+                        assert torch.equal(y, kept), "an earlier output changed after a later call"
+                assert graphed.forward.graphs, "no graph captured"
+                cap = next(iter(graphed.forward.graphs.values()))
+                for (n, pg), pe in zip(graphed.named_parameters(), eager.parameters()):
+                    assert all(pg.grad.data_ptr() != g.data_ptr() for g in cap.grads if g is not None), f"{n}.grad is a graph buffer"
+                    assert rel(pg.grad, pe.grad) < 1e-4, f"set_to_none={set_to_none}, step {k}: {n}.grad differs by {rel(pg.grad, pe.grad):.2e}"
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+
+
+def test_graphed_captures_each_signature_and_runs_eval_uncaptured():
+    """graphed(model, sample) captures the sample's signature at once (the caller's sample keeps its
+    values); another batch size gets a graph of its own after the warm-up calls, with outputs as the
+    uncaptured model's; eval-mode and no-grad calls run uncaptured, any batch size. A model left on
+    the CPU is named before anything is captured; moving the model drops its graphs."""
     from fusekit.errors import OperandError
 
+    model = _graph_net()
+    sample = cl(torch.randn(8, 3, 16, 16, device="cuda"))
+    kept = sample.clone()
     with pytest.raises(OperandError, match=r"'model\.0\.weight': expected on cuda:0"):
         ft().graphed(model.cpu(), sample)
-    model = ft().graphed(model.cuda(), sample)
-    good = model(cl(torch.randn(8, 3, 16, 16, device="cuda")))
-    assert good.shape == (8, 10) and torch.isfinite(good).all()
-    for bad in (torch.randn(1, 3, 16, 16, device="cuda"), torch.randn(8, 3, 16, 16, device="cuda", dtype=torch.float16),
-                torch.randn(8, 3, 16, 16, device="cuda", requires_grad=True)):
-        with pytest.raises(OperandError, match=r"'x': expected torch.float32 \(8, 3, 16, 16\) on cuda:0, requires_grad=False"):
-            model(cl(bad) if not bad.requires_grad else bad)
+    model = ft().graphed(model.cuda(), sample, warmup=2)
+    assert torch.equal(sample, kept), "the capture wrote into the caller's sample"
+    assert len(model.forward.graphs) == 1
+    ref = _graph_net()
+    for n in (8, 4, 4, 4, 8):  # training steps: the warm-up calls of a signature build its backward plans too
+        ref.load_state_dict(model.state_dict())
+        x = cl(torch.randn(n, 3, 16, 16, device="cuda"))
+        y, y_ref = model(x), ref(x)
+        assert y.shape == (n, 10) and rel(y, y_ref) < 1e-3
+        y.square().mean().backward()
+    assert len(model.forward.graphs) == 2
     model.eval()
     x = cl(torch.randn(3, 3, 16, 16, device="cuda"))
     with torch.no_grad():
         y = model(x)
-    ref = _graph_net().cuda().eval()
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():
-        assert rel(y, ref(x)) < 1e-3
+        assert rel(y, ref.eval()(x)) < 1e-3
+    model.train()
+    model.half()
+    assert model(cl(torch.randn(4, 3, 16, 16, device="cuda", dtype=torch.float16))).dtype == torch.float16
+    assert not model.forward.graphs, "the graphs of the float32 model were kept"
