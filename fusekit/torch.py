@@ -9,7 +9,7 @@ parameters, buffers and state-dict keys. ``Conv2d``, ``ConvTranspose2d``, ``Line
     model, report = ft.convert(torchvision.models.resnet50())
     print(report)                      # what was replaced, fused, left alone
     model = model.cuda().to(memory_format=torch.channels_last)
-    model = ft.graphed(model, batch, autocast=torch.float16)  # training forward + backward as CUDA graphs
+    model = ft.graphed(model)          # training forward + backward replayed as CUDA graphs
 
 Where a module runs:
 
@@ -794,7 +794,7 @@ class ConvertReport:
             lines += [f"  {n}" for n in self.notes]
         if self.replaced:
             lines.append("training: uncaptured, every fusekit layer pays Python and cuDNN host time per call; for speed run "
-                         "forward and backward as CUDA graphs: fusekit.torch.graphed(model, batch)")
+                         "forward and backward as CUDA graphs: fusekit.torch.graphed(model)")
         return "\n".join(lines)
 
 

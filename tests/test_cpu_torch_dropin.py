@@ -761,7 +761,7 @@ def test_convert_report_and_what_is_left_alone():
     assert report.counts() == {"ReLU": 1, "Linear": 1}
     assert report.fused == []  # the ReLU follows a conv left alone
     text = str(report)
-    for s in ("2 modules replaced", "0 fused groups", "left alone:", "ReLU6", "torch.fx", "fusekit.torch.graphed(model, batch)"):
+    for s in ("2 modules replaced", "0 fused groups", "left alone:", "ReLU6", "torch.fx", "fusekit.torch.graphed(model)"):
         assert s in text, text
     assert "graphed" not in str(ft.convert(torch.nn.Sequential(torch.nn.Flatten()))[1])  # nothing replaced: no advice
 
