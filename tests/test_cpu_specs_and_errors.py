@@ -486,30 +486,3 @@ def test_two_outputs_sharing_memory_are_refused(fake):
     dg = FakeArray((8,), "float32", ptr=0x7F00_0060_0000)
     with pytest.raises(OperandError, match=r"batchnorm_backward: operand 'dbeta': out overlaps the memory of 'dgamma'"):
         fusekit.call("batchnorm_backward", dy, x, g, m, v, out=(dx, dg, FakeArray((8,), "float32", ptr=dg.ptr)))
-
-
-def test_a_calls_one_by_one_images_take_the_layout_of_its_nchw_images(fake):
-    """An image with H = W = 1 is dense NCHW and channels-last alike; make_spec calls it channels-last.
-    In a call whose other images are NCHW it is described NCHW too (keys.one_layout): cuDNN 9.19 ran
-    the mixed description of this very call (x NCHW 2x2x1x2, stride 2, a 1x1 residual) and computed
-    garbage (GPU fuzzer, 2026-12-04). Channels-last calls and all-1x1 calls keep channels-last; a 1x1
-    filter keeps its label. The ahead-of-time path (shape_specs) describes the same way."""
-    from fusekit.engine.patterns import get_pattern
-
-    pat = get_pattern("conv_bias_add_relu")
-    w, b = FakeArray((2, 2, 1, 1), layout="NHWC"), FakeArray((2,))
-    z = FakeArray((2, 2, 1, 1), layout="NHWC", ptr=0x7F00_1000_0000)
-    specs = keys.check_operands(pat, (FakeArray((2, 2, 1, 2)), w, b, z), None, {"stride": (1, 2)})[0]
-    assert (specs["x"].layout, specs["z"].layout, specs["y"].layout, specs["w"].layout) == ("NCHW", "NCHW", "NCHW", "NHWC")
-    assert specs["z"].strides == (2, 1, 1, 1)
-    out = FakeArray((2, 2, 1, 1), layout="NHWC", ptr=0x7F00_2000_0000)
-    specs = keys.check_operands(pat, (FakeArray((2, 2, 1, 2)), w, b, z), (out,), {"stride": (1, 2)})[0]
-    assert specs["y"].layout == "NCHW", "a given 1x1 output follows the call's NCHW images too"
-    specs = keys.check_operands(pat, (FakeArray((2, 2, 1, 2), layout="NHWC"), w, b, z), None, {"stride": (1, 2)})[0]
-    assert (specs["x"].layout, specs["z"].layout, specs["y"].layout) == ("NHWC", "NHWC", "NHWC")
-    rows = [FakeArray((4, 8, 1, 1), ptr=0x7F00_0000_0000 + i * 0x1000_0000) for i in range(2)]
-    specs = keys.check_operands(get_pattern("add_relu"), rows, None, {})[0]
-    assert {s.layout for s in specs.values()} == {"NHWC"}, "an all-1x1 call (a Linear's rows) stays channels-last"
-    shapes = {"x": (2, 2, 1, 2), "w": (2, 2, 1, 1), "b": (2,), "z": (2, 2, 1, 1)}
-    assert keys.shape_specs(pat, shapes, "float16", "NCHW")["z"].layout == "NCHW"
-    assert keys.shape_specs(pat, shapes, "float16", "NHWC")["z"].layout == "NHWC"

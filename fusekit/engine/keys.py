@@ -49,7 +49,6 @@ def check_operands(
         sig, ptr = ad.probe(a)
         aligns.append(sig[-1])
         extents.append((o.name, _extent(shape, strides, ptr, spec.dtype)))
-    one_layout(pattern, specs)
     norm = pattern.normalize_attrs(attrs)
     wanted = output_specs(pattern, specs, norm)
     for i, (oname, want) in enumerate(wanted.items()):
@@ -71,25 +70,7 @@ def check_operands(
             aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
         specs[oname] = want
     assert adapter0 is not None
-    one_layout(pattern, specs)
     return specs, norm, aligns, adapter0
-
-
-def one_layout(pattern: Pattern, specs: dict[str, TensorSpec]) -> None:
-    """Describe a call's images in one layout: an image with H = W = 1 (dense either way; make_spec calls
-    it channels-last) becomes NCHW when the call's other images are NCHW. Seen on the H200 with cuDNN
-    9.19 (GPU fuzzer, 2026-12-04): conv_bias_add_relu with x NCHW 2x2x1x2, stride (1, 2) and the 1x1
-    residual described channels-last was accepted by an engine that computed garbage (relative error
-    0.5-2.5, negative values after the ReLU); all-NCHW, cuDNN refuses it and fusekit runs it on
-    channels-last copies. Filters keep their label (a 1x1 filter's KRSC and KCRS are the same memory)."""
-    kinds = {o.name: o.kind for o in pattern.operands} | dict(pattern.output_kinds)
-    images = [n for n, sp in specs.items() if kinds.get(n) in ("image", "tensor") and len(sp.shape) == 4]
-    if {specs[n].layout for n in images if specs[n].shape[2] * specs[n].shape[3] > 1} != {"NCHW"}:
-        return
-    for n in images:
-        sp = specs[n]
-        if sp.layout == "NHWC" and sp.shape[2] * sp.shape[3] == 1:
-            specs[n] = TensorSpec.build(sp.shape, sp.dtype, sp.device, "NCHW", view=sp.view)
 
 
 def _extent(shape: Sequence[int], strides: Sequence[int], ptr: int, dtype: str) -> tuple[int, int]:
@@ -147,7 +128,6 @@ def shape_specs(pattern: Pattern, shapes: Mapping[str, Sequence[int]], dtype: st
         four_d = len(shp) == 4 and o.kind in ("image", "filter", "tensor")
         strides = LAYOUT_STRIDES[layout](shp) if four_d else LAYOUT_STRIDES["ROW"](view)
         specs[o.name] = make_spec(pattern.name, o.name, o.kind, view, strides, o.dtype or dtype, device)
-    one_layout(pattern, specs)
     return specs
 
 
