@@ -77,7 +77,31 @@ def variants() -> None:
               f"key {plan.key.describe()[:400]}")
 
 
+def candidates() -> None:
+    """Every plan cuDNN offers for the failing key (the autotuner, private cache, no disk): each
+    candidate's verdict and difference to the heuristic plan's output; then the failing case run on
+    the tuned plan against float64. Is only the heuristic engine wrong?"""
+    import fusekit
+    from fusekit import dispatch
+
+    g, x, w, b, kw = _conv_inputs(CASE)
+    pre64 = F.conv2d(float64_nchw(x), float64_nchw(w), float64_nchw(b), **kw)
+    z = rnd(g, tuple(pre64.shape), CASE["dtype"], CASE["layout"])
+    ref = torch.relu(pre64 + float64_nchw(z))
+    cache = fusekit.PlanCache(mode="autotune")
+    res = fusekit.autotune("conv_bias_add_relu", x, w, b, z, cache=cache, options=fusekit.TuneOptions(budget_s=20.0), **kw)
+    for c in res.candidates:
+        err = "-" if c.error is None else f"{c.error:.2e}"
+        print(f"candidate {c.index:2d} {c.name:28s} engine {c.engine_id} {c.verdict[:90]:90s} vs heuristic {err}")
+    got = dispatch.call("conv_bias_add_relu", x, w, b, z, cache=cache, **kw)
+    print(f"tuned plan {res.candidates[res.best].name}: error {rel(float64_nchw(got), ref):.3e} against float64")
+
+
 def main() -> None:
+    try:
+        candidates()
+    except Exception as e:  # noqa: BLE001 - the rest of the probe still runs
+        print(f"candidates: {type(e).__name__}: {e}")
     variants()
     run(CASE)
     for change in ({"stride": (1, 1)}, {"layout": "NHWC"}, {"dtype": "float32"}, {"data_seed": 1}, {"data_seed": 2},
