@@ -1014,7 +1014,8 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     first ``warmup`` calls of a signature run uncaptured (ordinary training steps, which build
     fusekit's plans), the next one captures the forward and backward and every later one replays
     them. At most ``max_graphs`` signatures are captured; further ones, eval-mode and no-grad
-    calls run uncaptured. Moving the model (``.to``, ``.half``) drops its graphs.
+    calls run uncaptured. Moving the model (``.to``, ``.half``) drops its graphs; copies
+    (``copy.deepcopy``) and pickles of it carry none and capture their own.
 
     ``sample`` (optional): capture ``sample``'s signature now, under ``autocast`` (float16 /
     bfloat16, or None for the model's own dtypes), after ``warmup`` forward + backward passes on a
@@ -1140,12 +1141,18 @@ class _GraphedForward:
         self.calls: dict[tuple, int] = {}
         self.refused: dict[tuple, str] = {}
         self.attempts: dict[tuple, int] = {}
-        self.tensors = tuple(itertools.chain(model.parameters(), model.buffers()))
-        self.state = self._state()
+        self.tensors: tuple | None = None  # read on the first call: a copy being made has none yet
+        self.state: tuple | None = None
         self.capturing = False
+
+    def __reduce__(self) -> tuple:
+        """Copies (``copy.deepcopy``, an EMA of the model) and pickles carry no graphs: a copy captures its own."""
+        return (_regraphed, (self.model, self.warmup, self.max_graphs))
 
     def _state(self) -> tuple:
         """Where the model's tensors live and which parameters want gradients: a change drops the graphs."""
+        if self.tensors is None:
+            self.tensors = tuple(itertools.chain(self.model.parameters(), self.model.buffers()))
         return tuple([(t.data_ptr(), t.requires_grad) for t in self.tensors])
 
     def signature(self, x: torch.Tensor) -> tuple:
@@ -1154,6 +1161,7 @@ class _GraphedForward:
     def capture_now(self, sample: torch.Tensor, amp: Any) -> None:
         """Capture ``sample``'s signature under ``amp`` after ``warmup`` forward + backward passes on a
         copy (on a side stream, as torch.cuda.make_graphed_callables warms up)."""
+        self.state = self._state()
         x = sample.detach().clone(memory_format=torch.preserve_format).requires_grad_(sample.requires_grad)
         wrt = ((x,) if x.requires_grad else ()) + tuple(p for p in self.model.parameters() if p.requires_grad)
         torch.cuda.synchronize()
@@ -1181,12 +1189,13 @@ class _GraphedForward:
         x = None if self.capturing else self.eligible(args, kwargs)
         if x is None:
             return self.original(*args, **kwargs)
-        if self._state() != self.state:  # moved (.to / .half) or requires_grad changed: the graphs read the old tensors
+        state = self._state()
+        if state != self.state:  # moved (.to / .half) or requires_grad changed: the graphs read the old tensors
             self.graphs.clear()
             self.calls.clear()
             self.refused.clear()
             self.attempts.clear()
-            self.state = self._state()
+            self.state = state
         key = self.signature(x)
         cap = self.graphs.get(key)
         if cap is None:
@@ -1211,3 +1220,8 @@ class _GraphedForward:
                                    f"{key[5]}) failed ({type(e).__name__}: {e}); the CUDA state may be unusable: run this "
                                    "model uncaptured instead") from e
         return cap.result(_Replay.apply(cap, x, *cap.params))
+
+
+def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int) -> _GraphedForward:
+    """A graphed forward, no graphs yet, over ``model``'s class forward (how copies and pickles come back)."""
+    return _GraphedForward(model, type(model).forward.__get__(model), warmup, max_graphs)

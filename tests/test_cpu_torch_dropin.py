@@ -989,3 +989,25 @@ def test_graphed_checks_its_arguments_before_capturing(monkeypatch):
     with pytest.raises(OperandError, match="'model': is graphed already"):
         ft.graphed(model)
     assert not called
+
+
+def test_a_graphed_model_copies_and_pickles_without_its_graphs(monkeypatch):
+    """copy.deepcopy (an EMA of the model) and pickle give a graphed model of their own: its forward
+    runs the copy's weights, holds no graphs (those of the original stay), and captures afresh."""
+    import copy
+    import pickle
+
+    monkeypatch.setattr(ft._GraphedForward, "eligible", lambda self, a, k: None)  # CPU: every call uncaptured
+    model = ft.graphed(torch.nn.Linear(3, 3), warmup=2, max_graphs=2)
+    model.forward.graphs[("a signature",)] = object()  # stands for a capture
+    x = torch.randn(4, 3)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        fwd = twin.forward
+        assert isinstance(fwd, ft._GraphedForward) and fwd.model is twin and not fwd.graphs
+        assert (fwd.warmup, fwd.max_graphs) == (2, 2)
+        with torch.no_grad():
+            twin.weight.mul_(2)
+        assert torch.allclose(twin(x), x @ twin.weight.T + twin.bias)
+        assert not torch.allclose(twin(x), model(x)), "the copy ran the original's weights"
+        assert fwd._state() and all(t.data_ptr() != o.data_ptr() for t, o in zip(fwd.tensors, model.parameters()))
+    assert ("a signature",) in model.forward.graphs
