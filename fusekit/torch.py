@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1022,7 +1023,8 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     copy of it (these move batch-norm running statistics as training steps would).
 
     Outputs are the caller's own tensors (copied out of the graphs' buffers); gradients accumulate
-    into ``.grad`` as uncaptured ones do. Submodules must not have hooks, and the forward must be
+    into ``.grad`` as uncaptured ones do. A call made while an earlier replay's backward is still to
+    come (two forwards, then one backward) runs uncaptured. Submodules must not have hooks, and the forward must be
     capturable (no host synchronisation, no data-dependent control flow)."""
     who = "fusekit.torch.graphed"
     if not isinstance(model, torch.nn.Module):
@@ -1101,6 +1103,7 @@ class _Captured:
             graphed.capturing = False
         torch.cuda.synchronize()
         self.handed: tuple = ()
+        self.pending: Any = None  # weak reference to the autograd node of a replay whose backward is still to come
 
     def result(self, outs: tuple) -> Any:
         return outs[0] if self.kind is None else self.kind(outs)
@@ -1116,12 +1119,14 @@ class _Replay(torch.autograd.Function):
         cap.fwd.replay()
         outs = tuple(o.detach().clone(memory_format=torch.preserve_format) for o in cap.outs)  # the next replay overwrites cap.outs
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, cap.diff) if not d])
+        cap.pending = weakref.ref(ctx) if any(cap.diff) else None  # alive while this replay's backward can still run
         return outs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Any) -> tuple:
         cap = ctx.cap
+        cap.pending = None
         for buf, g in zip(cap.grad_outs, [g for g, d in zip(grads, cap.diff) if d]):
             buf.zero_() if g is None else buf.copy_(g)
         cap.bwd.replay()
@@ -1219,6 +1224,10 @@ class _GraphedForward:
                 raise CaptureError(f"fusekit.torch.graphed: capturing the training step of input {key[2]} {key[0]} (autocast "
                                    f"{key[5]}) failed ({type(e).__name__}: {e}); the CUDA state may be unusable: run this "
                                    "model uncaptured instead") from e
+        if cap.pending is not None and cap.pending() is not None:
+            # The last replay's backward has not run yet (two forwards, one backward): replaying now would
+            # overwrite the activations it reads. This call runs uncaptured instead.
+            return self.original(x)
         return cap.result(_Replay.apply(cap, x, *cap.params))
 
 

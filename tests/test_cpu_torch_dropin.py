@@ -900,7 +900,7 @@ def test_graphed_forward_captures_each_signature_after_its_warmup(monkeypatch):
             if x.shape[0] == 6:
                 raise RuntimeError("operation not permitted when stream is capturing")
             made.append((tuple(x.shape), x.requires_grad, amp))
-            self.params = tuple(graphed.model.parameters())
+            self.params, self.pending = tuple(graphed.model.parameters()), None
 
         def result(self, outs):
             return outs[0]
@@ -1011,3 +1011,86 @@ def test_a_graphed_model_copies_and_pickles_without_its_graphs(monkeypatch):
         assert not torch.allclose(twin(x), model(x)), "the copy ran the original's weights"
         assert fwd._state() and all(t.data_ptr() != o.data_ptr() for t, o in zip(fwd.tensors, model.parameters()))
     assert ("a signature",) in model.forward.graphs
+
+
+class _ScaleNet(torch.nn.Module):
+    """y = p * x, with p one parameter (the model the fake capture below stands for)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, x):
+        return self.p * x
+
+
+class _FakeCapture:
+    """_Captured's buffers over CPU 'graphs': the forward replay writes y = p * x and keeps x as the
+    activation its backward reads (as a graph keeps saved tensors in its pool); the backward replay
+    writes dL/dp = sum(dy * x) and dL/dx = dy * p."""
+
+    def __init__(self, graphed, x, amp):
+        p = graphed.model.p
+        self.params, self.kind, self.diff = (p,), None, (True,)
+        self.x = x.detach().clone().requires_grad_(x.requires_grad)
+        self.outs, self.grad_outs = (torch.empty_like(x),), (torch.empty_like(x),)
+        self.saved = torch.empty_like(x)
+        self.grads = ((torch.empty_like(x),) if x.requires_grad else ()) + (torch.empty(()),)
+        self.handed, self.pending = (), None
+
+        class Graph:
+            def __init__(self, fn):
+                self.replay = fn
+
+        def fwd():
+            self.saved.copy_(self.x)
+            self.outs[0].copy_(p.detach() * self.x.detach())
+
+        def bwd():
+            if x.requires_grad:
+                self.grads[0].copy_(self.grad_outs[0] * p.detach())
+            self.grads[-1].copy_((self.grad_outs[0] * self.saved).sum())
+
+        self.fwd, self.bwd = Graph(fwd), Graph(bwd)
+
+    def result(self, outs):
+        return outs[0]
+
+
+def test_graphed_replays_give_autograd_the_uncaptured_gradients(monkeypatch):
+    """_Replay (the autograd Function over a capture) run on a fake capture whose 'graphs' compute on
+    the CPU: gradients accumulate into .grad over micro-batches without aliasing the capture's
+    buffers, outputs keep their values after the next call, and two forwards before one backward
+    (the second would overwrite the activations the first's backward reads) give the uncaptured
+    gradients: the second call runs uncaptured."""
+    monkeypatch.setattr(ft, "_Captured", _FakeCapture)
+    monkeypatch.setattr(ft._GraphedForward, "eligible",
+                        lambda self, a, k: a[0] if self.model.training and torch.is_grad_enabled() and len(a) == 1 else None)
+    model, ref = ft.graphed(_ScaleNet(), warmup=1), _ScaleNet()
+    xs = [torch.randn(5) for _ in range(6)]
+    for m in (model, ref):  # the warm-up call
+        m(xs[0]).sum().backward()
+        m.zero_grad(set_to_none=True)
+    assert not model.forward.graphs
+    for m in (model, ref):  # two micro-batches into one .grad (the first call captures)
+        y1 = m(xs[1])
+        kept = y1.detach().clone()
+        (y1 * xs[2]).sum().backward()
+        (m(xs[3]) * xs[4]).sum().backward()
+        assert torch.equal(y1, kept), "an earlier output changed after a later call"
+    cap = next(iter(model.forward.graphs.values()))
+    assert torch.allclose(model.p.grad, ref.p.grad) and model.p.grad.data_ptr() != cap.grads[-1].data_ptr()
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    calls = []
+    original = model.forward.original
+    model.forward.original = lambda x: calls.append(1) or original(x)
+    for m in (model, ref):  # two forwards, then one backward
+        ((m(xs[4]) * xs[1]).sum() + (m(xs[5]) * xs[2]).sum()).backward()
+    assert calls == [1], "the second forward replayed over the activations the first one's backward reads"
+    assert torch.allclose(model.p.grad, ref.p.grad), f"{float(model.p.grad)} against {float(ref.p.grad)}"
+    assert cap.pending is None
+    model.zero_grad(set_to_none=True)
+    model(xs[1])  # a replay whose output is dropped unused: its node dies, the next call replays
+    model(xs[2]).sum().backward()
+    assert calls == [1] and torch.allclose(model.p.grad, xs[2].sum())
