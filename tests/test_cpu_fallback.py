@@ -306,3 +306,31 @@ def test_fused_or_split_decisions_follow_the_store_through_verify_clear_export_a
     assert [q for q, _ in store.verify()] == [p]
     store.clear()
     assert list(store.decisions()) == [] and list(p.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("pattern", ["conv_bias_add", "conv_bias_add_relu"])
+def test_nchw_residual_add_convolutions_run_on_channels_last_copies(pattern):
+    """cuDNN 9.19 built these on NCHW x (1x1 output) and computed garbage: fusekit refuses the NCHW
+    description itself, before cuDNN, in the build and in a load from the disk store."""
+    from types import SimpleNamespace
+
+    from fusekit.engine import lower
+    from fusekit.engine.planner import planner
+    from fusekit.errors import UnsupportedError
+
+    pat, specs = specs_for(pattern, {"x": (2, 2, 1, 2), "w": (2, 2, 1, 1), "b": (2,), "z": (2, 2, 1, 1)})
+    attrs = dict(pat.normalize_attrs({}))
+    assert "NCHW" in lower.untrusted(pat, specs)
+    with pytest.raises(UnsupportedError, match="not trusted"):
+        lower.build_plans(pat, specs, attrs, None, ("A",))
+    key = SimpleNamespace(specs=tuple(specs.items()), attrs=tuple(attrs.items()), describe=lambda: pattern)
+    _, load = planner(pat, key, None, None, None)
+    with pytest.raises(UnsupportedError, match="not trusted"):
+        load(None)
+    alt, copies = dispatch.alternatives(pat, specs)[-1]
+    names = pat.operand_names + tuple(pat.outputs)
+    assert "x" in {names[i] for i in copies} and lower.untrusted(pat, alt) == ""
+    _, nhwc = specs_for(pattern, {"x": (2, 2, 1, 2), "w": (2, 2, 1, 1), "b": (2,), "z": (2, 2, 1, 1)}, layout="NHWC")
+    assert lower.untrusted(pat, nhwc) == ""
+    plain, plain_specs = specs_for("conv_bias", {"x": (2, 2, 1, 2), "w": (2, 2, 1, 1), "b": (2,)})
+    assert lower.untrusted(plain, plain_specs) == ""  # no residual: cuDNN's NCHW plans computed right

@@ -120,6 +120,22 @@ def test_pattern_torch(pattern, shape, dtype, layout, rng):
     _run_case("torch", pattern, shape, dtype, layout, rng)
 
 
+#: Residual-add convolutions with a 1x1 output: on NCHW x cuDNN 9.19 built them and returned garbage
+#: (found by the fuzzer on 2026-12-04; fusekit.engine.lower.untrusted runs them on channels-last copies).
+ONE_BY_ONE = [(2, 2, 1, 2, 2, 1, 1, 0, (1, 2), 1), (3, 8, 3, 3, 16, 3, 3, 0, 1, 1), (2, 6, 2, 2, 4, 1, 1, 0, 2, 1)]
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("shape", ONE_BY_ONE, ids=lambda s: "x".join(map(str, s[:4])))
+@pytest.mark.parametrize("pattern", ["conv_bias_add", "conv_bias_add_relu"])
+def test_residual_add_with_a_one_by_one_output(pattern, shape, dtype, layout, lib, rng):
+    if lib == "cupy":
+        pytest.importorskip("cupy")
+    _run_case(lib, pattern, shape, dtype, layout, rng)
+
+
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:5], ids=IDS[:3] + IDS[4:5])

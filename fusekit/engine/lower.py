@@ -221,6 +221,26 @@ def precision_notes(pattern: Pattern, specs: Mapping[str, TensorSpec], tf32: boo
     return FP32_NEVER_NOTES if tf32 else FP32_EXCLUDED_NOTES
 
 
+def untrusted(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> str:
+    """Why cuDNN's plans for this call must not be used although it builds them ("" when none is
+    known): defects seen on the GPU, each kept as a test. The call then runs as cuDNN refused it
+    (channels-last copies, dispatch.alternatives).
+
+    - A convolution whose epilogue adds a second image (conv_bias_add, conv_bias_add_relu) on NCHW x:
+      cuDNN 9.19 on the H200 builds it when the output is 1x1 (x 2x2x1x2, stride (1, 2)) and its engine
+      returns garbage (relative error 0.5-2.5, negative values after the ReLU; float16 and float32;
+      every candidate the autotuner tried wrote non-finite values). Larger NCHW outputs it refuses;
+      channels-last x is right. Applied to every cuDNN version: fusekit cannot tell when it is fixed,
+      and copies only cost time (tests/regressions.py, conv_forward)."""
+    convs = [op for op in pattern.ops if op.op == "conv_fprop"]
+    if convs and pattern.epilogue_operands and specs[convs[0].inputs["image"]].layout == "NCHW":
+        return (
+            "cuDNN's fused convolution + residual-add engines compute wrongly on NCHW input (seen with cuDNN 9.19 "
+            "on the H200): not trusted"
+        )
+    return ""
+
+
 def is_tf32_fallback(graph: Any) -> bool:
     """Whether ``graph`` was built by build_plans with TF32 plans because its key had no IEEE plan."""
     try:
@@ -252,6 +272,9 @@ def build_plans(
     policy in force). Float32 keys never take plans that down-convert inputs (FP32_NEVER_NOTES) while
     others exist. A key that forbids TF32 and has no IEEE plan takes the TF32 plans rather than
     fail; its graph is then marked (:func:`is_tf32_fallback`, TF32_FALLBACK in the plan's name)."""
+    why = untrusted(pattern, specs)
+    if why:
+        raise UnsupportedError(f"cuDNN cannot run {where or pattern.name}: {why}")
     cudnn = load_cudnn()
     if tf32 is None:
         tf32 = tf32_allowed(pattern, specs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from ..errors import UnsupportedError
 from ..tensors import Adapter
 from . import lower
 from .autotune import TuneOptions, tune
@@ -34,6 +35,9 @@ def planner(
         return Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
 
     def load(entry: Entry) -> Plan:
+        why = lower.untrusted(pattern, specs)
+        if why:  # stored before fusekit knew of the defect: never executed
+            raise UnsupportedError(f"cuDNN cannot run {key.describe()}: {why}")
         try:
             with adapter.use_device(device):
                 t0 = time.perf_counter()
