@@ -12,7 +12,8 @@
          A key run on TF32 against the numerics policy (no IEEE plan) is said once (NumericsWarning);
          a workspace the device has no room for falls back to a plan of the key with a smaller one
          (WorkspaceWarning once).
-      3. execute: ``graph.execute`` with the ordered buffers (or through channels-last copies).
+      3. execute: the frontend's native pointer-array entry (lower.native_execute), else
+         ``graph.execute`` with the ordered buffers (or either through channels-last copies).
 
 ``run`` is the one place that binds pointers.
 """
@@ -48,7 +49,7 @@ class _Call:
     """Everything a cache hit needs, resolved once."""
 
     __slots__ = ("plan", "graph", "uids", "handle", "stream", "workspace", "outs", "out_adapter", "relayout", "origin",
-                 "device", "epilogue", "out_nbytes")
+                 "device", "epilogue", "out_nbytes", "native")
 
     def __init__(
         self, plan: Plan, handle: Any, stream: int, workspace: Any, outs: tuple[TensorSpec, ...], out_adapter: Adapter,
@@ -63,6 +64,7 @@ class _Call:
         self.device = device
         self.epilogue = epilogue  # (operand position, bytes) of each epilogue operand (Pattern.epilogue_operands)
         self.out_nbytes = tuple(_nbytes(s) for s in outs)
+        self.native = lower.native_execute(plan.graph, plan.uids)  # None: graph.execute
 
 
 def _nbytes(spec: TensorSpec) -> int:
@@ -348,12 +350,25 @@ def _bind(c: _Call) -> Any:
     return c.handle
 
 
+def _execute(c: _Call, arrays: Sequence[Any], handle: Any) -> None:
+    """Queue the call's plan on ``arrays`` (operands then outputs, in ``c.uids`` order)."""
+    native = c.native
+    if native is None:
+        c.graph.execute(arrays, c.workspace.ptr, handle=handle, tensor_uids=c.uids)
+        return
+    fn, ptrs, address, pos, index = native
+    ptr = c.out_adapter.ptr
+    for i, p in enumerate(pos):
+        ptrs[i] = ptr(arrays[p])
+    fn(address, len(pos), c.workspace.ptr, handle.backend_handle, index)
+
+
 def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
     """Execute ``c`` on channels-last copies of its NCHW arrays; results go back in the caller's layout."""
     ad, n_in = c.out_adapter, len(operands)
     ins = tuple(ad.relayout(a, "NHWC") if i in c.relayout else a for i, a in enumerate(operands))
     tmp = tuple(ad.empty(s) if (alloc or n_in + j in c.relayout) else outs[j] for j, s in enumerate(c.outs))
-    c.graph.execute(ins + tmp, c.workspace.ptr, handle=_bind(c), tensor_uids=c.uids)
+    _execute(c, ins + tmp, _bind(c))
     res = []
     for j, t in enumerate(tmp):
         if n_in + j in c.relayout:
@@ -425,7 +440,7 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
     h = c.handle
     if h.stream != c.stream:
         _bind(c)
-    c.graph.execute(arrays, c.workspace.ptr, handle=h, tensor_uids=c.uids)
+    _execute(c, arrays, h)
     ptr = c.out_adapter.ptr
     _LAST_OUT[c.stream] = tuple([(ptr(o), n) for o, n in zip(outs, c.out_nbytes)])
     return outs[0] if len(outs) == 1 else outs

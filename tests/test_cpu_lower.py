@@ -239,3 +239,73 @@ def test_preload_frontend_imports_the_racy_modules_once():
     assert lower._preloaded
     loaded = [m for m in lower.LAZY_FRONTEND_MODULES if m in sys.modules]
     assert "cudnn.gemm.frost.compiler" in loaded, loaded
+
+
+class _FakeLowered:
+    """The frontend 1.32 lowered graph's execute entries as native_execute uses them."""
+
+    def __init__(self, order):
+        self.order, self.calls = order, []
+
+    def _prepare_variant_pack_template(self):
+        pass
+
+    def _get_variant_pack_uids_sorted(self):
+        return self.order
+
+    def _execute_with_raw_ptrs(self, address, n, workspace, handle, index):
+        import ctypes
+
+        self.calls.append(((ctypes.c_void_p * n).from_address(address)[:], workspace, handle, index))
+
+
+class _FakeGraph:
+    def __init__(self, order=(1, 2, 3), engine=None, bindings=None, plans=(), plan_index=0):
+        from types import SimpleNamespace
+
+        self._lowered_graph, self.selected_engine, self._data_bindings = _FakeLowered(list(order)), engine, bindings or {}
+        self._is_built, self._plans, self._plan_index, self.executed = True, list(plans), plan_index, []
+        self.materialize = lambda i: SimpleNamespace(cpp_index=self._plans[i])
+
+    def _materialize_backend_plan(self, index):
+        return self.materialize(index)
+
+    def execute(self, arrays, ws, handle=None, tensor_uids=None):
+        self.executed.append((tuple(arrays), ws, tensor_uids))
+
+
+def test_native_execute_binds_pointers_in_the_backend_s_uid_order_and_runs_the_selected_plan(monkeypatch):
+    from types import SimpleNamespace
+
+    from fusekit import dispatch
+
+    monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__="1.32.0"))
+    g = _FakeGraph(order=(1, 2, 3), plans=(None, 4), plan_index=1)  # the walk's plan 1 sits at backend index 4
+    plan = SimpleNamespace(graph=g, uids=(3, 1, 2))  # fusekit's order: operands then outputs
+    ad = SimpleNamespace(ptr=lambda a: a)
+    c = dispatch._Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=4096), (), ad)
+    assert c.native is not None
+    dispatch._execute(c, (3000, 1000, 2000), c.handle)
+    dispatch._execute(c, (3008, 1008, 2008), c.handle)  # new pointers each call, same array
+    assert g._lowered_graph.calls == [([1000, 2000, 3000], 4096, 77, 4), ([1008, 2008, 3008], 4096, 77, 4)]
+    assert g.executed == []
+
+
+@pytest.mark.parametrize("why", ["python engine", "own data", "other slots", "other frontend", "switched off"])
+def test_native_execute_falls_back_to_graph_execute(monkeypatch, why):
+    from types import SimpleNamespace
+
+    from fusekit import dispatch
+
+    version = "1.33.0" if why == "other frontend" else "1.32.0"
+    monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__=version))
+    monkeypatch.setattr(lower_mod, "NATIVE_EXECUTE", why != "switched off")
+    g = _FakeGraph(
+        order=(1, 2, 3, 9) if why == "other slots" else (1, 2, 3), engine=object() if why == "python engine" else None,
+        bindings={9: 1.0} if why == "own data" else None,
+    )
+    plan = SimpleNamespace(graph=g, uids=(1, 2, 3))
+    c = dispatch._Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
+    assert c.native is None
+    dispatch._execute(c, (10, 20, 30), c.handle)
+    assert g.executed == [((10, 20, 30), 0, (1, 2, 3))] and g._lowered_graph.calls == []

@@ -253,3 +253,23 @@ def test_errors_before_cudnn(rng):
         fusekit.conv_bias_relu(x[:, :, ::2, ::2], w, b, padding=1)
     with pytest.raises(fusekit.OperandError, match="'y'.*expected out of shape"):
         fusekit.conv_bias_relu(x, w, b, padding=1, out=torch.empty((2, 16, 8, 8), dtype=torch.float16, device="cuda"))
+
+
+def test_native_execute_is_taken_and_matches_graph_execute(rng):
+    """Dispatch executes through the frontend's native pointer-array entry (lower.native_execute) on
+    frontend 1.32; its output equals graph.execute's, bit for bit, on the same inputs."""
+    torch = _torch()
+    from fusekit import dispatch
+
+    x, _ = _make("torch", (4, 32, 9, 9), "float16", "NHWC", rng)
+    w, _ = _make("torch", (48, 32, 3, 3), "float16", "NHWC", rng, 0.1)
+    b, _ = _make("torch", (48,), "float16", "NCHW", rng)
+    dispatch.clear_dispatch()
+    y = fusekit.call("conv_bias_relu", x, w, b, padding=1)
+    (c,) = [c for c in dispatch._FAST.values() if c.plan.key.pattern == "conv_bias_relu"]
+    assert c.native is not None, "frontend 1.32's native execute entry was not taken"
+    ref = y.clone()
+    c.native = None  # the same call through graph.execute
+    y2 = fusekit.call("conv_bias_relu", x, w, b, padding=1, out=torch.full_like(y, float("nan")))
+    torch.cuda.synchronize()
+    assert torch.equal(y2, ref)

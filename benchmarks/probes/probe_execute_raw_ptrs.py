@@ -5,8 +5,10 @@ the frontend's execute 15-25 us of a ~100 us layer). frontend 1.32's lowered (C+
 ``_execute_with_raw_ptrs(void*[] in ascending-uid order, n, workspace, handle, plan index)``: one
 native crossing with five ints, skipping the pygraph's Python normalization of the operands.
 
-Prediction (2026-12-04, not yet run): ~5-8 us per execute against 15-25 us for ``graph.execute``
-with the same tensors, i.e. ~3 ms off a ResNet-50 step; the outputs identical.
+Prediction (2026-12-04): ~5-8 us per execute against 15-25 us for ``graph.execute`` with the same
+tensors, i.e. ~3 ms off a ResNet-50 step; the outputs identical. Seen (2026-12-04, run 2): fusekit
+33.6 us, execute 22.6, raw 13.2, outputs equal; dispatch now takes the raw entry (lower.native_execute),
+and ``fusekit-pygraph`` is its former path.
 
 Sides, one small channels-last float16 conv (GPU time well under the host's), tight loops of
 --calls, medians of --rounds alternated: ``fusekit`` (ops.conv2d with out=), ``execute`` (the
@@ -49,10 +51,13 @@ def main() -> None:
     cl = torch.channels_last
     x = torch.randn(8, 64, 7, 7, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
     w = (torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.float16) / 24).contiguous(memory_format=cl)
+    dispatch.clear_dispatch()
     y = ops.conv2d(x, w, padding=(1, 1))
-    calls = [c for c in dispatch._FAST.values() if c.plan.key.pattern == "conv"]
-    assert len(calls) == 1, f"expected one conv call in the dispatch table, got {len(calls)}"
-    c = calls[0]
+    y = ops.conv2d(x, w, padding=(1, 1))
+    table = list(dispatch._FAST.items())
+    print(f"dispatch table: {len(table)} entries: {[getattr(getattr(c.plan, 'key', None), 'pattern', type(c.plan).__name__) for _, c in table]}")
+    assert table, "the conv call did not enter the dispatch table"
+    c = table[-1][1]
     arrays = (x, w, y)
     lowered = c.graph._lowered_graph
     lowered._prepare_variant_pack_template()
@@ -75,7 +80,17 @@ def main() -> None:
             ptrs[i] = arrays[p].data_ptr()
         lowered._execute_with_raw_ptrs(address, len(order), ws, handle, -1)
 
-    sides = {"fusekit": fusekit_side, "execute": execute_side, "raw": raw_side}
+    native = c.native
+
+    def fusekit_pygraph_side() -> None:  # fusekit's dispatch with graph.execute (lower.native_execute off)
+        c.native = None
+        try:
+            ops.conv2d(x, w, padding=(1, 1), out=y)
+        finally:
+            c.native = native
+
+    print(f"fusekit's call takes the native entry: {native is not None}")
+    sides = {"fusekit": fusekit_side, "fusekit-pygraph": fusekit_pygraph_side, "execute": execute_side, "raw": raw_side}
     ref = y.clone()
     for name, fn in sides.items():
         y.zero_()
