@@ -8,7 +8,9 @@ native crossing with five ints, skipping the pygraph's Python normalization of t
 Prediction (2026-12-04): ~5-8 us per execute against 15-25 us for ``graph.execute`` with the same
 tensors, i.e. ~3 ms off a ResNet-50 step; the outputs identical. Seen (2026-12-04, run 2): fusekit
 33.6 us, execute 22.6, raw 13.2, outputs equal; dispatch now takes the raw entry (lower.native_execute),
-and ``fusekit-pygraph`` is its former path.
+and ``fusekit-pygraph`` is its former path. Run 3 (another machine, host ~1.6x faster): fusekit with
+the entry 13.5 us, execute 13.0, raw 8.0 (its fusekit-pygraph side toggled the wrong dispatch entry:
+fixed, not yet rerun).
 
 Sides, one small channels-last float16 conv (GPU time well under the host's), tight loops of
 --calls, medians of --rounds alternated: ``fusekit`` (ops.conv2d with out=), ``execute`` (the
@@ -80,16 +82,20 @@ def main() -> None:
             ptrs[i] = arrays[p].data_ptr()
         lowered._execute_with_raw_ptrs(address, len(order), ws, handle, -1)
 
-    native = c.native
+    ops.conv2d(x, w, padding=(1, 1), out=y)  # the out= call: a dispatch entry of its own
+    entries = list(dispatch._FAST.values())
+    natives = [e.native for e in entries]
 
     def fusekit_pygraph_side() -> None:  # fusekit's dispatch with graph.execute (lower.native_execute off)
-        c.native = None
+        for e in entries:
+            e.native = None
         try:
             ops.conv2d(x, w, padding=(1, 1), out=y)
         finally:
-            c.native = native
+            for e, n in zip(entries, natives):
+                e.native = n
 
-    print(f"fusekit's call takes the native entry: {native is not None}")
+    print(f"dispatch entries {len(entries)}; each takes the native entry: {[n is not None for n in natives]}")
     sides = {"fusekit": fusekit_side, "fusekit-pygraph": fusekit_pygraph_side, "execute": execute_side, "raw": raw_side}
     ref = y.clone()
     for name, fn in sides.items():
