@@ -255,11 +255,12 @@ def test_errors_before_cudnn(rng):
         fusekit.conv_bias_relu(x, w, b, padding=1, out=torch.empty((2, 16, 8, 8), dtype=torch.float16, device="cuda"))
 
 
-def test_native_execute_is_taken_and_matches_graph_execute(rng):
+def test_native_execute_is_taken_and_matches_graph_execute(rng, tmp_path):
     """Dispatch executes through the frontend's native pointer-array entry (lower.native_execute) on
     frontend 1.32; its output equals graph.execute's, bit for bit, on the same inputs."""
     torch = _torch()
     from fusekit import dispatch
+    from fusekit.engine import lower
 
     x, _ = _make("torch", (4, 32, 9, 9), "float16", "NHWC", rng)
     w, _ = _make("torch", (48, 32, 3, 3), "float16", "NHWC", rng, 0.1)
@@ -273,3 +274,12 @@ def test_native_execute_is_taken_and_matches_graph_execute(rng):
     y2 = fusekit.call("conv_bias_relu", x, w, b, padding=1, out=torch.full_like(y, float("nan")))
     torch.cuda.synchronize()
     assert torch.equal(y2, ref)
+    # a plan loaded from the disk store (deserialized: the backend's own plan index) takes it too
+    store = fusekit.DiskStore(tmp_path)
+    fusekit.plan_for("conv_bias_relu", x, w, b, padding=1, cache=fusekit.PlanCache(store=store))
+    loaded = fusekit.PlanCache(store=store)
+    plan = fusekit.plan_for("conv_bias_relu", x, w, b, padding=1, cache=loaded)
+    assert plan.source == "disk" and lower.native_execute(plan.graph, plan.uids) is not None
+    y3 = fusekit.call("conv_bias_relu", x, w, b, padding=1, cache=loaded, out=torch.full_like(y, float("nan")))
+    torch.cuda.synchronize()
+    assert loaded.stats.disk_hits == 1 and torch.equal(y3, ref)
