@@ -3,8 +3,9 @@
 Variants, alternated over rounds (host ms of forward + backward, GPU synchronized before each):
   eager         torch.nn as is
   fusekit       the converted model
-  no-execute    the converted model with the frontend's execute a no-op (everything else real:
-                keys, allocations, autograd): the host time that is not cuDNN's
+  no-execute    the converted model with dispatch's execute (dispatch._execute: the frontend's native
+                entry or graph.execute) a no-op (everything else real: keys, allocations,
+                autograd): the host time that is not cuDNN's
   timed         the converted model with each execute timed (perf_counter_ns): executes in the model
   replay        the executes the timed pass recorded, replayed alone in order
   replay+work   the same, with a fixed chunk of Python + torch host work between executes
@@ -28,13 +29,7 @@ from common import converted, fwd_bwd, host_ms
 from fusekit import dispatch
 
 
-def graph_class():
-    classes = {type(c.graph) for c in dispatch._FAST.values()}
-    assert len(classes) == 1, classes
-    return classes.pop()
-
-
-def profile_passes(base, fk, data, G, noop) -> None:
+def profile_passes(base, fk, data, noop) -> None:
     """cProfile of 5 no-execute passes (the host work that is not cuDNN's), then the aten ops each
     side issues in one pass (torch.profiler, CPU), most frequent first."""
     import cProfile
@@ -42,7 +37,7 @@ def profile_passes(base, fk, data, G, noop) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    G.execute, real = noop, G.execute
+    dispatch._execute, real = noop, dispatch._execute
     try:
         pr = cProfile.Profile()
         pr.enable()
@@ -50,7 +45,7 @@ def profile_passes(base, fk, data, G, noop) -> None:
             fwd_bwd(fk, data)
         pr.disable()
     finally:
-        G.execute = real
+        dispatch._execute = real
     torch.cuda.synchronize()
     st = pstats.Stats(pr)
     st.sort_stats("tottime").print_stats(45)
@@ -77,25 +72,26 @@ def main() -> None:
     for _ in range(3):
         host_ms(lambda: fwd_bwd(base, data))
         host_ms(lambda: fwd_bwd(fk, data))
-    G = graph_class()
-    real = G.execute
+    real = dispatch._execute  # the one execute every call goes through
+    native = sum(c.native is not None for c in dispatch._FAST.values())
+    print(f"dispatch entries {len(dispatch._FAST)}, {native} through the frontend's native entry", flush=True)
     record: list[tuple] = []
     spent = [0, 0]
 
-    def noop(self, *a, **k):
+    def noop(c, arrays, handle):
         return None
 
-    def timed(self, tensors, ws=None, handle=None, **k):
+    def timed(c, arrays, handle):
         t = time.perf_counter_ns()
-        real(self, tensors, ws, handle, **k)
+        real(c, arrays, handle)
         spent[0] += time.perf_counter_ns() - t
         spent[1] += 1
-        record.append((self, tuple(tensors), ws, handle, k.get("tensor_uids")))
+        record.append((c, tuple(arrays), handle))
 
     def replay(work: bool) -> None:
         sink = {}
-        for g, ts, ws, h, uids in record:
-            real(g, ts, ws, h, tensor_uids=uids)
+        for c, arrays, h in record:
+            real(c, arrays, h)
             if work:
                 a = torch.empty(64, device="cuda")
                 b = torch.empty(64, device="cuda")
@@ -103,26 +99,26 @@ def main() -> None:
                     sink[i] = (a, b, i)
 
     if args.profile:
-        profile_passes(base, fk, data, G, noop)
+        profile_passes(base, fk, data, noop)
         return
     results: dict[str, list[float]] = {k: [] for k in ("eager", "fusekit", "no-execute", "timed", "replay", "replay+work")}
     per_exec: list[float] = []
     for r in range(args.rounds):
         results["eager"] += [host_ms(lambda: fwd_bwd(base, data)) for _ in range(3)]
         results["fusekit"] += [host_ms(lambda: fwd_bwd(fk, data)) for _ in range(3)]
-        G.execute = noop
+        dispatch._execute = noop
         try:
             results["no-execute"] += [host_ms(lambda: fwd_bwd(fk, data)) for _ in range(3)]
         finally:
-            G.execute = real
+            dispatch._execute = real
         for _ in range(3):
             record.clear()
             spent[:] = [0, 0]
-            G.execute = timed
+            dispatch._execute = timed
             try:
                 results["timed"].append(host_ms(lambda: fwd_bwd(fk, data)))
             finally:
-                G.execute = real
+                dispatch._execute = real
             per_exec.append(spent[0] / 1e3 / max(spent[1], 1))
         n = len(record)
         results["replay"] += [host_ms(lambda: replay(False)) for _ in range(3)]
