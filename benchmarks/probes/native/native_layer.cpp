@@ -1,0 +1,72 @@
+// The floor of a native per-layer path (probe, not library code): a fusekit plan, deserialized from
+// the bytes fusekit stores, executed from C++ by one torch extension call that also allocates the
+// output. Compared with fusekit's Python call and PyTorch eager by probe_native_layer.py.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <cudnn_frontend.h>
+
+namespace fe = cudnn_frontend;
+
+namespace {
+
+struct Loaded {
+    std::shared_ptr<fe::graph::Graph> graph;
+    std::vector<int64_t> order;  // position in the call's (operands..., output) of each slot, ascending uid
+    int64_t workspace = 0;
+};
+
+std::vector<Loaded> loaded;
+
+// Deserialize ``blob`` (fusekit's stored plan bytes) on the cuDNN handle ``handle``; ``uids``: the
+// plan's tensor uids in fusekit's order (operands, then outputs). Returns an id for run().
+int64_t load(int64_t handle, py::bytes blob, std::vector<int64_t> uids) {
+    std::string s = blob;
+    std::vector<uint8_t> data(s.begin(), s.end());
+    auto g = std::make_shared<fe::graph::Graph>();
+    auto st = g->deserialize(reinterpret_cast<cudnnHandle_t>(handle), data);
+    TORCH_CHECK(st.is_good(), "native_layer: deserialize failed: ", st.get_message());
+    Loaded l;
+    l.graph = g;
+    l.order.resize(uids.size());
+    std::iota(l.order.begin(), l.order.end(), 0);
+    std::sort(l.order.begin(), l.order.end(), [&](int64_t a, int64_t b) { return uids[a] < uids[b]; });
+    st = g->get_workspace_size(l.workspace);
+    TORCH_CHECK(st.is_good(), "native_layer: workspace size: ", st.get_message());
+    loaded.push_back(std::move(l));
+    return static_cast<int64_t>(loaded.size()) - 1;
+}
+
+// Run plan ``id`` on ``operands`` into a new channels-last output of ``shape`` (the layer's forward:
+// allocation and execute, no key, no Python between them).
+torch::Tensor run(int64_t id, int64_t handle, std::vector<torch::Tensor> operands, std::vector<int64_t> shape,
+                  int64_t workspace) {
+    auto const &l = loaded.at(id);
+    auto y = at::empty(shape, operands[0].options().memory_format(at::MemoryFormat::ChannelsLast));
+    void *ptrs[16];
+    size_t n = operands.size() + 1;
+    TORCH_CHECK(n == l.order.size() && n <= 16, "native_layer: expected ", l.order.size() - 1, " operands");
+    for (size_t i = 0; i < n; ++i) {
+        auto p = static_cast<size_t>(l.order[i]);
+        ptrs[i] = p < operands.size() ? operands[p].data_ptr() : y.data_ptr();
+    }
+    auto st = l.graph->execute(reinterpret_cast<cudnnHandle_t>(handle), ptrs, static_cast<int>(n),
+                               reinterpret_cast<void *>(workspace));
+    TORCH_CHECK(st.is_good(), "native_layer: execute failed: ", st.get_message());
+    return y;
+}
+
+int64_t workspace_size(int64_t id) { return loaded.at(id).workspace; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("load", &load, "deserialize a fusekit plan blob");
+    m.def("run", &run, "allocate the output and execute a loaded plan");
+    m.def("workspace_size", &workspace_size, "the loaded plan's workspace bytes");
+}
