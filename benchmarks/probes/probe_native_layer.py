@@ -71,6 +71,8 @@ def main() -> None:
         extra_include_paths=header_dirs(), extra_cflags=["-O2", "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING"], verbose=False,
     )
     print(f"extension built in {time.perf_counter() - t0:.1f} s", flush=True)
+    libs = [p for r in sys.path for p in glob.glob(os.path.join(r, "nvidia", "cudnn", "lib", "libcudnn.so.9"))]
+    print("cuDNN for the extension: " + native.open_cudnn(libs[0] if libs else "libcudnn.so.9"), flush=True)
 
     cl = torch.channels_last
     for n, c, hw, k in ((8, 64, 7, 64), (64, 256, 14, 256)):

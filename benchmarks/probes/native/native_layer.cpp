@@ -3,6 +3,8 @@
 // output. Compared with fusekit's Python call and PyTorch eager by probe_native_layer.py.
 #include <torch/extension.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <memory>
 #include <numeric>
@@ -13,7 +15,22 @@
 
 namespace fe = cudnn_frontend;
 
+// With NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING the frontend reaches cuDNN through this handle (the
+// Python package sets its own in its compiled module; an extension sets its own: open_cudnn).
+void *cudnn_frontend::cudnn_dlhandle = nullptr;
+
 namespace {
+
+// The libcudnn this process already has (by soname), else the one at ``path``. Returns its soname or path.
+std::string open_cudnn(std::string path) {
+    if (cudnn_frontend::cudnn_dlhandle == nullptr) {
+        cudnn_frontend::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
+        if (cudnn_frontend::cudnn_dlhandle != nullptr) return "libcudnn.so.9 (already loaded)";
+        cudnn_frontend::cudnn_dlhandle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+        TORCH_CHECK(cudnn_frontend::cudnn_dlhandle != nullptr, "native_layer: cannot open ", path, ": ", dlerror());
+    }
+    return path;
+}
 
 struct Loaded {
     std::shared_ptr<fe::graph::Graph> graph;
@@ -26,6 +43,7 @@ std::vector<Loaded> loaded;
 // Deserialize ``blob`` (fusekit's stored plan bytes) on the cuDNN handle ``handle``; ``uids``: the
 // plan's tensor uids in fusekit's order (operands, then outputs). Returns an id for run().
 int64_t load(int64_t handle, py::bytes blob, std::vector<int64_t> uids) {
+    TORCH_CHECK(cudnn_frontend::cudnn_dlhandle != nullptr, "native_layer: call open_cudnn first");
     std::string s = blob;
     std::vector<uint8_t> data(s.begin(), s.end());
     auto g = std::make_shared<fe::graph::Graph>();
@@ -66,6 +84,7 @@ int64_t workspace_size(int64_t id) { return loaded.at(id).workspace; }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("open_cudnn", &open_cudnn, "reach the process's libcudnn (else open the one at path)");
     m.def("load", &load, "deserialize a fusekit plan blob");
     m.def("run", &run, "allocate the output and execute a loaded plan");
     m.def("workspace_size", &workspace_size, "the loaded plan's workspace bytes");
