@@ -360,7 +360,11 @@ def _execute(c: _Call, arrays: Sequence[Any], handle: Any) -> None:
     ptr = c.out_adapter.ptr
     for i, p in enumerate(pos):
         ptrs[i] = ptr(arrays[p])
-    fn(address, len(pos), c.workspace.ptr, handle.backend_handle, index)
+    try:
+        fn(address, len(pos), c.workspace.ptr, handle.backend_handle, index)
+    except TypeError:  # the private entry's signature changed (another 1.32.x): nothing ran; use graph.execute
+        c.native = None
+        c.graph.execute(arrays, c.workspace.ptr, handle=handle, tensor_uids=c.uids)
 
 
 def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:

@@ -309,3 +309,19 @@ def test_native_execute_falls_back_to_graph_execute(monkeypatch, why):
     assert c.native is None
     dispatch._execute(c, (10, 20, 30), c.handle)
     assert g.executed == [((10, 20, 30), 0, (1, 2, 3))] and g._lowered_graph.calls == []
+
+
+def test_native_execute_whose_signature_changed_falls_back_for_good(monkeypatch):
+    from types import SimpleNamespace
+
+    from fusekit import dispatch
+
+    monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__="1.32.9"))
+    g = _FakeGraph()
+    g._lowered_graph._execute_with_raw_ptrs = lambda *a: (_ for _ in ()).throw(TypeError("incompatible function arguments"))
+    c = dispatch._Call(SimpleNamespace(graph=g, uids=(1, 2, 3)), SimpleNamespace(backend_handle=7, stream=0), 0,
+                       SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
+    assert c.native is not None
+    dispatch._execute(c, (10, 20, 30), c.handle)
+    dispatch._execute(c, (11, 21, 31), c.handle)
+    assert c.native is None and [e[0] for e in g.executed] == [(10, 20, 30), (11, 21, 31)]
