@@ -86,6 +86,17 @@ def fwd_bwd(model: torch.nn.Module, data: Data) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def per_call_us(fn: Callable[[], object], calls: int) -> float:
+    """Microseconds per call of ``fn`` over a tight loop of ``calls``, the GPU synchronized before and
+    after (the queue drains inside the window: a host-bound loop reads the host, a GPU-bound one the GPU)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e6 / calls
+
+
 def host_ms(fn: Callable[[], object]) -> float:
     """Host milliseconds of one call of ``fn``, the GPU synchronized before and after (not counted)."""
     torch.cuda.synchronize()

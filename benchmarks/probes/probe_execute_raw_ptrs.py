@@ -26,21 +26,12 @@ import ctypes
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from fusekit import dispatch, ops  # noqa: E402
-
-
-def per_call_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e6 / calls
+from common import per_call_us  # noqa: E402
 
 
 def main() -> None:

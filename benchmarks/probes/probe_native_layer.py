@@ -27,6 +27,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from fusekit import dispatch, ops  # noqa: E402
+from common import per_call_us  # noqa: E402
 
 
 def header_dirs() -> list[str]:
@@ -47,15 +48,6 @@ def header_dirs() -> list[str]:
     if missing:
         sys.exit(f"probe_native_layer: no {', '.join(missing)} on this machine (looked in {len(cands)} folders)")
     return sorted({d for d in want.values() if d})
-
-
-def per_call_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e6 / calls
 
 
 def main() -> None:
