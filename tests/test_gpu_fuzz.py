@@ -175,7 +175,7 @@ def conv_cases(draw, backward: bool = False) -> dict:
         case["op"] = draw(st.sampled_from(("conv_bias_relu", "conv_bias", "conv2d")))
         case["input_relu"] = draw(st.booleans())
     else:
-        case["op"] = draw(st.sampled_from(("conv2d", "conv_bias", "conv_bias_relu", "conv_bias_add_relu")))
+        case["op"] = draw(st.sampled_from(("conv2d", "conv_bias", "conv_bias_relu", "conv_bias_add_relu", "conv_bias_add")))
     return case
 
 
@@ -206,6 +206,9 @@ def test_conv_forward(case):
         check(op, ops.conv_bias(x, w, b, **kw), ref, tol, case)
     elif op == "conv_bias_relu":
         check(op, ops.conv_bias_relu(x, w, b, **kw), torch.relu(ref), tol, case)
+    elif op == "conv_bias_add":
+        z = rnd(g, tuple(ref.shape), case["dtype"], case["layout"])
+        check(op, ops.conv_bias_add(x, w, b, z, **kw), ref + float64_nchw(z), tol, case)
     else:
         z = rnd(g, tuple(ref.shape), case["dtype"], case["layout"])
         check(op, ops.conv_bias_add_relu(x, w, b, z, **kw), torch.relu(ref + float64_nchw(z)), tol, case)
