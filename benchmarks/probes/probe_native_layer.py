@@ -7,8 +7,12 @@ times one call that allocates the output and executes, against fusekit's Python 
 pointer-array entry included) and PyTorch eager, each allocating its output. The first run also
 says what the build needed (cuDNN's, CUDA's and NVRTC's headers; a compile of a minute or two).
 
+Then one convolution layer's forward + backward: fusekit.torch.Conv2d, a C++ autograd node over the same
+three plans (conv, conv_dgrad, conv_wgrad), and torch.nn.Conv2d, gradients compared to eager's.
+
 Prediction (2026-12-04, not yet run): native ~8-10 us per call, fusekit ~15 us, eager ~15-20 us on the
-small conv; outputs equal to fusekit's bit for bit (same plan, same kernel).
+small conv; outputs equal to fusekit's bit for bit (same plan, same kernel). Training layer: native
+~40 us, fusekit.torch ~90 us, eager ~60 us per forward + backward on the small conv.
 
     python benchmarks/probes/probe_native_layer.py [--calls 2000] [--rounds 5]
     (PROBE_INCLUDE=DIR[:DIR]: more folders to look for the headers in)
@@ -95,6 +99,65 @@ def main() -> None:
                 times[s].append(per_call_us(fn, args.calls))
         for s, ts in times.items():
             print(f"  {s:10s} {statistics.median(ts):7.2f} us per call (rounds {', '.join(f'{t:.1f}' for t in ts)})", flush=True)
+        train_layer(native, x, w, args)
+
+
+def train_layer(native, x: torch.Tensor, w: torch.Tensor, args: argparse.Namespace) -> None:
+    """Forward + backward of one bias-free 3x3 convolution: fusekit.torch.Conv2d, the C++ autograd
+    node over the same three plans (conv, conv_dgrad, conv_wgrad), and torch.nn.Conv2d; gradients compared."""
+    import fusekit.torch as ft
+
+    k, c = int(w.shape[0]), int(w.shape[1])
+    cl = torch.channels_last
+    dy = torch.randn(x.shape[0], k, x.shape[2], x.shape[3], device="cuda", dtype=x.dtype).contiguous(memory_format=cl)
+    dispatch.clear_dispatch()
+    ops.conv2d(x, w, padding=(1, 1))
+    ops.conv2d_backward(dy, x, w, padding=(1, 1))
+    ids, ws, h = [], None, None
+    for pattern in ("conv", "conv_dgrad", "conv_wgrad"):
+        calls = [e for e in dispatch._FAST.values() if e.plan.key.pattern == pattern and not e.relayout]
+        assert calls, f"no direct {pattern} call in the dispatch table"
+        e = calls[0]
+        h, ws = e.handle.backend_handle, e.workspace
+        ids.append(native.load(h, e.plan.graph.serialize(as_bytes=True), list(e.uids)))
+    assert max(native.workspace_size(i) for i in ids) <= ws.size, "the stored plans need a larger workspace"
+    xs = x.detach().clone().requires_grad_(True)
+    ws_ptr, shape = ws.ptr, list(dy.shape)
+    fk = ft.Conv2d(c, k, 3, padding=1, bias=False).cuda().to(dtype=x.dtype, memory_format=cl)
+    eager = torch.nn.Conv2d(c, k, 3, padding=1, bias=False).cuda().to(dtype=x.dtype, memory_format=cl)
+    wn = w.detach().clone().requires_grad_(True)
+    with torch.no_grad():
+        fk.weight.copy_(w)
+        eager.weight.copy_(w)
+
+    def step(fn):
+        def go():
+            xs.grad = None
+            fn(xs).backward(dy)
+        return go
+
+    sides = {
+        "fusekit.torch": step(fk),
+        "native": step(lambda t: native.conv(t, wn, ids, h, ws_ptr, shape)),
+        "eager": step(eager),
+    }
+    grads = {}
+    for s, go in sides.items():
+        fk.weight.grad = eager.weight.grad = wn.grad = None
+        go()
+        torch.cuda.synchronize()
+        grads[s] = (xs.grad.double(), {"fusekit.torch": fk.weight, "native": wn, "eager": eager.weight}[s].grad.double())
+    for s in ("fusekit.torch", "native"):
+        dx_err = float((grads[s][0] - grads["eager"][0]).norm() / grads["eager"][0].norm())
+        dw_err = float((grads[s][1] - grads["eager"][1]).norm() / grads["eager"][1].norm())
+        print(f"  train {s}: dx {dx_err:.1e}, dw {dw_err:.1e} relative to eager's", flush=True)
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    for _ in range(args.rounds):
+        for s, go in sides.items():
+            times[s].append(per_call_us(go, max(args.calls // 4, 50)))
+    for s, ts in times.items():
+        print(f"  train {s:13s} {statistics.median(ts):7.2f} us per forward + backward (rounds {', '.join(f'{t:.1f}' for t in ts)})",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-// The floor of a native per-layer path (probe, not library code): a fusekit plan, deserialized from
+// The floor of a native per-layer path (probe, not library code): fusekit plans, deserialized from
 // the bytes fusekit stores, executed from C++ by one torch extension call that also allocates the
-// output. Compared with fusekit's Python call and PyTorch eager by probe_native_layer.py.
+// output (run), and a convolution whose autograd node is C++ too (conv). Compared with fusekit's
+// Python path and PyTorch eager by probe_native_layer.py.
 #include <torch/extension.h>
 
 #include <dlfcn.h>
@@ -81,6 +82,38 @@ torch::Tensor run(int64_t id, int64_t handle, std::vector<torch::Tensor> operand
 
 int64_t workspace_size(int64_t id) { return loaded.at(id).workspace; }
 
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+// A convolution layer's training host path in C++: forward runs plan ids[0] (conv: x, w -> y) and
+// keeps x and w; backward runs ids[1] (conv_dgrad: dy, w -> dx) and ids[2] (conv_wgrad: x, dy -> dw).
+struct Conv : public torch::autograd::Function<Conv> {
+    static torch::Tensor forward(AutogradContext *ctx, torch::Tensor x, torch::Tensor w, std::vector<int64_t> ids,
+                                 int64_t handle, int64_t workspace, std::vector<int64_t> y_shape) {
+        ctx->save_for_backward({x, w});
+        ctx->saved_data["ids"] = ids;
+        ctx->saved_data["handle"] = handle;
+        ctx->saved_data["workspace"] = workspace;
+        return run(ids[0], handle, {x, w}, y_shape, workspace);
+    }
+
+    static tensor_list backward(AutogradContext *ctx, tensor_list grads) {
+        auto saved = ctx->get_saved_variables();
+        auto x = saved[0], w = saved[1];
+        auto dy = grads[0].contiguous(at::MemoryFormat::ChannelsLast);
+        auto ids = ctx->saved_data["ids"].toIntVector();
+        auto handle = ctx->saved_data["handle"].toInt(), workspace = ctx->saved_data["workspace"].toInt();
+        auto dx = run(ids[1], handle, {dy, w}, x.sizes().vec(), workspace);
+        auto dw = run(ids[2], handle, {x, dy}, w.sizes().vec(), workspace);
+        return {dx, dw, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+};
+
+torch::Tensor conv(torch::Tensor x, torch::Tensor w, std::vector<int64_t> ids, int64_t handle, int64_t workspace,
+                   std::vector<int64_t> y_shape) {
+    return Conv::apply(x, w, ids, handle, workspace, y_shape);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -88,4 +121,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("load", &load, "deserialize a fusekit plan blob");
     m.def("run", &run, "allocate the output and execute a loaded plan");
     m.def("workspace_size", &workspace_size, "the loaded plan's workspace bytes");
+    m.def("conv", &conv, "a convolution with autograd: forward and backward through loaded plans");
 }
