@@ -261,14 +261,13 @@ class _FakeLowered:
 
 class _FakeGraph:
     def __init__(self, order=(1, 2, 3), engine=None, bindings=None, plans=(), plan_index=0):
-        from types import SimpleNamespace
-
         self._lowered_graph, self.selected_engine, self._data_bindings = _FakeLowered(list(order)), engine, bindings or {}
         self._is_built, self._plans, self._plan_index, self.executed = True, list(plans), plan_index, []
-        self.materialize = lambda i: SimpleNamespace(cpp_index=self._plans[i])
 
     def _materialize_backend_plan(self, index):
-        return self.materialize(index)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(cpp_index=self._plans[index])  # where the walk's plan sits in the backend's list
 
     def execute(self, arrays, ws, handle=None, tensor_uids=None):
         self.executed.append((tuple(arrays), ws, tensor_uids))
