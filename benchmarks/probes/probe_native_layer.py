@@ -34,6 +34,9 @@ from fusekit import dispatch, ops  # noqa: E402
 from common import per_call_us  # noqa: E402
 
 
+WARMUP = os.environ.get("PROBE_WARMUP", "0") == "1"  # the frontend's throwaway capture after deserialize
+
+
 def header_dirs() -> list[str]:
     """Include folders for the frontend's headers, cuDNN's, NVRTC's and CUDA's runtime; exits naming any missing."""
     import cudnn
@@ -54,21 +57,37 @@ def header_dirs() -> list[str]:
     return sorted({d for d in want.values() if d})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+def build_native():
+    """Build (or reuse) and import the probe's extension, pointed at the process's libcudnn. Exits when
+    the compiler linked its own libstdc++ statically (a wrapper such as /opt/gcc/bin/g++ on the lent
+    machine does): that copy's locale facets crash the frontend's first stringstream (seen: a segfault
+    in ExecutionPlan_v8::buildTag); set CXX=/usr/bin/g++ then."""
+    import subprocess
+
     from torch.utils.cpp_extension import load
 
+    # the frontend opens libcudart itself (12 before 13 unless told): the one torch runs on
+    os.environ.setdefault("CUDNN_FRONTEND_CUDART_LIB_NAME", f"libcudart.so.{(torch.version.cuda or '13').split('.')[0]}")
     t0 = time.perf_counter()
     native = load(
         name="fusekit_native_layer_probe", sources=[os.path.join(HERE, "native", "native_layer.cpp")],
         extra_include_paths=header_dirs(), extra_cflags=["-O2", "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING"], verbose=False,
     )
-    print(f"extension built in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"extension built in {time.perf_counter() - t0:.1f} s (CXX={os.environ.get('CXX', 'c++')})", flush=True)
+    needed = subprocess.run(["ldd", native.__file__], capture_output=True, text=True).stdout
+    if "libstdc++" not in needed:
+        sys.exit(f"probe_native_layer: {native.__file__} carries its own libstdc++ (statically linked); rebuild with CXX=/usr/bin/g++")
     libs = [p for r in sys.path for p in glob.glob(os.path.join(r, "nvidia", "cudnn", "lib", "libcudnn.so.9"))]
     print("cuDNN for the extension: " + native.open_cudnn(libs[0] if libs else "libcudnn.so.9"), flush=True)
+    return native
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    native = build_native()
 
     cl = torch.channels_last
     for n, c, hw, k in ((8, 64, 7, 64), (64, 256, 14, 256)):
@@ -78,11 +97,13 @@ def main() -> None:
         y = ops.conv2d(x, w, padding=(1, 1))
         y = ops.conv2d(x, w, padding=(1, 1))
         (call,) = list(dispatch._FAST.values())
+        print(f"fusekit conv ran; loading its plan ({call.plan.engine}) natively", flush=True)
         h = call.handle.backend_handle
-        pid = native.load(h, call.plan.graph.serialize(as_bytes=True), list(call.uids))
+        pid = native.load(h, call.plan.graph.serialize(as_bytes=True), list(call.uids), WARMUP)
         assert native.workspace_size(pid) <= call.workspace.size, "the stored plan needs a larger workspace"
         shape = list(y.shape)
         ws = call.workspace.ptr
+        print("loaded; running", flush=True)
         yn = native.run(pid, h, [x, w], shape, ws)
         torch.cuda.synchronize()
         print(f"conv {n}x{c}x{hw}x{hw} -> {k}, 3x3: plan {call.plan.engine}; native output equal to fusekit's: "
@@ -119,7 +140,7 @@ def train_layer(native, x: torch.Tensor, w: torch.Tensor, args: argparse.Namespa
         assert calls, f"no direct {pattern} call in the dispatch table"
         e = calls[0]
         h, ws = e.handle.backend_handle, e.workspace
-        ids.append(native.load(h, e.plan.graph.serialize(as_bytes=True), list(e.uids)))
+        ids.append(native.load(h, e.plan.graph.serialize(as_bytes=True), list(e.uids), WARMUP))
     assert max(native.workspace_size(i) for i in ids) <= ws.size, "the stored plans need a larger workspace"
     xs = x.detach().clone().requires_grad_(True)
     ws_ptr, shape = ws.ptr, list(dy.shape)

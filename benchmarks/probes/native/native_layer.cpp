@@ -5,8 +5,12 @@
 #include <torch/extension.h>
 
 #include <dlfcn.h>
+#include <execinfo.h>
+#include <csignal>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -22,10 +26,21 @@ void *cudnn_frontend::cudnn_dlhandle = nullptr;
 
 namespace {
 
+// A crash inside the frontend prints the native frames (the probe's only debugger on the lent machine).
+void on_segv(int sig) {
+    void *frames[64];
+    int n = backtrace(frames, 64);
+    std::fprintf(stderr, "native_layer: signal %d, native frames:\n", sig);
+    backtrace_symbols_fd(frames, n, 2);
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+}
+
 // The libcudnn this process already has (by soname), else the one at ``path``. Returns its soname or path.
 std::string open_cudnn(std::string path) {
     if (cudnn_frontend::cudnn_dlhandle == nullptr) {
         cudnn_frontend::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
+        std::signal(SIGSEGV, on_segv);
         if (cudnn_frontend::cudnn_dlhandle != nullptr) return "libcudnn.so.9 (already loaded)";
         cudnn_frontend::cudnn_dlhandle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
         TORCH_CHECK(cudnn_frontend::cudnn_dlhandle != nullptr, "native_layer: cannot open ", path, ": ", dlerror());
@@ -43,12 +58,12 @@ std::vector<Loaded> loaded;
 
 // Deserialize ``blob`` (fusekit's stored plan bytes) on the cuDNN handle ``handle``; ``uids``: the
 // plan's tensor uids in fusekit's order (operands, then outputs). Returns an id for run().
-int64_t load(int64_t handle, py::bytes blob, std::vector<int64_t> uids) {
+int64_t load(int64_t handle, py::bytes blob, std::vector<int64_t> uids, bool warmup) {
     TORCH_CHECK(cudnn_frontend::cudnn_dlhandle != nullptr, "native_layer: call open_cudnn first");
     std::string s = blob;
     std::vector<uint8_t> data(s.begin(), s.end());
     auto g = std::make_shared<fe::graph::Graph>();
-    auto st = g->deserialize(reinterpret_cast<cudnnHandle_t>(handle), data);
+    auto st = g->deserialize(reinterpret_cast<cudnnHandle_t>(handle), data, false, warmup);
     TORCH_CHECK(st.is_good(), "native_layer: deserialize failed: ", st.get_message());
     Loaded l;
     l.graph = g;
