@@ -140,6 +140,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 wall[s].append((time.perf_counter() - t) * 1e3)
         print(f"round {r}: " + ", ".join(f"{s} {statistics.median(host[s][-3:]):.2f}" for s in sides), flush=True)
+    saved = [a - b for a, b in zip(host["fusekit"], host["fusekit + native convs"])]
+    print(f"host ms saved by the native convolutions, paired within rounds: median {statistics.median(saved):.2f} "
+          f"(quartiles {', '.join(f'{q:.2f}' for q in statistics.quantiles(saved, n=4))})")
     print(f"\n{args.model} b{args.batch} amp-fp16 forward + backward, medians of {3 * args.rounds}:")
     e = statistics.median(wall["eager"])
     for s in sides:

@@ -51,6 +51,12 @@ def profile_passes(base, fk, data, noop) -> None:
     st.sort_stats("tottime").print_stats(45)
     st.sort_stats("cumulative").print_stats(30)
     for name, model in (("eager", base), ("fusekit", fk)):
+        before = torch.cuda.memory_stats()
+        fwd_bwd(model, data)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()
+        print(f"{name}: caching allocator over one pass: " + ", ".join(
+            f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fwd_bwd(model, data)
         torch.cuda.synchronize()
@@ -59,6 +65,9 @@ def profile_passes(base, fk, data, noop) -> None:
         print(f"{name}: {total} profiled CPU events in one pass; most frequent:")
         for e in rows[:28]:
             print(f"  x{e.count:<5} {e.cpu_time_total / max(e.count, 1):8.1f} us avg  {e.key[:90]}")
+        waits = [e for e in rows if any(w in e.key for w in ("ynchron", "Malloc", "Free", "Memcpy", "EventQuery", "StreamWait", "item", "_local_scalar"))]
+        print(f"{name}: calls that can wait on the GPU or the allocator: " +
+              (", ".join(f"{e.key} x{e.count} ({e.cpu_time_total / 1e3:.2f} ms)" for e in waits) or "none"))
 
 
 def main() -> None:
