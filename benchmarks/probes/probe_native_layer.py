@@ -10,9 +10,10 @@ says what the build needed (cuDNN's, CUDA's and NVRTC's headers; a compile of a 
 Then one convolution layer's forward + backward: fusekit.torch.Conv2d, a C++ autograd node over the same
 three plans (conv, conv_dgrad, conv_wgrad), and torch.nn.Conv2d, gradients compared to eager's.
 
-Prediction (2026-12-04, not yet run): native ~8-10 us per call, fusekit ~15 us, eager ~15-20 us on the
-small conv; outputs equal to fusekit's bit for bit (same plan, same kernel). Training layer: native
-~40 us, fusekit.torch ~90 us, eager ~60 us per forward + backward on the small conv.
+Prediction (2026-12-04): native ~8-10 us per call, fusekit ~15 us, eager ~15-20 us on the small conv;
+outputs equal bit for bit. Seen (2026-12-04, third session, CXX=/usr/bin/g++): small conv native 9.95 us,
+fusekit 18.68, eager 15.55, outputs equal; training layer (forward + backward) native 110 us,
+fusekit.torch 264, eager 121 (small) and 111 / 221 / 119 (64x256x14x14); gradients equal to eager's.
 
     python benchmarks/probes/probe_native_layer.py [--calls 2000] [--rounds 5]
     (PROBE_INCLUDE=DIR[:DIR]: more folders to look for the headers in)
