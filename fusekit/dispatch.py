@@ -45,6 +45,9 @@ from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
 
 
+_PENDING = object()  # a _Call's native entry before its first execute (plan_for's calls never execute)
+
+
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
@@ -64,7 +67,7 @@ class _Call:
         self.device = device
         self.epilogue = epilogue  # (operand position, bytes) of each epilogue operand (Pattern.epilogue_operands)
         self.out_nbytes = tuple(_nbytes(s) for s in outs)
-        self.native = lower.native_execute(plan.graph, plan.uids)  # None: graph.execute
+        self.native: Any = _PENDING  # lower.native_execute's entry, found on the first execute (None: graph.execute)
 
 
 def _nbytes(spec: TensorSpec) -> int:
@@ -353,6 +356,8 @@ def _bind(c: _Call) -> Any:
 def _execute(c: _Call, arrays: Sequence[Any], handle: Any) -> None:
     """Queue the call's plan on ``arrays`` (operands then outputs, in ``c.uids`` order)."""
     native = c.native
+    if native is _PENDING:
+        native = c.native = lower.native_execute(c.graph, c.uids)
     if native is None:
         c.graph.execute(arrays, c.workspace.ptr, handle=handle, tensor_uids=c.uids)
         return
@@ -486,11 +491,14 @@ def _split_wins(t: tuple[float, float]) -> bool:
     return t[1] < SPLIT_MARGIN * t[0]
 
 
-def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None) -> Any:
+def fused_or_split(
+    tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None, instead: str = "as separate graphs"
+) -> Any:
     """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on.
     With ``like`` (an operand; only for side-effect-free ops) the first call of a tag outside a
     capture, in each plan mode, times both on the GPU (or reads an earlier process's timings from the
-    disk store) and keeps the faster (:data:`FUSION_TIMES`)."""
+    disk store) and keeps the faster (:data:`FUSION_TIMES`). ``instead``: how the warning says
+    ``split`` runs the same math (route tags pick between two layouts, not fused and separate graphs)."""
     if tag in _SPLIT:
         return split()
     timed = None
@@ -506,8 +514,7 @@ def fused_or_split(tag: tuple, fused: Callable[[], Any], split: Callable[[], Any
     except UnsupportedError as e:
         _SPLIT.add(tag)
         warnings.warn(
-            f"fusekit: cuDNN has no engine for the fused pattern {tag[0]} with {_describe_tag(tag)}; running it as separate graphs "
-            f"({_first_line(e)})",
+            f"fusekit: cuDNN has no engine for {tag[0]} with {_describe_tag(tag)}; running it {instead} ({_first_line(e)})",
             FusionWarning,
             stacklevel=3,
         )

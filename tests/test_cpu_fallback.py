@@ -113,12 +113,28 @@ def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeyp
     (w,) = got
     msg = str(w.message)
     assert "\n" not in msg and "bn_relu_bwd(dy=float16[4, 8, 2, 2]) on GPU: no engine" in msg and "engineId" not in msg
-    assert "pattern bn_relu_bwd with float16[4, 8, 2, 2];" in msg
+    assert "no engine for bn_relu_bwd with float16[4, 8, 2, 2]; running it as separate graphs (" in msg
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"  # no second warning, no second try
     assert ran == ["fused"]
     assert dispatch._first_line(ValueError("x" * 500)).endswith("…") and len(dispatch._first_line(ValueError("x" * 500))) == 300
+
+
+def test_route_refusal_says_which_route_runs_instead(monkeypatch):
+    """Route tags choose between two layouts of the same graphs: the warning names the other route,
+    not 'separate graphs'."""
+    monkeypatch.setattr(dispatch, "_SPLIT", set())
+
+    def direct():
+        raise fusekit.UnsupportedError("cuDNN cannot run conv_dgrad(dy=float16[2, 16, 4, 4]) on GPU: no engine")
+
+    tag = ("conv_dgrad_via_nchw", (), ((2, 16, 4, 4), "float16", (256, 1, 64, 16)))
+    with pytest.warns(fusekit.FusionWarning) as got:
+        assert dispatch.fused_or_split(tag, direct, lambda: "nchw", instead="writing NCHW, then a channels-last copy") == "nchw"
+    msg = str(got[0].message)
+    assert "running it writing NCHW, then a channels-last copy (cuDNN cannot run conv_dgrad(" in msg
+    assert "separate graphs" not in msg and "fused pattern" not in msg
 
 
 @pytest.mark.parametrize("fused_ms,split_ms,mode,expect", [

@@ -206,12 +206,13 @@ def test_conv_forward(case):
         check(op, ops.conv_bias(x, w, b, **kw), ref, tol, case)
     elif op == "conv_bias_relu":
         check(op, ops.conv_bias_relu(x, w, b, **kw), torch.relu(ref), tol, case)
-    elif op == "conv_bias_add":
+    else:  # conv_bias_add[_relu]: a residual z of the output's shape, dtype and layout
         z = rnd(g, tuple(ref.shape), case["dtype"], case["layout"])
-        check(op, ops.conv_bias_add(x, w, b, z, **kw), ref + float64_nchw(z), tol, case)
-    else:
-        z = rnd(g, tuple(ref.shape), case["dtype"], case["layout"])
-        check(op, ops.conv_bias_add_relu(x, w, b, z, **kw), torch.relu(ref + float64_nchw(z)), tol, case)
+        want = ref + float64_nchw(z)
+        if op == "conv_bias_add":
+            check(op, ops.conv_bias_add(x, w, b, z, **kw), want, tol, case)
+        else:
+            check(op, ops.conv_bias_add_relu(x, w, b, z, **kw), torch.relu(want), tol, case)
 
 
 _convb_settings, _convb_regressions = fuzz("conv_backward", 45)

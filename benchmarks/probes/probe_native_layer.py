@@ -124,6 +124,35 @@ def main() -> None:
         train_layer(native, x, w, args)
 
 
+def conv_plans(native, x: torch.Tensor, w: torch.Tensor, **conv) -> tuple | None:
+    """The three plans fusekit runs for a bias-free conv layer's forward and backward (conv, conv_dgrad,
+    conv_wgrad), found by running fusekit's own path once and loaded into the extension:
+    (plan ids, backend handle, workspace pointer, output shape); None when that path ran other graphs
+    (channels-last copies, other routes) or the stored plans need a larger workspace."""
+    seen = []
+    real = dispatch._execute
+
+    def record(c, arrays, handle):
+        seen.append(c)
+        real(c, arrays, handle)
+
+    dispatch._execute = record
+    try:
+        with torch.no_grad():
+            y = ops.conv2d(x, w, **conv)
+            ops.conv2d_backward(torch.randn_like(y), x, w, needs=(True, True), **conv)
+    finally:
+        dispatch._execute = real
+    if [c.plan.key.pattern for c in seen] != ["conv", "conv_dgrad", "conv_wgrad"] or any(c.relayout for c in seen):
+        return None
+    ws = max((c.workspace for c in seen), key=lambda w: w.size)
+    h = seen[0].handle.backend_handle
+    ids = [native.load(h, c.plan.graph.serialize(as_bytes=True), list(c.uids), WARMUP) for c in seen]
+    if max(native.workspace_size(i) for i in ids) > ws.size:
+        return None
+    return ids, h, ws.ptr, list(y.shape)
+
+
 def train_layer(native, x: torch.Tensor, w: torch.Tensor, args: argparse.Namespace) -> None:
     """Forward + backward of one bias-free 3x3 convolution: fusekit.torch.Conv2d, the C++ autograd
     node over the same three plans (conv, conv_dgrad, conv_wgrad), and torch.nn.Conv2d; gradients compared."""
@@ -132,19 +161,10 @@ def train_layer(native, x: torch.Tensor, w: torch.Tensor, args: argparse.Namespa
     k, c = int(w.shape[0]), int(w.shape[1])
     cl = torch.channels_last
     dy = torch.randn(x.shape[0], k, x.shape[2], x.shape[3], device="cuda", dtype=x.dtype).contiguous(memory_format=cl)
-    dispatch.clear_dispatch()
-    ops.conv2d(x, w, padding=(1, 1))
-    ops.conv2d_backward(dy, x, w, padding=(1, 1))
-    ids, ws, h = [], None, None
-    for pattern in ("conv", "conv_dgrad", "conv_wgrad"):
-        calls = [e for e in dispatch._FAST.values() if e.plan.key.pattern == pattern and not e.relayout]
-        assert calls, f"no direct {pattern} call in the dispatch table"
-        e = calls[0]
-        h, ws = e.handle.backend_handle, e.workspace
-        ids.append(native.load(h, e.plan.graph.serialize(as_bytes=True), list(e.uids), WARMUP))
-    assert max(native.workspace_size(i) for i in ids) <= ws.size, "the stored plans need a larger workspace"
+    found = conv_plans(native, x, w, padding=(1, 1))
+    assert found is not None, "fusekit ran other graphs than conv, conv_dgrad, conv_wgrad (or needs a larger workspace)"
+    ids, h, ws_ptr, shape = found
     xs = x.detach().clone().requires_grad_(True)
-    ws_ptr, shape = ws.ptr, list(dy.shape)
     fk = ft.Conv2d(c, k, 3, padding=1, bias=False).cuda().to(dtype=x.dtype, memory_format=cl)
     eager = torch.nn.Conv2d(c, k, 3, padding=1, bias=False).cuda().to(dtype=x.dtype, memory_format=cl)
     wn = w.detach().clone().requires_grad_(True)

@@ -28,10 +28,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import converted, fwd_bwd, host_ms, rel  # noqa: E402
-from probe_native_layer import WARMUP, build_native  # noqa: E402
+from probe_native_layer import build_native, conv_plans  # noqa: E402
 
 import fusekit.torch as ft  # noqa: E402
-from fusekit import dispatch, ops  # noqa: E402
 
 
 class NativeConvs:
@@ -43,29 +42,7 @@ class NativeConvs:
 
     def resolve(self, m: ft.Conv2d, x: torch.Tensor, w: torch.Tensor) -> tuple | None:
         """(plan ids, handle, workspace pointer, output shape) from one run of fusekit's own path, or None."""
-        seen = []
-        real = dispatch._execute
-
-        def record(c, arrays, handle):
-            seen.append(c)
-            real(c, arrays, handle)
-
-        kw = dict(padding=m._fk_pad, stride=m.stride, dilation=m.dilation, groups=m.groups)
-        dispatch._execute = record
-        try:
-            with torch.no_grad():
-                y = ops.conv2d(x, w, **kw)
-                ops.conv2d_backward(torch.randn_like(y), x, w, needs=(True, True), **kw)
-        finally:
-            dispatch._execute = real
-        if [c.plan.key.pattern for c in seen] != ["conv", "conv_dgrad", "conv_wgrad"] or any(c.relayout for c in seen):
-            return None
-        ws = max((c.workspace for c in seen), key=lambda w: w.size)
-        h = seen[0].handle.backend_handle
-        ids = [self.native.load(h, c.plan.graph.serialize(as_bytes=True), list(c.uids), WARMUP) for c in seen]
-        if max(self.native.workspace_size(i) for i in ids) > ws.size:
-            return None
-        return ids, h, ws.ptr, list(y.shape)
+        return conv_plans(self.native, x, w, padding=m._fk_pad, stride=m.stride, dilation=m.dilation, groups=m.groups)
 
     def patch(self, model: torch.nn.Module) -> int:
         n = 0

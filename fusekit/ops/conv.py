@@ -96,7 +96,9 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
 
     alt = split
     if out is None and few_channels_last(x, int(w.shape[1]) * int(values[4])):
-        alt = lambda: fused_or_split(tag(name + "_split_nchw", x, w, attrs=values), split, split_nchw, like=x)  # noqa: E731
+        alt = lambda: fused_or_split(  # noqa: E731
+            tag(name + "_split_nchw", x, w, attrs=values), split, split_nchw, like=x, instead="with its dgrad writing NCHW"
+        )
     return fused_or_split(tag(name, x, w, attrs=values), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), alt, like=x)
 
 
@@ -153,7 +155,10 @@ def _dgrad(dz: Any, w: Any, x_shape: tuple, output_padding: tuple, conv: dict) -
         y = call("conv_dgrad", dz, w, output_padding=output_padding, out=empty_as(dz, x_shape, "NCHW"), **conv)
         return adapter_for(y).relayout(y, "NHWC")
 
-    return fused_or_split(tag("conv_dgrad_via_nchw", dz, w, attrs=(x_shape, output_padding, *conv.values())), direct, via_nchw, like=dz)
+    return fused_or_split(
+        tag("conv_dgrad_via_nchw", dz, w, attrs=(x_shape, output_padding, *conv.values())), direct, via_nchw, like=dz,
+        instead="writing NCHW, then a channels-last copy",
+    )
 
 
 def _wgrad(x: Any, dz: Any, kernel: tuple, conv: dict) -> Any:
@@ -163,7 +168,10 @@ def _wgrad(x: Any, dz: Any, kernel: tuple, conv: dict) -> Any:
     if not few_channels_last(x):
         return direct()
     via_nchw = lambda: call("conv_wgrad", adapter_for(x).relayout(x, "NCHW"), dz, kernel=kernel, **conv)  # noqa: E731
-    return fused_or_split(tag("conv_wgrad_via_nchw", x, dz, attrs=(kernel, *conv.values())), direct, via_nchw, like=x)
+    return fused_or_split(
+        tag("conv_wgrad_via_nchw", x, dz, attrs=(kernel, *conv.values())), direct, via_nchw, like=x,
+        instead="on an NCHW copy of the image",
+    )
 
 
 def relu_backward(dy: Any, y: Any) -> Any:
