@@ -75,7 +75,7 @@ def routes(monkeypatch):
     rec, tags, pick = _Oracle(), [], {}
     rec.tags = []  # the whole tags
 
-    def fused_or_split(tag, fused, split, like=None):
+    def fused_or_split(tag, fused, split, like=None, instead="as separate graphs"):
         tags.append(tag[0])
         rec.tags.append(tag)
         return split() if pick.get(tag[0], True) else fused()

@@ -283,10 +283,8 @@ def test_native_execute_binds_pointers_in_the_backend_s_uid_order_and_runs_the_s
     plan = SimpleNamespace(graph=g, uids=(3, 1, 2))  # fusekit's order: operands then outputs
     ad = SimpleNamespace(ptr=lambda a: a)
     c = dispatch._Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=4096), (), ad)
-    assert c.native is dispatch._PENDING  # found on the first execute (plan_for's calls never look)
-    assert g._lowered_graph.calls == []
+    assert c.native is not None
     dispatch._execute(c, (3000, 1000, 2000), c.handle)
-    assert c.native is not None and c.native is not dispatch._PENDING
     dispatch._execute(c, (3008, 1008, 2008), c.handle)  # new pointers each call, same array
     assert g._lowered_graph.calls == [([1000, 2000, 3000], 4096, 77, 4), ([1008, 2008, 3008], 4096, 77, 4)]
     assert g.executed == []
@@ -307,8 +305,8 @@ def test_native_execute_falls_back_to_graph_execute(monkeypatch, why):
     )
     plan = SimpleNamespace(graph=g, uids=(1, 2, 3))
     c = dispatch._Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
-    dispatch._execute(c, (10, 20, 30), c.handle)
     assert c.native is None
+    dispatch._execute(c, (10, 20, 30), c.handle)
     assert g.executed == [((10, 20, 30), 0, (1, 2, 3))] and g._lowered_graph.calls == []
 
 
@@ -322,6 +320,7 @@ def test_native_execute_whose_signature_changed_falls_back_for_good(monkeypatch)
     g._lowered_graph._execute_with_raw_ptrs = lambda *a: (_ for _ in ()).throw(TypeError("incompatible function arguments"))
     c = dispatch._Call(SimpleNamespace(graph=g, uids=(1, 2, 3)), SimpleNamespace(backend_handle=7, stream=0), 0,
                        SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
+    assert c.native is not None
     dispatch._execute(c, (10, 20, 30), c.handle)
     dispatch._execute(c, (11, 21, 31), c.handle)
     assert c.native is None and [e[0] for e in g.executed] == [(10, 20, 30), (11, 21, 31)]
