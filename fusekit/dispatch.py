@@ -45,9 +45,6 @@ from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
 
 
-_PENDING = object()  # a _Call's native entry before its first execute (plan_for's calls never execute)
-
-
 class _Call:
     """Everything a cache hit needs, resolved once."""
 
@@ -67,7 +64,7 @@ class _Call:
         self.device = device
         self.epilogue = epilogue  # (operand position, bytes) of each epilogue operand (Pattern.epilogue_operands)
         self.out_nbytes = tuple(_nbytes(s) for s in outs)
-        self.native: Any = _PENDING  # lower.native_execute's entry, found on the first execute (None: graph.execute)
+        self.native = lower.native_execute(plan.graph, plan.uids)  # None: graph.execute
 
 
 def _nbytes(spec: TensorSpec) -> int:
@@ -356,8 +353,6 @@ def _bind(c: _Call) -> Any:
 def _execute(c: _Call, arrays: Sequence[Any], handle: Any) -> None:
     """Queue the call's plan on ``arrays`` (operands then outputs, in ``c.uids`` order)."""
     native = c.native
-    if native is _PENDING:
-        native = c.native = lower.native_execute(c.graph, c.uids)
     if native is None:
         c.graph.execute(arrays, c.workspace.ptr, handle=handle, tensor_uids=c.uids)
         return
