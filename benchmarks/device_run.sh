@@ -3,6 +3,7 @@
 # frontend wheel, then the requested parts, logs and results under $OUT.
 #   bash benchmarks/device_run.sh probes tests bench-conv bench-autotune bench-train bench-norm
 # Everything under $OUT is packed into $OUT/run.tgz at the end (KEEP_FILES=1: left as is).
+# realuse: the README's CLI jobs and examples/ as a new user runs them.
 # BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) narrows the `tests` part; tests-NAME runs tests/test_gpu_NAME.py alone.
 set -uo pipefail
 # once per machine: a second call of this script in the same command finds the wheels installed
@@ -51,6 +52,14 @@ for part in "$@"; do
       rc=$?; echo "notebooks: execute.py exit $rc$([ $rc -eq 124 ] && echo ", timed out after ${NOTEBOOKS_TIMEOUT:-240} s")"
       grep -E "^python |ipynb: |error: |passed, |stopped by|cannot run" "$OUT/notebooks.log" | cut -c1-400 | tail -20
       ls "$OUT/figures" 2>/dev/null | tr '\n' ' '; echo ;;
+    realuse)  # a new user's main jobs in a fresh cache: doctor, autotune one layer, the cache's checks, the examples
+      ( export FUSEKIT_CACHE_DIR=/tmp/fk-realuse
+        python3 -m fusekit doctor | tail -4
+        python3 -m fusekit autotune conv_bias_relu --shape x=32,64,56,56 --shape w=64,64,3,3 --shape b=64 --attr padding=1 2>&1 | tail -6
+        python3 -m fusekit cache ls | tail -3; python3 -m fusekit cache verify
+        timeout 150 python3 examples/train_resnet.py --steps 30 --graphed --control | tail -7
+        timeout 90 python3 examples/autoencoder.py --steps 100 | tail -4 ) > "$OUT/realuse.log" 2>&1
+      cut -c1-300 "$OUT/realuse.log" | tail -40 ;;
     bg-bench-*)  # a benchmark in the background (memory figures, not timings), waited for at the end
       name=${part#bg-}
       timeout ${BG_TIMEOUT:-250} python3 "benchmarks/${name//-/_}.py" --out "$OUT" ${BG_ARGS:-} > "$OUT/${name}.log" 2>&1 & ;;
