@@ -233,6 +233,14 @@ def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tup
     return (left[0], left[1]), ((0, extra[1], 0, extra[0]) if any(extra) else None)
 
 
+def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch.Tensor:
+    """``F.pad(x, pad, mode)`` in x's memory format (the non-constant modes write NCHW)."""
+    y = F.pad(x, pad, mode=mode)
+    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        y = y.contiguous(memory_format=torch.channels_last)
+    return y
+
+
 # ----------------------------------------------------------------------------------------------
 # autograd Functions
 # ----------------------------------------------------------------------------------------------
@@ -476,16 +484,17 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
 
     Takes every torch argument cuDNN can run: ``bias=False``, ``groups`` (grouped and depthwise),
     ``padding`` as ints, "valid" or "same" (an odd total "same" padding pads the input's last row /
-    column first, as PyTorch). ``padding_mode`` other than "zeros" is an OperandError."""
+    column first, as PyTorch). ``padding_mode`` "reflect", "replicate" and "circular" pad the input
+    with ``F.pad`` and convolve unpadded, as PyTorch does."""
 
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.Conv2d")
-        if self.padding_mode != "zeros":
-            raise OperandError(
-                "fusekit.torch.Conv2d", "padding_mode", f"{self.padding_mode!r} is not supported: cuDNN convolutions pad with "
-                "zeros (pad with torch.nn.functional.pad(x, ..., mode=...) first and use padding=0)", what="argument",
-            )
-        self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
+        if self.padding_mode == "zeros":
+            self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
+            self._fk_pad_mode = "constant"
+        else:  # cuDNN pads with zeros only: the input is padded first (torch.nn.Conv2d's own route), the conv pads nothing
+            pad = tuple(int(p) for p in self._reversed_padding_repeated_twice)
+            self._fk_pad, self._fk_extra, self._fk_pad_mode = (0, 0), (pad if any(pad) else None), self.padding_mode
 
     def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
@@ -517,7 +526,7 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
             if self._fk_relu is not None:
                 relu, done = True, (self._fk_relu,)
         if self._fk_extra is not None:
-            x = F.pad(x, self._fk_extra)
+            x = _padded(x, self._fk_extra, self._fk_pad_mode)
         drelu = self._fk_drelu and _is_relu_output(x)
         y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, "relu" if relu else None, drelu)
         return _hand_on(_mark_relu_output(y) if relu else y, done)

@@ -1,7 +1,7 @@
 """CPU: fusekit.torch as a drop-in for torch.nn, without a GPU.
 
 - Construction: every torch argument cuDNN can run is taken ("same" padding computed, bias=False,
-  groups); the rest are fusekit OperandErrors at construction.
+  groups, non-zero padding modes as an F.pad of the input); the rest are fusekit OperandErrors at construction.
 - convert: modules re-classed in place of the originals (state-dict keys, parameters and buffers
   identical, load_state_dict both ways), fusion found from fx traces, the report, the four
   torchvision models.
@@ -326,6 +326,28 @@ def test_conv_padding_is_made_explicit(kernel, dilation, padding, expect_pad, ex
     assert m._fk_pad == expect_pad and m._fk_extra == expect_extra
 
 
+@pytest.mark.parametrize(
+    "mode, padding, kernel, expect_extra",
+    [
+        ("reflect", 1, 3, (1, 1, 1, 1)),
+        ("replicate", (2, 1), 3, (1, 1, 2, 2)),
+        ("circular", "same", 4, (1, 2, 1, 2)),
+        ("reflect", 0, 3, None),
+    ],
+)
+def test_conv_padding_modes_pad_the_input_first(mode, padding, kernel, expect_extra):
+    """Non-zero padding modes: the input is padded by F.pad as torch.nn.Conv2d does it, the conv pads
+    nothing; the pad is torch's own (PyTorch's asymmetric "same" split included)."""
+    m = ft.Conv2d(4, 6, kernel, padding=padding, padding_mode=mode)
+    t = torch.nn.Conv2d(4, 6, kernel, padding=padding, padding_mode=mode)
+    assert m._fk_pad == (0, 0) and m._fk_extra == expect_extra and m._fk_pad_mode == mode
+    if expect_extra is not None:
+        assert m._fk_extra == tuple(t._reversed_padding_repeated_twice)
+    x = torch.randn(2, 4, 7, 9).contiguous(memory_format=torch.channels_last)
+    y = ft._padded(x, (1, 2, 1, 2), mode)
+    assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, F.pad(x, (1, 2, 1, 2), mode=mode))
+
+
 def test_constructors_take_torch_arguments():
     c = ft.Conv2d(8, 16, 3, padding="same", bias=False, groups=4)
     assert c.bias is None and c.weight.shape == (16, 2, 3, 3) and isinstance(c, torch.nn.Conv2d)
@@ -341,8 +363,6 @@ def test_constructors_take_torch_arguments():
 @pytest.mark.parametrize(
     "make, operand",
     [
-        (lambda: ft.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), "padding_mode"),
-        (lambda: ft.Conv2d(3, 4, 3, padding_mode="circular", padding=1), "padding_mode"),
         (lambda: ft.Conv2d(3, 4, 3, activation="gelu"), "activation"),
         (lambda: ft.Linear(3, 4, activation="tanh"), "activation"),
         (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
@@ -386,6 +406,9 @@ CONV_CASES = [
     {"padding": "same", "kernel_size": 4},
     {"padding": "same", "kernel_size": (2, 3), "dilation": (1, 2), "bias": False},
     {"padding": "valid", "stride": 2},
+    {"padding_mode": "reflect", "activation": "relu"},
+    {"padding_mode": "replicate", "padding": (2, 1), "stride": 2, "bias": False},
+    {"padding_mode": "circular", "padding": "same", "kernel_size": 4},
 ]
 
 
@@ -755,13 +778,13 @@ def test_convert_report_and_what_is_left_alone():
     )
     fk, report = ft.convert(model)
     left = {name: (t, why) for name, t, why in report.left_alone}
-    assert "padding_mode" in left["0"][1] and "subclass of torch.nn.Conv2d" in left["2"][1]
+    assert "0" not in left and "subclass of torch.nn.Conv2d" in left["2"][1]
     assert left["3"] == ("ReLU6", "no fusekit module: runs in PyTorch") and "ceil_mode" in left["4"][1]
-    assert isinstance(fk[0], torch.nn.Conv2d) and not isinstance(fk[0], ft.Conv2d) and type(fk[2]) is MyConv
-    assert report.counts() == {"ReLU": 1, "Linear": 1}
-    assert report.fused == []  # the ReLU follows a conv left alone
+    assert type(fk[0]) is ft.Conv2d and fk[0]._fk_pad_mode == "reflect" and type(fk[2]) is MyConv
+    assert report.counts() == {"Conv2d": 1, "ReLU": 1, "Linear": 1}
+    assert [names for names, _ in report.fused] == [("0", "1")]  # the reflect-padded conv takes its ReLU
     text = str(report)
-    for s in ("2 modules replaced", "0 fused groups", "left alone:", "ReLU6", "torch.fx", "fusekit.torch.graphed(model)"):
+    for s in ("3 modules replaced", "1 fused groups", "left alone:", "ReLU6", "torch.fx", "fusekit.torch.graphed(model)"):
         assert s in text, text
     assert "graphed" not in str(ft.convert(torch.nn.Sequential(torch.nn.Flatten()))[1])  # nothing replaced: no advice
 

@@ -1,6 +1,6 @@
 """GPU: fusekit.torch as a drop-in for torch.nn (issue 12).
 
-- Each new argument (bias=False, groups, "same" / "valid" padding, transposed and Linear variants)
+- Each new argument (bias=False, groups, "same" / "valid" padding, non-zero padding modes, transposed and Linear variants)
   forward and backward against torch.nn in float64 on the same rounded inputs and weights.
 - BatchNorm2d with float16 / bfloat16 parameters and buffers, empty batches, non-dense inputs.
 - Autocast (float16, bfloat16) with float32 parameters, and GradScaler training steps.
@@ -93,6 +93,9 @@ CONV_CASES = {
     "same4_asym": {"padding": "same", "kernel_size": 4, "bias": False},
     "same_dil2": {"padding": "same", "dilation": 2, "activation": "relu"},
     "valid_s2": {"padding": "valid", "stride": 2},
+    "reflect_relu": {"padding_mode": "reflect", "activation": "relu"},
+    "replicate_s2": {"padding_mode": "replicate", "padding": (2, 1), "stride": 2, "bias": False},
+    "circular_same4": {"padding_mode": "circular", "padding": "same", "kernel_size": 4},
 }
 
 
