@@ -233,9 +233,9 @@ def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tup
     return (left[0], left[1]), ((0, extra[1], 0, extra[0]) if any(extra) else None)
 
 
-def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch.Tensor:
-    """``F.pad(x, pad, mode)`` in x's memory format (the non-constant modes write NCHW)."""
-    y = F.pad(x, pad, mode=mode)
+def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str, value: float | None = None) -> torch.Tensor:
+    """``F.pad(x, pad, mode, value)`` in x's memory format (the non-constant modes write NCHW)."""
+    y = F.pad(x, pad, mode=mode, value=value)
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         y = y.contiguous(memory_format=torch.channels_last)
     return y
@@ -682,22 +682,42 @@ def _only_supported(m: Any, who: str, takes: str, checks: tuple[tuple[str, bool]
                                what="argument")
 
 
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))
+
+
+def _ceil_extra(size: int, k: int, s: int, p: int) -> int:
+    """Rows (or columns) to add after the input so that a floor-mode pool gives PyTorch's ceil_mode
+    output size: one more window where the last would start inside the input or its left padding."""
+    out = -(-(size + 2 * p - k) // s) + 1
+    if (out - 1) * s >= size + p:
+        out -= 1
+    return max(0, (out - 1) * s + k - (size + 2 * p))
+
+
 class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
     """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward).
-    ``dilation`` 1, ``return_indices=False`` and ``ceil_mode=False`` only (others: OperandError)."""
+    ``dilation`` 1 and ``return_indices=False`` only (others: OperandError); ``ceil_mode`` pads the
+    input's bottom / right with -inf for the windows it adds."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fk_setup()
 
     def _fk_setup(self) -> None:
-        _only_supported(self, "MaxPool2d", "dilation=1, return_indices=False, ceil_mode=False", (
-            ("dilation", _is_pair_of(self.dilation, 1)), ("return_indices", not self.return_indices), ("ceil_mode", not self.ceil_mode)))
+        _only_supported(self, "MaxPool2d", "dilation=1, return_indices=False", (
+            ("dilation", _is_pair_of(self.dilation, 1)), ("return_indices", not self.return_indices)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "MaxPool2d"):
             return torch.nn.MaxPool2d.forward(self, x)
         x = _dense(x, "MaxPool2d")
+        if self.ceil_mode:
+            k, p = _pair(self.kernel_size), _pair(self.padding)
+            s = _pair(self.stride if self.stride is not None else self.kernel_size)
+            eh, ew = (_ceil_extra(int(x.shape[i + 2]), k[i], s[i], p[i]) for i in (0, 1))
+            if eh or ew:
+                x = _padded(x, (0, ew, 0, eh), "constant", float("-inf"))
         if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: no argmax written
             return pool.max_pool2d(x, self.kernel_size, self.stride, self.padding, indices=False)[0]
         return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding)

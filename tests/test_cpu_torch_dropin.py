@@ -366,7 +366,6 @@ def test_constructors_take_torch_arguments():
         (lambda: ft.Conv2d(3, 4, 3, activation="gelu"), "activation"),
         (lambda: ft.Linear(3, 4, activation="tanh"), "activation"),
         (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
-        (lambda: ft.MaxPool2d(2, ceil_mode=True), "ceil_mode"),
         (lambda: ft.MaxPool2d(2, dilation=2), "dilation"),
         (lambda: ft.MaxPool2d(2, return_indices=True), "return_indices"),
         (lambda: ft.AvgPool2d(2, ceil_mode=True), "ceil_mode"),
@@ -548,6 +547,14 @@ def test_relu_inplace_and_out_of_place(fake):
 def test_pools_and_softmax_match_torch(fake):
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
     compare(ft.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d(3, 2, 1), x)
+    # ceil_mode: one more window where the last starts inside the input or its left padding (11 -> 6 at
+    # k 2 / s 2; 8 -> 5 at k 3 / s 2 / p 1); none at 5 with k 3 / s 3 / p 1 (it would start in the right padding)
+    cases = (((2, 3, 10, 11), (2, 2)), ((2, 3, 8, 9), (3, 2, 1)), ((1, 2, 7, 12), ((3, 2), (2, 3))), ((1, 2, 5, 5), (3, 3, 1)))
+    assert [ft._ceil_extra(11, 2, 2, 0), ft._ceil_extra(8, 3, 2, 1), ft._ceil_extra(5, 3, 3, 1), ft._ceil_extra(10, 2, 2, 0)] == [1, 1, 0, 0]
+    for shape, args in cases:
+        xc = torch.randn(shape, dtype=torch.float64)
+        assert compare(ft.MaxPool2d(*args, ceil_mode=True), torch.nn.MaxPool2d(*args, ceil_mode=True), xc).shape == \
+            torch.nn.functional.max_pool2d(xc, *args, ceil_mode=True).shape
     compare(ft.AvgPool2d(3, 2, 1, count_include_pad=False), torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False), x)
     compare(ft.Softmax(1), torch.nn.Softmax(1), x)
     compare(ft.LogSoftmax(1), torch.nn.LogSoftmax(1), torch.randn(4, 10, dtype=torch.float64))
@@ -774,7 +781,7 @@ def test_convert_report_and_what_is_left_alone():
 
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU(), MyConv(4, 4, 1), torch.nn.ReLU6(),
-        torch.nn.MaxPool2d(2, ceil_mode=True), torch.nn.Flatten(), torch.nn.Linear(4, 2),
+        torch.nn.AvgPool2d(2, ceil_mode=True), torch.nn.Flatten(), torch.nn.Linear(4, 2),
     )
     fk, report = ft.convert(model)
     left = {name: (t, why) for name, t, why in report.left_alone}

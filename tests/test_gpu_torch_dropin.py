@@ -1,6 +1,6 @@
 """GPU: fusekit.torch as a drop-in for torch.nn (issue 12).
 
-- Each new argument (bias=False, groups, "same" / "valid" padding, non-zero padding modes, transposed and Linear variants)
+- Each new argument (bias=False, groups, "same" / "valid" padding, non-zero padding modes, max-pool ceil_mode, transposed and Linear variants)
   forward and backward against torch.nn in float64 on the same rounded inputs and weights.
 - BatchNorm2d with float16 / bfloat16 parameters and buffers, empty batches, non-dense inputs.
 - Autocast (float16, bfloat16) with float32 parameters, and GradScaler training steps.
@@ -126,6 +126,22 @@ def test_linear_arguments_match_torch(shape, bias, act, dtype):
     torch.manual_seed(0)
     fk, ref = _pair(ft().Linear(64, 48, bias=bias, activation=act), torch.nn.Linear(64, 48, bias=bias), dtype)
     _check_module(fk, ref, torch.randn(shape, device="cuda").to(getattr(torch, dtype)), dtype, relu=act == "relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("args", [(2, 2), (3, 2, 1), ((3, 2), (2, 3))])
+def test_max_pool2d_ceil_mode_matches_torch(args, dtype):
+    """ceil_mode=True on 12x13 images (each geometry adds a window in at least one dim): the output is
+    PyTorch's exactly (the max is exact), dx within rounding of PyTorch's own backward."""
+    torch.manual_seed(0)
+    x = cl(torch.randn(2, 16, 12, 13, device="cuda")).to(getattr(torch, dtype))
+    xf, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, yr = ft().MaxPool2d(*args, ceil_mode=True)(xf), torch.nn.MaxPool2d(*args, ceil_mode=True)(xr)
+    assert y.shape == yr.shape != torch.nn.functional.max_pool2d(x, *args).shape and torch.equal(y, yr)
+    dy = torch.randn_like(yr)
+    y.backward(dy)
+    yr.backward(dy)
+    assert rel(xf.grad, xr.grad) < TOL[dtype]
 
 
 def test_conv_transpose2d_output_size():
