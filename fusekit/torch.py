@@ -233,9 +233,9 @@ def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tup
     return (left[0], left[1]), ((0, extra[1], 0, extra[0]) if any(extra) else None)
 
 
-def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str, value: float | None = None) -> torch.Tensor:
-    """``F.pad(x, pad, mode, value)`` in x's memory format (the non-constant modes write NCHW)."""
-    y = F.pad(x, pad, mode=mode, value=value)
+def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch.Tensor:
+    """``F.pad(x, pad, mode)`` in x's memory format (the non-constant modes write NCHW)."""
+    y = F.pad(x, pad, mode=mode)
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         y = y.contiguous(memory_format=torch.channels_last)
     return y
@@ -401,8 +401,8 @@ class _ReLUFn(torch.autograd.Function):
 
 class _MaxPool(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, kernel_size, stride, padding):  # type: ignore[override]
-        y, argmax = pool.max_pool2d(x, kernel_size, stride, padding)
+    def forward(ctx: Any, x, kernel_size, stride, padding, ceil_mode):  # type: ignore[override]
+        y, argmax = pool.max_pool2d(x, kernel_size, stride, padding, ceil_mode=ceil_mode)
         ctx.save_for_backward(argmax)
         ctx.shape = tuple(x.shape)
         return y
@@ -410,18 +410,18 @@ class _MaxPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         (argmax,) = ctx.saved_tensors
-        return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None
+        return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None, None
 
 
 class _AvgPool(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad):  # type: ignore[override]
-        ctx.args, ctx.shape, ctx.cip = (kernel_size, stride, padding), tuple(x.shape), count_include_pad
-        return pool.avg_pool2d(x, kernel_size, stride, padding, count_include_pad)
+    def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad, ceil_mode):  # type: ignore[override]
+        ctx.args, ctx.shape, ctx.kw = (kernel_size, stride, padding), tuple(x.shape), dict(count_include_pad=count_include_pad, ceil_mode=ceil_mode)
+        return pool.avg_pool2d(x, kernel_size, stride, padding, **ctx.kw)
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
-        return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, count_include_pad=ctx.cip), None, None, None, None
+        return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, **ctx.kw), None, None, None, None, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -682,23 +682,9 @@ def _only_supported(m: Any, who: str, takes: str, checks: tuple[tuple[str, bool]
                                what="argument")
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))
-
-
-def _ceil_extra(size: int, k: int, s: int, p: int) -> int:
-    """Rows (or columns) to add after the input so that a floor-mode pool gives PyTorch's ceil_mode
-    output size: one more window where the last would start inside the input or its left padding."""
-    out = -(-(size + 2 * p - k) // s) + 1
-    if (out - 1) * s >= size + p:
-        out -= 1
-    return max(0, (out - 1) * s + k - (size + 2 * p))
-
-
 class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
-    """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward).
-    ``dilation`` 1 and ``return_indices=False`` only (others: OperandError); ``ceil_mode`` pads the
-    input's bottom / right with -inf for the windows it adds."""
+    """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward),
+    ``ceil_mode`` too. ``dilation`` 1 and ``return_indices=False`` only (others: OperandError)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -712,34 +698,27 @@ class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
         if not _on_graphs(x, "MaxPool2d"):
             return torch.nn.MaxPool2d.forward(self, x)
         x = _dense(x, "MaxPool2d")
-        if self.ceil_mode:
-            k, p = _pair(self.kernel_size), _pair(self.padding)
-            s = _pair(self.stride if self.stride is not None else self.kernel_size)
-            eh, ew = (_ceil_extra(int(x.shape[i + 2]), k[i], s[i], p[i]) for i in (0, 1))
-            if eh or ew:
-                x = _padded(x, (0, ew, 0, eh), "constant", float("-inf"))
         if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: no argmax written
-            return pool.max_pool2d(x, self.kernel_size, self.stride, self.padding, indices=False)[0]
-        return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding)
+            return pool.max_pool2d(x, self.kernel_size, self.stride, self.padding, ceil_mode=self.ceil_mode, indices=False)[0]
+        return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding, self.ceil_mode)
 
 
 class AvgPool2d(_Fusekit, torch.nn.AvgPool2d):
-    """torch.nn.AvgPool2d through fusekit's CuPy kernel (PyTorch's divisors, ``count_include_pad`` too).
-    ``ceil_mode=False`` and ``divisor_override=None`` only (others: OperandError)."""
+    """torch.nn.AvgPool2d through fusekit's CuPy kernel (PyTorch's divisors, ``count_include_pad`` and
+    ``ceil_mode`` too). ``divisor_override=None`` only (others: OperandError)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fk_setup()
 
     def _fk_setup(self) -> None:
-        _only_supported(self, "AvgPool2d", "ceil_mode=False, divisor_override=None", (
-            ("ceil_mode", not self.ceil_mode), ("divisor_override", self.divisor_override is None)))
+        _only_supported(self, "AvgPool2d", "divisor_override=None", (("divisor_override", self.divisor_override is None),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "AvgPool2d"):
             return torch.nn.AvgPool2d.forward(self, x)
         stride = self.stride if self.stride is not None else self.kernel_size
-        return _AvgPool.apply(_dense(x, "AvgPool2d"), self.kernel_size, stride, self.padding, self.count_include_pad)
+        return _AvgPool.apply(_dense(x, "AvgPool2d"), self.kernel_size, stride, self.padding, self.count_include_pad, self.ceil_mode)
 
 
 def _softmax_forward(m: Any, x: Any, log: bool, who: str) -> Any:

@@ -206,14 +206,15 @@ def test_softmax_backward_references_are_the_gradients(shape, axis, rng):
 # ----------------------------------------------------------------------------------------------
 # references against PyTorch (CPU build), float64
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ceil", [False, True])
 @pytest.mark.parametrize("shape, geom", CASES, ids=CASE_IDS)
-def test_pool_references_match_torch(shape, geom, rng):
+def test_pool_references_match_torch(shape, geom, ceil, rng):
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
     x = rng.standard_normal(shape)
     xt = torch.tensor(x, requires_grad=True)
-    yt, it = F.max_pool2d(xt, *geom, return_indices=True)
-    y, am = pool.max_pool2d_reference(x, *geom)
+    yt, it = F.max_pool2d(xt, *geom, ceil_mode=ceil, return_indices=True)
+    y, am = pool.max_pool2d_reference(x, *geom, ceil_mode=ceil)
     np.testing.assert_array_equal(y, yt.detach().numpy())
     np.testing.assert_array_equal(am, it.numpy())
     dy = rng.standard_normal(y.shape)
@@ -221,10 +222,11 @@ def test_pool_references_match_torch(shape, geom, rng):
     np.testing.assert_allclose(pool.max_pool2d_backward_reference(dy, am, shape), xt.grad.numpy(), rtol=1e-12, atol=1e-12)
     for cip in (True, False):
         xt.grad = None
-        yt = F.avg_pool2d(xt, *geom, count_include_pad=cip)
-        np.testing.assert_allclose(pool.avg_pool2d_reference(x, *geom, count_include_pad=cip), yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+        yt = F.avg_pool2d(xt, *geom, ceil_mode=ceil, count_include_pad=cip)
+        np.testing.assert_allclose(pool.avg_pool2d_reference(x, *geom, count_include_pad=cip, ceil_mode=ceil), yt.detach().numpy(),
+                                   rtol=1e-12, atol=1e-12)
         yt.backward(torch.tensor(dy))
-        dx = pool.avg_pool2d_backward_reference(dy, shape, *geom, count_include_pad=cip)
+        dx = pool.avg_pool2d_backward_reference(dy, shape, *geom, count_include_pad=cip, ceil_mode=ceil)
         np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
 
 
@@ -254,6 +256,18 @@ def test_geometry_normalizes_and_uses_the_floor_formula():
     assert pool.pool2d_geometry((1, 1, 7, 8), (3, 2), (1, 2), (1, 0)) == pool.PoolGeometry(3, 2, 1, 2, 1, 0, 7, 4)
     assert pool.pool2d_geometry((1, 1, 1, 1), 2, 1, 1).ho == 2
     assert pool.pool2d_geometry((1, 1, 4, 4), np.int64(2)).ho == 2
+
+
+@pytest.mark.parametrize(
+    "size, k, s, p, floor, ceil",
+    [(11, 2, 2, 0, 5, 6), (10, 2, 2, 0, 5, 5), (8, 3, 2, 1, 4, 5), (5, 3, 3, 1, 2, 2), (7, 3, 3, 0, 2, 3), (112, 3, 2, 1, 56, 57)],
+)
+def test_geometry_ceil_mode_adds_a_window_that_starts_on_real_input(size, k, s, p, floor, ceil):
+    """ceil_mode: one more window where the last would start inside the input or its left padding, not
+    in the right padding (5 with k 3 / s 3 / p 1: a third window would start at 5, the right pad)."""
+    assert pool.pool2d_geometry((1, 1, size, size), k, s, p).ho == floor
+    g = pool.pool2d_geometry((1, 1, size, size), k, s, p, ceil_mode=True)
+    assert g.ho == g.wo == ceil and (ceil - 1) * s - p < size
 
 
 @pytest.mark.parametrize(
@@ -636,24 +650,28 @@ HOST_POOL = [(2, 3, 7, 9, 3, 2, 1), (1, 1, 5, 5, 2, 1, 0), (2, 4, 6, 7, 3, 1, 1)
              (2, 1, 9, 11, 3, 2, 1), (2, 64, 9, 11, 3, 1, 1),  # these two as test_gpu_pool's avg_pool2d cases
              (2, 16, 9, 11, 3, 2, 1), (1, 8, 2, 3, 3, 2, 1),  # channels-last inference kernel: 16-byte lanes
              # other size-1 dims: H = 1, W = 1, a 1x1 plane (NHWC strides then match NCHW too)
-             (2, 3, 1, 7, (1, 3), (1, 2), (0, 1)), (2, 3, 6, 1, (3, 1), (2, 1), (1, 0)), (2, 5, 1, 1, 1, 1, 0)]
+             (2, 3, 1, 7, (1, 3), (1, 2), (0, 1)), (2, 3, 6, 1, (3, 1), (2, 1), (1, 0)), (2, 5, 1, 1, 1, 1, 0),
+             # ceil_mode: windows past the input's bottom / right edge (clipped to it; divisors as PyTorch's)
+             (2, 3, 8, 11, 2, 2, 0, "ceil"), (1, 16, 8, 9, 3, 2, 1, "ceil"), (2, 4, 7, 12, (3, 2), (3, 3), (1, 0), "ceil")]
 
 
 @pytest.mark.usefixtures("host_launch")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
-@pytest.mark.parametrize("case", HOST_POOL, ids=lambda c: "x".join(map(str, c[:4])))
+@pytest.mark.parametrize("case", HOST_POOL, ids=lambda c: "x".join(map(str, c[:4])) + ("-ceil" if c[-1] == "ceil" else ""))
 def test_host_compiled_pool_kernels(case, dtype, layout, rng):
     n, c, h, w, *geom = case
+    ceil = bool(geom[-1] == "ceil")
+    geom = geom[:3]
     x, xv = host_array(rng.standard_normal((n, c, h, w)), dtype, layout)
-    y, am = pool.max_pool2d(x, *geom)
-    yr, amr = pool.max_pool2d_reference(xv, *geom)
+    y, am = pool.max_pool2d(x, *geom, ceil_mode=ceil)
+    yr, amr = pool.max_pool2d_reference(xv, *geom, ceil_mode=ceil)
     assert am.name == "int32" and am.a.dtype == np.int32
     np.testing.assert_array_equal(y.values(), yr)
     np.testing.assert_array_equal(am.a, amr)
     assert dense_in(y, layout) and dense_in(am, layout)
     pool._Launch.launched.clear()
-    yi, none = pool.max_pool2d(x, *geom, indices=False)  # inference: no argmax (NHWC, C % lanes == 0: 16-byte lanes)
+    yi, none = pool.max_pool2d(x, *geom, ceil_mode=ceil, indices=False)  # inference: no argmax (NHWC, C % lanes == 0: 16-byte lanes)
     np.testing.assert_array_equal(yi.values(), yr)
     assert none is None and dense_in(yi, layout)
     lanes = 16 // np.dtype(STORAGE[dtype]).itemsize
@@ -668,11 +686,11 @@ def test_host_compiled_pool_kernels(case, dtype, layout, rng):
         assert rel(dx.values(), pool.max_pool2d_backward_reference(dyv, amr, (n, c, h, w))) < HOST_TOL[dtype]
         assert dense_in(dx, layout)
     for cip in (True, False):
-        y = pool.avg_pool2d(x, *geom, count_include_pad=cip)
-        assert rel(y.values(), pool.avg_pool2d_reference(xv, *geom, count_include_pad=cip)) < HOST_TOL[dtype]
+        y = pool.avg_pool2d(x, *geom, count_include_pad=cip, ceil_mode=ceil)
+        assert rel(y.values(), pool.avg_pool2d_reference(xv, *geom, count_include_pad=cip, ceil_mode=ceil)) < HOST_TOL[dtype]
         assert dense_in(y, layout)
-        dx = pool.avg_pool2d_backward(dy, (n, c, h, w), *geom, count_include_pad=cip)
-        ref = pool.avg_pool2d_backward_reference(dyv, (n, c, h, w), *geom, count_include_pad=cip)
+        dx = pool.avg_pool2d_backward(dy, (n, c, h, w), *geom, count_include_pad=cip, ceil_mode=ceil)
+        ref = pool.avg_pool2d_backward_reference(dyv, (n, c, h, w), *geom, count_include_pad=cip, ceil_mode=ceil)
         assert rel(dx.values(), ref) < HOST_TOL[dtype]
         assert np.isfinite(dx.values()).all()
 

@@ -223,10 +223,10 @@ class FakePool:
     def __init__(self, calls):
         self.calls = calls
 
-    def max_pool2d(self, x, kernel_size, stride=None, padding=0, *, indices=True):
+    def max_pool2d(self, x, kernel_size, stride=None, padding=0, *, ceil_mode=False, indices=True):
         self.calls.append("max_pool2d")
         _image(x)
-        y, idx = F.max_pool2d(x, kernel_size, stride, padding, return_indices=True)
+        y, idx = F.max_pool2d(x, kernel_size, stride, padding, ceil_mode=ceil_mode, return_indices=True)
         return y, (idx.to(torch.int32) if indices else None)
 
     def max_pool2d_backward(self, dy, argmax, input_shape):
@@ -235,14 +235,14 @@ class FakePool:
         dx.scatter_add_(2, argmax.long().reshape(n, c, -1), dy.reshape(n, c, -1))
         return dx.reshape(n, c, h, w)
 
-    def avg_pool2d(self, x, kernel_size, stride=None, padding=0, count_include_pad=True):
+    def avg_pool2d(self, x, kernel_size, stride=None, padding=0, count_include_pad=True, *, ceil_mode=False):
         self.calls.append("avg_pool2d")
         _image(x)
-        return F.avg_pool2d(x, kernel_size, stride, padding, False, count_include_pad)
+        return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
 
-    def avg_pool2d_backward(self, dy, input_shape, kernel_size, stride=None, padding=0, count_include_pad=True):
+    def avg_pool2d_backward(self, dy, input_shape, kernel_size, stride=None, padding=0, count_include_pad=True, ceil_mode=False):
         z = torch.zeros(input_shape, dtype=dy.dtype)
-        return _vjp(lambda a: F.avg_pool2d(a, kernel_size, stride, padding, False, count_include_pad), (z,), dy)[0]
+        return _vjp(lambda a: F.avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad), (z,), dy)[0]
 
     def softmax(self, x, axis=1):
         self.calls.append("softmax")
@@ -368,7 +368,6 @@ def test_constructors_take_torch_arguments():
         (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
         (lambda: ft.MaxPool2d(2, dilation=2), "dilation"),
         (lambda: ft.MaxPool2d(2, return_indices=True), "return_indices"),
-        (lambda: ft.AvgPool2d(2, ceil_mode=True), "ceil_mode"),
         (lambda: ft.AvgPool2d(2, divisor_override=3), "divisor_override"),
     ],
 )
@@ -547,14 +546,12 @@ def test_relu_inplace_and_out_of_place(fake):
 def test_pools_and_softmax_match_torch(fake):
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
     compare(ft.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d(3, 2, 1), x)
-    # ceil_mode: one more window where the last starts inside the input or its left padding (11 -> 6 at
-    # k 2 / s 2; 8 -> 5 at k 3 / s 2 / p 1); none at 5 with k 3 / s 3 / p 1 (it would start in the right padding)
-    cases = (((2, 3, 10, 11), (2, 2)), ((2, 3, 8, 9), (3, 2, 1)), ((1, 2, 7, 12), ((3, 2), (2, 3))), ((1, 2, 5, 5), (3, 3, 1)))
-    assert [ft._ceil_extra(11, 2, 2, 0), ft._ceil_extra(8, 3, 2, 1), ft._ceil_extra(5, 3, 3, 1), ft._ceil_extra(10, 2, 2, 0)] == [1, 1, 0, 0]
-    for shape, args in cases:
-        xc = torch.randn(shape, dtype=torch.float64)
-        assert compare(ft.MaxPool2d(*args, ceil_mode=True), torch.nn.MaxPool2d(*args, ceil_mode=True), xc).shape == \
-            torch.nn.functional.max_pool2d(xc, *args, ceil_mode=True).shape
+    for shape, args in (((2, 3, 10, 11), (2, 2)), ((2, 3, 8, 9), (3, 2, 1)), ((1, 2, 7, 13), ((3, 2), (2, 3)))):
+        xc = torch.randn(shape, dtype=torch.float64)  # ceil_mode: every case adds a window in some dim
+        assert compare(ft.MaxPool2d(*args, ceil_mode=True), torch.nn.MaxPool2d(*args, ceil_mode=True), xc).shape != \
+            torch.nn.functional.max_pool2d(xc, *args).shape
+        for cip in (True, False):
+            compare(ft.AvgPool2d(*args, ceil_mode=True, count_include_pad=cip), torch.nn.AvgPool2d(*args, ceil_mode=True, count_include_pad=cip), xc)
     compare(ft.AvgPool2d(3, 2, 1, count_include_pad=False), torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False), x)
     compare(ft.Softmax(1), torch.nn.Softmax(1), x)
     compare(ft.LogSoftmax(1), torch.nn.LogSoftmax(1), torch.randn(4, 10, dtype=torch.float64))
@@ -781,12 +778,12 @@ def test_convert_report_and_what_is_left_alone():
 
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU(), MyConv(4, 4, 1), torch.nn.ReLU6(),
-        torch.nn.AvgPool2d(2, ceil_mode=True), torch.nn.Flatten(), torch.nn.Linear(4, 2),
+        torch.nn.MaxPool2d(2, dilation=2), torch.nn.Flatten(), torch.nn.Linear(4, 2),
     )
     fk, report = ft.convert(model)
     left = {name: (t, why) for name, t, why in report.left_alone}
     assert "0" not in left and "subclass of torch.nn.Conv2d" in left["2"][1]
-    assert left["3"] == ("ReLU6", "no fusekit module: runs in PyTorch") and "ceil_mode" in left["4"][1]
+    assert left["3"] == ("ReLU6", "no fusekit module: runs in PyTorch") and "dilation" in left["4"][1]
     assert type(fk[0]) is ft.Conv2d and fk[0]._fk_pad_mode == "reflect" and type(fk[2]) is MyConv
     assert report.counts() == {"Conv2d": 1, "ReLU": 1, "Linear": 1}
     assert [names for names, _ in report.fused] == [("0", "1")]  # the reflect-padded conv takes its ReLU

@@ -130,18 +130,20 @@ def test_linear_arguments_match_torch(shape, bias, act, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("args", [(2, 2), (3, 2, 1), ((3, 2), (2, 3))])
-def test_max_pool2d_ceil_mode_matches_torch(args, dtype):
-    """ceil_mode=True on 12x13 images (each geometry adds a window in at least one dim): the output is
-    PyTorch's exactly (the max is exact), dx within rounding of PyTorch's own backward."""
+@pytest.mark.parametrize("kind", ["max", "avg", "avg_nopad"])
+def test_pool2d_ceil_mode_matches_torch(kind, args, dtype):
+    """ceil_mode=True on 12x13 images (each geometry adds a window in at least one dim), against
+    float64 PyTorch on the same rounded input: max pooling's output exactly, averages (PyTorch's
+    divisors for the clipped windows) and every dx within rounding."""
     torch.manual_seed(0)
+    kw = {"ceil_mode": True} if kind != "avg_nopad" else {"ceil_mode": True, "count_include_pad": False}
+    fk, ref = (ft().MaxPool2d, torch.nn.MaxPool2d) if kind == "max" else (ft().AvgPool2d, torch.nn.AvgPool2d)
     x = cl(torch.randn(2, 16, 12, 13, device="cuda")).to(getattr(torch, dtype))
-    xf, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    y, yr = ft().MaxPool2d(*args, ceil_mode=True)(xf), torch.nn.MaxPool2d(*args, ceil_mode=True)(xr)
-    assert y.shape == yr.shape != torch.nn.functional.max_pool2d(x, *args).shape and torch.equal(y, yr)
-    dy = torch.randn_like(yr)
-    y.backward(dy)
-    yr.backward(dy)
-    assert rel(xf.grad, xr.grad) < TOL[dtype]
+    _check_module(fk(*args, **kw), ref(*args, **kw), x, dtype)
+    y = fk(*args, **kw)(x)
+    assert y.shape != torch.nn.functional.max_pool2d(x, *args).shape
+    if kind == "max":
+        assert torch.equal(y, ref(*args, **kw)(x))
 
 
 def test_conv_transpose2d_output_size():

@@ -68,9 +68,12 @@ def _pair(pattern: str, name: str, v: Any, minimum: int) -> tuple[int, int]:
 
 
 def pool2d_geometry(
-    input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0, pattern: str = "pool2d"
+    input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0, pattern: str = "pool2d",
+    ceil_mode: bool = False,
 ) -> PoolGeometry:
-    """Check pooling attributes against an (N, C, H, W) shape; output size by PyTorch's floor formula.
+    """Check pooling attributes against an (N, C, H, W) shape; output size by PyTorch's formula (floor,
+    or with ``ceil_mode`` one more window where the last would start inside the input or its left
+    padding; every window then still covers real input, and the kernels clip windows to it).
 
     Raises OperandError for a non-4-D shape, kernel or stride < 1, padding < 0 or more than half the
     kernel (PyTorch's limit, which keeps every window on real input), or a kernel larger than the
@@ -90,7 +93,14 @@ def pool2d_geometry(
             raise OperandError(pattern, "padding", f"{axis} padding {p} is more than half the kernel {k}")
         if k > size + 2 * p:
             raise OperandError(pattern, "kernel_size", f"kernel {k} larger than padded input {axis} {size} + 2*{p} = {size + 2 * p}")
-    return PoolGeometry(kh, kw, sh, sw, ph, pw, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1)
+    return PoolGeometry(kh, kw, sh, sw, ph, pw, _out_size(h, kh, sh, ph, ceil_mode), _out_size(w, kw, sw, pw, ceil_mode))
+
+
+def _out_size(size: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
+    if not ceil_mode:
+        return (size + 2 * p - k) // s + 1
+    out = -(-(size + 2 * p - k) // s) + 1
+    return out - 1 if (out - 1) * s >= size + p else out
 
 
 def _axis(pattern: str, axis: Any, ndim: int) -> int:
@@ -122,13 +132,15 @@ def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool) -> np
     return np.outer(padded_h, padded_w) if count_include_pad else np.outer(real_h, real_w)
 
 
-def max_pool2d_reference(x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0) -> tuple[np.ndarray, np.ndarray]:
+def max_pool2d_reference(
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0, ceil_mode: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """float64 max pooling of (N, C, H, W) and int64 argmax (flat h*W+w in the input plane).
 
     As PyTorch: padding never wins, ties keep the first position in row-major window order, NaN wins.
     """
     x = np.asarray(x, dtype=np.float64)
-    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference")
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference", ceil_mode)
     n, c, h, w = x.shape
     best = np.full((n, c, g.ho, g.wo), -np.inf)
     first_h = np.maximum(np.arange(g.ho) * g.sh - g.ph, 0)
@@ -155,11 +167,11 @@ def max_pool2d_backward_reference(dy: np.ndarray, argmax: np.ndarray, input_shap
 
 
 def avg_pool2d_reference(
-    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, ceil_mode: bool = False
 ) -> np.ndarray:
     """float64 average pooling of (N, C, H, W) with PyTorch's divisors (zero padding)."""
     x = np.asarray(x, dtype=np.float64)
-    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "avg_pool2d_reference")
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "avg_pool2d_reference", ceil_mode)
     n, c, h, w = x.shape
     total = np.zeros((n, c, g.ho, g.wo))
     for i in range(g.kh):
@@ -171,12 +183,12 @@ def avg_pool2d_reference(
 
 def avg_pool2d_backward_reference(
     dy: np.ndarray, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
-    count_include_pad: bool = True,
+    count_include_pad: bool = True, ceil_mode: bool = False,
 ) -> np.ndarray:
     """float64 gradient of avg_pool2d_reference with respect to its input."""
     dy = np.asarray(dy, dtype=np.float64)
     n, c, h, w = (int(s) for s in input_shape)
-    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, "avg_pool2d_backward_reference")
+    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, "avg_pool2d_backward_reference", ceil_mode)
     if dy.shape != (n, c, g.ho, g.wo):
         raise OperandError("avg_pool2d_backward_reference", "dy", f"expected shape {(n, c, g.ho, g.wo)}, got {dy.shape}")
     share = dy / _avg_divisor(g, h, w, count_include_pad)
@@ -691,9 +703,11 @@ class _Launch:
 # Pooling
 # ----------------------------------------------------------------------------------------------
 def max_pool2d(
-    x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *, out: Any = None, indices: bool = True
+    x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *, ceil_mode: bool = False, out: Any = None,
+    indices: bool = True,
 ) -> tuple[Any, Any]:
-    """Max pooling of an (N, C, H, W) image, as torch.nn.functional.max_pool2d(return_indices=True).
+    """Max pooling of an (N, C, H, W) image, as torch.nn.functional.max_pool2d(return_indices=True)
+    (``ceil_mode`` as PyTorch's).
 
     Padding is -inf (it never wins). Returns (y, argmax): y of x's dtype and memory layout (or
     ``out``, dense NCHW or NHWC, if given), shape (N, C, Ho, Wo); argmax int32 of y's shape and
@@ -702,7 +716,7 @@ def max_pool2d(
     """
     P = "max_pool2d"
     xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
-    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P)
+    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode)
     n, c, h, w = xo.shape
     _check_plane(P, "x", h, w)
     yshape = (n, c, g.ho, g.wo)
@@ -773,13 +787,15 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
 
 
 def avg_pool2d(
-    x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, *, out: Any = None
+    x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, *,
+    ceil_mode: bool = False, out: Any = None,
 ) -> Any:
-    """Average pooling of an (N, C, H, W) image, as torch.nn.functional.avg_pool2d (zero padding,
-    ceil_mode=False); y has x's dtype and memory layout, or is ``out`` (dense NCHW or NHWC) if given."""
+    """Average pooling of an (N, C, H, W) image, as torch.nn.functional.avg_pool2d (zero padding;
+    PyTorch's divisors, ``ceil_mode``'s extra windows included); y has x's dtype and memory layout,
+    or is ``out`` (dense NCHW or NHWC) if given."""
     P = "avg_pool2d"
     xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
-    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P)
+    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode)
     n, c, h, w = xo.shape
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
@@ -795,7 +811,7 @@ def avg_pool2d(
 
 def avg_pool2d_backward(
     dy: Any, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
-    count_include_pad: bool = True,
+    count_include_pad: bool = True, ceil_mode: bool = False,
 ) -> Any:
     """Gradient of avg_pool2d with respect to its input of ``input_shape`` (N, C, H, W).
 
@@ -805,7 +821,7 @@ def avg_pool2d_backward(
     P = "avg_pool2d_backward"
     d = _operand(P, "dy", dy, (4,), FLOAT_DTYPES)
     n, c, h, w = _input_shape(P, input_shape, d)
-    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, P)
+    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, P, ceil_mode)
     if d.shape != (n, c, g.ho, g.wo):
         raise OperandError(P, "dy", f"expected shape {(n, c, g.ho, g.wo)} (avg_pool2d's output for input_shape), got {d.shape}")
     total = n * c * h * w
