@@ -163,6 +163,38 @@ def test_avg_pool2d(lib, dtype, layout, c, geom):
         assert rel_np(to_np(dx), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("geom", [(2, 2, 0), (3, 3, 1), ((2, 3), (2, 2), (0, 1))], ids=["k2s2p0", "k3s3p1", "k23s22p01"])
+@pytest.mark.parametrize("c", [3, 64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_pool2d_ceil_mode(lib, dtype, layout, c, geom):
+    """ceil_mode on 9x11 planes (each geometry adds a window past the input's edge in some dim): max
+    values and argmax exactly PyTorch's (the 16-byte-lane inference kernel too, at C = 64 NHWC),
+    averages with PyTorch's divisors and both backwards within rounding."""
+    need(lib, dtype)
+    shape = (2, c, *HW)
+    x = make(lib, shape, dtype, layout)
+    xt = as_torch(x)
+    ref_y, ref_i = F.max_pool2d(xt, *geom, ceil_mode=True, return_indices=True)
+    assert ref_y.shape != F.max_pool2d(xt, *geom).shape
+    y, am = pool.max_pool2d(x, *geom, ceil_mode=True)
+    check_result(y, lib, dtype, ref_y.shape, layout)
+    assert torch.equal(as_torch(y), ref_y) and torch.equal(as_torch(am).long(), ref_i)
+    assert torch.equal(as_torch(pool.max_pool2d(x, *geom, ceil_mode=True, indices=False)[0]), ref_y)
+    dy = make(lib, tuple(ref_y.shape), dtype, layout)
+    _, (g,) = autograd(lambda a: F.max_pool2d(a, *geom, ceil_mode=True), [x], dy)
+    assert rel(pool.max_pool2d_backward(dy, am, shape), g) < TOL[dtype]
+    for cip in (True, False):
+        y = pool.avg_pool2d(x, *geom, count_include_pad=cip, ceil_mode=True)
+        ref_y, (g,) = autograd(lambda a, cip=cip: F.avg_pool2d(a, *geom, ceil_mode=True, count_include_pad=cip), [x], dy)
+        check_result(y, lib, dtype, ref_y.shape, layout)
+        assert rel(y, ref_y) < TOL[dtype]
+        dx = pool.avg_pool2d_backward(dy, shape, *geom, count_include_pad=cip, ceil_mode=True)
+        check_result(dx, lib, dtype, shape, layout)
+        assert rel(dx, g) < TOL[dtype]
+
+
 @pytest.mark.parametrize("lib", LIBS)
 def test_pool_backward_with_argmax_and_dy_in_different_layouts(lib):
     x = make(lib, (2, 64, 9, 11), "float32", "NHWC")
