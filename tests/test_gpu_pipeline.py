@@ -214,6 +214,24 @@ def test_autotune_path_small():
     assert any(src == "tuned" for src in srcs), srcs
 
 
+def test_ceil_mode_pools_run_on_fusekit_kernels():
+    """nn.MaxPool2d / AvgPool2d with ceil_mode (GoogLeNet, SqueezeNet) lower to fusekit's pooling
+    kernels (choose=False: no PyTorch stand-in), with PyTorch's output sizes and values."""
+    import fusekit.pipeline as fp
+
+    nn = torch.nn
+    torch.manual_seed(5)
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True),  # 14 -> 7 (floor: 6)
+                      nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2, ceil_mode=True, count_include_pad=False),  # 7 -> 4
+                      nn.Flatten(), nn.Linear(32 * 4 * 4, 8)).eval().cuda()
+    pipe = fp.compile(m, torch.zeros(2, 16, 14, 14), dtype="float16", choose=False)
+    pools = [(s.pattern, e) for s, e in zip(pipe.stages, pipe.engines) if "pool" in s.pattern]
+    assert pools == [("max_pool2d", "cupy kernel"), ("avg_pool2d", "cupy kernel")], pools
+    x = torch.randn(2, 16, 14, 14, device="cuda")
+    y, want = pipe(x).float(), m(x)
+    assert float((y - want).norm() / want.norm()) < 2e-2
+
+
 def test_input_bound_when_it_is_the_input_buffer():
     _, pipe = _compiled("resnet18", 1)
     x = torch.randn(1, 3, 224, 224, device="cuda")

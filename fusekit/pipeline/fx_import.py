@@ -140,11 +140,13 @@ def import_module(model: Any, example_input: Any) -> Program:
                 st = Stage("relu", [x.name], name, name=name)
             elif single and isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
                 st = Stage("relu", [x.name], name, attrs={"upper_clip": float(mod.max_val)}, name=name)
-            elif single and isinstance(mod, nn.MaxPool2d) and not mod.ceil_mode and not mod.return_indices and _pairs_one(mod.dilation):
-                st = Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding)), name=name)
-            elif single and isinstance(mod, nn.AvgPool2d) and not mod.ceil_mode and mod.divisor_override is None:
+            elif single and isinstance(mod, nn.MaxPool2d) and not mod.return_indices and _pairs_one(mod.dilation):
+                st = Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding),
+                                                                ceil_mode=bool(mod.ceil_mode)), name=name)
+            elif single and isinstance(mod, nn.AvgPool2d) and mod.divisor_override is None:
                 st = Stage("avgpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size),
-                                                                padding=_p(mod.padding), count_include_pad=bool(mod.count_include_pad)), name=name)
+                                                                padding=_p(mod.padding), count_include_pad=bool(mod.count_include_pad),
+                                                                ceil_mode=bool(mod.ceil_mode)), name=name)
             elif single and isinstance(mod, nn.AdaptiveAvgPool2d) and _p(mod.output_size) == (1, 1):
                 st = Stage("gap", [x.name], name, name=name)
             elif single and isinstance(mod, nn.Flatten) and flatten_ok(node):

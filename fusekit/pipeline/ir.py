@@ -124,9 +124,11 @@ def conv_out_hw(h: int, w: int, kernel, padding, stride, dilation) -> tuple[int,
     return (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1
 
 
-def pool_out_hw(h: int, w: int, kernel, stride, padding) -> tuple[int, int]:
-    (kh, kw), (sh, sw), (ph, pw) = _pair(kernel), _pair(stride if stride is not None else kernel), _pair(padding)
-    return (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+def pool_out_hw(h: int, w: int, kernel, stride, padding, ceil_mode: bool = False) -> tuple[int, int]:
+    from ..ops.pool import pool2d_geometry  # the one output-size formula (floor or PyTorch's ceil_mode)
+
+    g = pool2d_geometry((1, 1, h, w), kernel, stride, padding, "pipeline pool", ceil_mode)
+    return g.ho, g.wo
 
 
 def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -143,7 +145,7 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
         return tuple(np.broadcast_shapes(*[tuple(i) for i in ins]))
     if k in ("maxpool", "avgpool"):
         n, c, h, w = x
-        return (n, c, *pool_out_hw(h, w, s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"]))
+        return (n, c, *pool_out_hw(h, w, s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], bool(s.attrs.get("ceil_mode"))))
     if k == "gap":
         return (x[0], x[1], 1, 1)
     if k == "flatten":
@@ -192,11 +194,11 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         return _relu(env[s.inputs[0]], s.attrs)
     if k == "maxpool":
         a = s.attrs
-        return F.max_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]))
+        return F.max_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), ceil_mode=bool(a.get("ceil_mode")))
     if k in ("avgpool", "gap"):
         a = s.attrs
         return F.avg_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]),
-                            count_include_pad=bool(a.get("count_include_pad", True)))
+                            ceil_mode=bool(a.get("ceil_mode")), count_include_pad=bool(a.get("count_include_pad", True)))
     if k == "softmax":
         return torch.softmax(env[s.inputs[0]], int(s.attrs["axis"]))
     if k == "add":

@@ -182,13 +182,13 @@ class Pipeline:
             self._fused[i] = (operands, attrs)
             return lambda: f(*operands, out=y, **attrs)
         if s.pattern == "max_pool2d":
-            k, st, p = a["kernel_size"], a["stride"], a["padding"]
+            k, st, p, ceil = a["kernel_size"], a["stride"], a["padding"], bool(a.get("ceil_mode"))
             self.engines[i] = "cupy kernel"
-            return lambda: pool.max_pool2d(x, k, st, p, out=y, indices=False)
+            return lambda: pool.max_pool2d(x, k, st, p, ceil_mode=ceil, out=y, indices=False)
         if s.pattern == "avg_pool2d":
-            k, st, p, cip = a["kernel_size"], a["stride"], a["padding"], a.get("count_include_pad", True)
+            k, st, p, cip, ceil = a["kernel_size"], a["stride"], a["padding"], a.get("count_include_pad", True), bool(a.get("ceil_mode"))
             self.engines[i] = "cupy kernel"
-            return lambda: pool.avg_pool2d(x, k, st, p, cip, out=y)
+            return lambda: pool.avg_pool2d(x, k, st, p, cip, ceil_mode=ceil, out=y)
         if s.pattern == "softmax":
             ax = a["axis"]
             self.engines[i] = "cupy kernel"
