@@ -487,6 +487,8 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
     column first, as PyTorch). ``padding_mode`` "reflect", "replicate" and "circular" pad the input
     with ``F.pad`` and convolve unpadded, as PyTorch does."""
 
+    _fk_pad_mode = "constant"  # F.pad's mode for _fk_extra (modules pickled before padding modes lack the attribute)
+
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.Conv2d")
         if self.padding_mode == "zeros":
