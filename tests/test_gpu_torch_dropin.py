@@ -407,6 +407,28 @@ def test_converted_torchvision_model_matches_original(name, precision):
             assert bf.dtype == bt.dtype and rel(bf, bt) < max(FLOOR[precision], 1e-2), n
 
 
+def test_converted_squeezenet_runs_its_ceil_mode_pools_on_fusekit():
+    """SqueezeNet 1.1's MaxPool2d(3, 2, ceil_mode=True) layers are replaced, not left alone; in
+    training mode under fp16 autocast the converted model's output and input gradient are within 3x
+    the original's error against float64 (or the precision's floor)."""
+    base = _torchvision("squeezenet1_1")
+    fk, report = ft().convert(base)
+    assert report.counts().get("MaxPool2d") == 3 and not [n for n, t, _ in report.left_alone if t == "MaxPool2d"], str(report)
+    ref64 = copy.deepcopy(base).double()
+    x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
+    g = torch.randn(4, 100, device="cuda", dtype=torch.float64)
+    got = {}
+    for key, m in (("fusekit", fk), ("torch", base), ("float64", ref64)):
+        m.train()
+        xi = (x.double() if key == "float64" else x).detach().clone().requires_grad_(True)
+        y = m(xi) if key == "float64" else _forward(m, xi, "amp-fp16")
+        (y.double() * g).sum().backward()
+        got[key] = (y.detach(), xi.grad)
+    for i, what in enumerate(("output", "dx")):
+        e_fk, e_t = rel(got["fusekit"][i], got["float64"][i]), rel(got["torch"][i], got["float64"][i])
+        assert e_fk < max(3 * e_t, FLOOR["amp-fp16"]), f"{what}: fusekit {e_fk:.2e} vs torch {e_t:.2e}"
+
+
 @pytest.mark.parametrize("name, precision", [("resnet18", "amp-fp16"), ("resnet50", "amp-fp16"), ("resnet50", "fp32")])
 def test_converted_resnet_gradients_match_original(name, precision):
     """One training-mode backward (AMP fp16, or float32) of the converted model vs the original, both
