@@ -27,7 +27,7 @@ for part in "$@"; do
       # models of test_gpu_torch_dropin, ~200 s) each in a process of its own
       solo=(${SOLO:-test_gpu_torch_dropin.py})
       mapfile -t files < <(ls -S tests/test_*.py | grep -v -e test_gpu_fuzz.py $(printf -- '-e %s ' "${solo[@]}"))
-      n=${SHARDS:-3}; pids=()
+      n=${SHARDS:-5}; pids=()  # 4 shards overran 330 s on an H100 (2026-12-05): 5, and TESTS_TIMEOUT 400 there
       FUSEKIT_FUZZ_REPORT=${FUSEKIT_FUZZ_REPORT:-$OUT/fuzz.json} FUSEKIT_CACHE_DIR=/tmp/fk-cache-fuzz timeout ${TESTS_TIMEOUT:-330} \
         python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short -s tests/test_gpu_fuzz.py > "$OUT/gpu_tests_fuzz.log" 2>&1 & pids+=($!)
       for f in "${solo[@]}"; do
