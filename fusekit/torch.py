@@ -487,16 +487,13 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
     column first, as PyTorch). ``padding_mode`` "reflect", "replicate" and "circular" pad the input
     with ``F.pad`` and convolve unpadded, as PyTorch does."""
 
-    _fk_pad_mode = "constant"  # F.pad's mode for _fk_extra (modules pickled before padding modes lack the attribute)
-
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.Conv2d")
         if self.padding_mode == "zeros":
             self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
-            self._fk_pad_mode = "constant"
         else:  # cuDNN pads with zeros only: the input is padded first (torch.nn.Conv2d's own route), the conv pads nothing
             pad = tuple(int(p) for p in self._reversed_padding_repeated_twice)
-            self._fk_pad, self._fk_extra, self._fk_pad_mode = (0, 0), (pad if any(pad) else None), self.padding_mode
+            self._fk_pad, self._fk_extra = (0, 0), (pad if any(pad) else None)
 
     def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
@@ -528,7 +525,7 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
             if self._fk_relu is not None:
                 relu, done = True, (self._fk_relu,)
         if self._fk_extra is not None:
-            x = _padded(x, self._fk_extra, self._fk_pad_mode)
+            x = _padded(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
         drelu = self._fk_drelu and _is_relu_output(x)
         y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, "relu" if relu else None, drelu)
         return _hand_on(_mark_relu_output(y) if relu else y, done)
