@@ -3,7 +3,8 @@ autograd Functions under them, and :func:`convert`, which moves a whole model on
 
 The modules subclass their ``torch.nn`` counterparts: same constructor arguments, initialization,
 parameters, buffers and state-dict keys. ``Conv2d``, ``ConvTranspose2d``, ``Linear`` and
-``BatchNorm2d`` take ``activation="relu"`` to fuse a ReLU into their graph.
+``BatchNorm2d`` take ``activation="relu"`` to fuse a ReLU into their graph (``Conv2d`` and
+``BatchNorm2d`` also ``"relu6"``, MobileNet's ReLU6).
 
     import fusekit.torch as ft
     model, report = ft.convert(torchvision.models.resnet50())
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ __all__ = [
     "LogSoftmax",
     "MaxPool2d",
     "ReLU",
+    "ReLU6",
     "ScaleShiftAct",
     "Softmax",
     "TorchFallbackWarning",
@@ -195,13 +198,14 @@ _RELU_OUT = "_fusekit_relu_out"
 _RELU_DONE = "_fusekit_relu_done"
 
 
-def _mark_relu_output(y: torch.Tensor) -> torch.Tensor:
-    return _tag(y, _RELU_OUT, True)
+def _mark_relu_output(y: torch.Tensor, clip: float = math.inf) -> torch.Tensor:
+    return _tag(y, _RELU_OUT, clip)
 
 
-def _is_relu_output(x: Any) -> bool:
-    """Whether ``x`` is, unmodified, the output of a fusekit ReLU (its gradient may carry the dReLU)."""
-    return _tagged(x, _RELU_OUT) is not None
+def _relu_output_clip(x: Any) -> float | None:
+    """The upper clip (inf: ReLU, 6: ReLU6) of the fusekit ReLU whose unmodified output ``x`` is (its
+    gradient may carry the dReLU), or None."""
+    return _tagged(x, _RELU_OUT)
 
 
 def _mark_relu_done(dx: torch.Tensor, relu_out: torch.Tensor) -> torch.Tensor:
@@ -213,10 +217,24 @@ def _relu_done(dy: Any, y: torch.Tensor | None) -> bool:
     return y is not None and _tagged(dy, _RELU_DONE) == y.data_ptr()
 
 
-def _check_act(act: str | None, who: str = "fusekit.torch") -> str | None:
-    if act not in (None, "relu"):
-        raise OperandError(who, "activation", f"expected None or 'relu', got {act!r}", what="argument")
+#: The fused activations: name -> upper clip of the ReLU.
+ACTIVATIONS = {"relu": math.inf, "relu6": 6.0}
+
+
+def _check_act(act: str | None, who: str = "fusekit.torch", allowed: tuple[str, ...] = ("relu", "relu6")) -> str | None:
+    if act is not None and act not in allowed:
+        raise OperandError(who, "activation", f"expected None or {' or '.join(map(repr, allowed))}, got {act!r}", what="argument")
     return act
+
+
+def _clip(act: str | None) -> float | None:
+    """The upper clip of activation ``act`` (None: no activation)."""
+    return None if act is None else ACTIVATIONS[act]
+
+
+def _act_of(relu: Any) -> str:
+    """The activation a ReLU / ReLU6 module computes."""
+    return "relu6" if isinstance(relu, torch.nn.ReLU6) else "relu"
 
 
 def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tuple[int, int], tuple[int, int, int, int] | None]:
@@ -245,38 +263,42 @@ def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch
 # autograd Functions
 # ----------------------------------------------------------------------------------------------
 class ConvBiasAct(torch.autograd.Function):
-    """y = act(conv2d(x, w) [+ b]), act in {None, "relu"}: one cuDNN graph forward, fused graphs
-    backward. ``b`` None: the plain conv graph (a zero bias when the ReLU is fused), no bias gradient."""
+    """y = act(conv2d(x, w) [+ b]), act in {None, "relu", "relu6"}: one cuDNN graph forward, fused
+    graphs backward. ``b`` None: the plain conv graph (a zero bias when the ReLU is fused), no bias
+    gradient. ``input_clip``: x is the output of a ReLU (upper clip: inf, or 6 for ReLU6) used only
+    here; dx then carries that ReLU's backward (the dgrad + dReLU graph)."""
 
     @staticmethod
-    def forward(ctx: Any, x, w, b, padding, stride, dilation, groups, act, input_relu=False):  # type: ignore[override]
+    def forward(ctx: Any, x, w, b, padding, stride, dilation, groups, act, input_clip=None):  # type: ignore[override]
         w = _like(w, x)
         kw = {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}
-        relu = act == "relu"
-        if b is None and not relu:
+        clip = _clip(act)
+        if b is None and clip is None:
             y = ops.conv2d(x, w, **kw)
         else:
             bias = b if b is not None else _zero_bias(int(w.shape[0]), x)
-            y = (ops.conv_bias_relu if relu else ops.conv_bias)(x, w, bias, **kw)
-        ctx.save_for_backward(x, w, y if relu else None)
-        ctx.kw, ctx.relu, ctx.has_bias = kw, relu, b is not None
-        ctx.input_relu = input_relu  # x is a ReLU's output used only here: dx carries that ReLU's backward
+            f = ops.conv_bias if clip is None else ops.conv_bias_relu6 if act == "relu6" else ops.conv_bias_relu
+            y = f(x, w, bias, **kw)
+        ctx.save_for_backward(x, w, y if clip is not None else None)
+        ctx.kw, ctx.clip, ctx.has_bias = kw, clip, b is not None
+        ctx.input_clip = input_clip
         return y
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, w, y = ctx.saved_tensors
-        relu = ctx.relu and not _relu_done(dy, y)  # a consumer's dgrad may have applied this ReLU's mask
+        relu = ctx.clip is not None and not _relu_done(dy, y)  # a consumer's dgrad may have applied this ReLU's mask
         dy = _like(dy, x)
         nx, nw, nb = ctx.needs_input_grad[:3]
-        needs, kw = (nx, nw, nb and ctx.has_bias), dict(ctx.kw, input_relu=ctx.input_relu)
+        fed = ctx.input_clip is not None
+        needs, kw = (nx, nw, nb and ctx.has_bias), dict(ctx.kw, input_relu=fed, input_clip=ctx.input_clip if fed else math.inf)
         if relu:
-            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, **kw)
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, upper_clip=ctx.clip, **kw)
         elif ctx.has_bias:
             dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **kw)
         else:
             (dx, dw), db = ops.conv2d_backward(dy, x, w, needs=(nx, nw), **kw), None
-        if dx is not None and ctx.input_relu:
+        if dx is not None and fed:
             _mark_relu_done(dx, x)
         return dx, dw, db, None, None, None, None, None, None
 
@@ -336,20 +358,23 @@ class LinearBiasAct(torch.autograd.Function):
 
 
 class BatchNormAct(torch.autograd.Function):
-    """Training batch norm (+ ReLU): one cuDNN graph forward, the BN backward (with the dReLU fused in
-    front) as one graph. gamma and beta are float32; running stats of any dtype are updated in place
-    (computed in float32, written back in their own dtype)."""
+    """Training batch norm (+ ReLU with ``act`` "relu" or "relu6"): one cuDNN graph forward, the BN
+    backward (with the dReLU fused in front) as one graph. gamma and beta are float32; running stats
+    of any dtype are updated in place (computed in float32, written back in their own dtype)."""
 
     @staticmethod
-    def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, relu):  # type: ignore[override]
+    def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, act):  # type: ignore[override]
+        clip = _clip(act)
+        relu = dict(relu=clip is not None, upper_clip=math.inf if clip is None else clip)
         if running_mean is not None:
             y, mean, inv, rm, rv = ops.batchnorm(
-                x, gamma, beta, _f32(running_mean), _f32(running_var), epsilon=eps, momentum=momentum, relu=relu
+                x, gamma, beta, _f32(running_mean), _f32(running_var), epsilon=eps, momentum=momentum, **relu
             )
             torch._foreach_copy_([running_mean, running_var], [rm, rv])  # one launch for both
         else:
-            y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=eps, relu=relu)
-        ctx.save_for_backward(x, gamma, mean, inv, y if relu else None)
+            y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=eps, **relu)
+        ctx.save_for_backward(x, gamma, mean, inv, y if clip is not None else None)
+        ctx.clip = relu["upper_clip"]
         return y
 
     @staticmethod
@@ -357,17 +382,20 @@ class BatchNormAct(torch.autograd.Function):
         x, gamma, mean, inv, y = ctx.saved_tensors
         if _relu_done(dy, y):  # the consuming conv's dgrad applied the ReLU's mask
             y = None
-        dx, dg, db = ops.batchnorm_backward(_like(dy, x), x, gamma, mean, inv, y=y, needs=ctx.needs_input_grad[:3])
+        dx, dg, db = ops.batchnorm_backward(_like(dy, x), x, gamma, mean, inv, y=y, needs=ctx.needs_input_grad[:3], upper_clip=ctx.clip)
         return dx, dg, db, None, None, None, None, None
 
 
 class ScaleShiftAct(torch.autograd.Function):
-    """y = [relu](x * gamma + beta) per channel (gamma, beta float32 (C,), either may be None)."""
+    """y = act(x * gamma + beta) per channel (gamma, beta float32 (C,), either may be None; act None,
+    "relu" or "relu6")."""
 
     @staticmethod
-    def forward(ctx: Any, x, gamma, beta, relu):  # type: ignore[override]
-        y = ops.channel_scale_shift(x, gamma, beta, relu=relu)
-        ctx.save_for_backward(x, gamma, y if relu else None)
+    def forward(ctx: Any, x, gamma, beta, act):  # type: ignore[override]
+        clip = _clip(act)
+        ctx.clip = math.inf if clip is None else clip
+        y = ops.channel_scale_shift(x, gamma, beta, relu=clip is not None, upper_clip=ctx.clip)
+        ctx.save_for_backward(x, gamma, y if clip is not None else None)
         ctx.has = (gamma is not None, beta is not None)
         return y
 
@@ -375,28 +403,32 @@ class ScaleShiftAct(torch.autograd.Function):
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, gamma, y = ctx.saved_tensors
         n = ctx.needs_input_grad
-        dx, dg, db = ops.channel_scale_shift_backward(_like(dy, x), x, gamma, y=y, needs=(n[0], ctx.has[0] and n[1], ctx.has[1] and n[2]))
+        dx, dg, db = ops.channel_scale_shift_backward(
+            _like(dy, x), x, gamma, y=y, needs=(n[0], ctx.has[0] and n[1], ctx.has[1] and n[2]), upper_clip=ctx.clip
+        )
         return dx, dg, db, None
 
 
 class _ReLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, inplace):  # type: ignore[override]
+    def forward(ctx: Any, x, inplace, clip):  # type: ignore[override]
+        clip_kw = {} if math.isinf(clip) else {"upper_clip": clip}
         if inplace:
-            ops.call("relu", x, out=x)
+            ops.call("relu", x, out=x, **clip_kw)
             ctx.mark_dirty(x)
             y = x
         else:
-            y = ops.call("relu", x)
+            y = ops.call("relu", x, **clip_kw)
         ctx.save_for_backward(y)
+        ctx.clip = clip
         return y
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         (y,) = ctx.saved_tensors
         if _relu_done(dy, y):
-            return dy, None
-        return ops.relu_backward(_like(dy, y), y), None
+            return dy, None, None
+        return ops.relu_backward(_like(dy, y), y, upper_clip=ctx.clip), None, None
 
 
 class _MaxPool(torch.autograd.Function):
@@ -464,7 +496,8 @@ class _Fusekit:
 
 
 class _FusekitAct(_Fusekit):
-    """A fusekit module over a torch layer with an optional fused ReLU (``activation="relu"``)."""
+    """A fusekit module over a torch layer with an optional fused ReLU (``activation="relu"``, or
+    ``"relu6"`` where the module says so)."""
 
     def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -476,11 +509,17 @@ class _FusekitAct(_Fusekit):
     def _torch_forward(self, x: Any, *args: Any) -> Any:
         """The torch layer's own forward, then the ReLU: CPU tensors, tracing, what cuDNN cannot run."""
         y = super().forward(x, *args)
-        return F.relu(y) if self.activation == "relu" else y
+        return F.relu6(y) if self.activation == "relu6" else F.relu(y) if self.activation == "relu" else y
+
+    def _fk_act(self) -> str | None:
+        """The activation this module's graph ends with: its own, or that of the ReLU / ReLU6 module it
+        does the work of (set by convert)."""
+        return _act_of(self._fk_relu) if self._fk_relu is not None else self.activation
 
 
 class Conv2d(_FusekitAct, torch.nn.Conv2d):
-    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"``).
+    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"`` or
+    ``"relu6"``).
 
     Takes every torch argument cuDNN can run: ``bias=False``, ``groups`` (grouped and depthwise),
     ``padding`` as ints, "valid" or "same" (an odd total "same" padding pads the input's last row /
@@ -513,22 +552,21 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
             return self._torch_forward(x)
         amp = _amp_dtype()
         x = _cast(_dense(x, "Conv2d"), amp)
-        relu, done = self.activation == "relu", ()
+        act, done = self._fk_act(), ()
         bn = self._fk_bn
         if bn is not None and not bn.training and bn.running_mean is not None and bn.running_var is not None:
             w, b = self._folded(bn, x.dtype)  # eval: BN folded into this conv's weights and bias
-            after = bn._fk_relu
-            relu = bn.activation == "relu" or after is not None
-            done = (bn,) + ((after,) if after is not None else ())
+            act = bn._fk_act()
+            done = (bn,) + ((bn._fk_relu,) if bn._fk_relu is not None else ())
         else:
             w, b = _cast(self.weight, amp), _cast(self.bias, amp)
             if self._fk_relu is not None:
-                relu, done = True, (self._fk_relu,)
+                done = (self._fk_relu,)
         if self._fk_extra is not None:
             x = _padded(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
-        drelu = self._fk_drelu and _is_relu_output(x)
-        y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, "relu" if relu else None, drelu)
-        return _hand_on(_mark_relu_output(y) if relu else y, done)
+        input_clip = _relu_output_clip(x) if self._fk_drelu else None
+        y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, act, input_clip)
+        return _hand_on(y if act is None else _mark_relu_output(y, ACTIVATIONS[act]), done)
 
 
 class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
@@ -536,7 +574,7 @@ class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
     optional fused ReLU; ``output_size`` in forward works as in PyTorch."""
 
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
-        self.activation = _check_act(activation, "fusekit.torch.ConvTranspose2d")
+        self.activation = _check_act(activation, "fusekit.torch.ConvTranspose2d", ("relu",))
         if self.padding_mode != "zeros":
             raise OperandError("fusekit.torch.ConvTranspose2d", "padding_mode", "only 'zeros' is supported", what="argument")
 
@@ -561,7 +599,7 @@ class Linear(_FusekitAct, torch.nn.Linear):
     with an optional fused ReLU."""
 
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
-        self.activation = _check_act(activation, "fusekit.torch.Linear")
+        self.activation = _check_act(activation, "fusekit.torch.Linear", ("relu",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "Linear", None) or x.dim() == 0:
@@ -582,8 +620,8 @@ class Linear(_FusekitAct, torch.nn.Linear):
 
 
 class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
-    """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU]; eval: one scale-shift [+ ReLU]
-    graph from the running statistics, with gradients as PyTorch's). Parameters and buffers may be
+    """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU / ReLU6]; eval: one scale-shift
+    [+ ReLU / ReLU6] graph from the running statistics, with gradients as PyTorch's). Parameters and buffers may be
     float16 / bfloat16 (``model.half()``): statistics are computed in float32 and the running stats
     written back in their own dtype. ``affine=False`` runs normalize only."""
 
@@ -614,8 +652,7 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
         if not _on_graphs(x, "BatchNorm2d"):
             return self._torch_forward(x)
         x = _dense(x, "BatchNorm2d")
-        after = self._fk_relu
-        relu = self.activation == "relu" or after is not None
+        after, act = self._fk_relu, self._fk_act()
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -628,33 +665,46 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
             track = self.training and self.track_running_stats and self.running_mean is not None
             gamma, beta = self._affine(x)
             y = BatchNormAct.apply(
-                x, gamma, beta, self.running_mean if track else None, self.running_var if track else None, self.eps, factor, relu
+                x, gamma, beta, self.running_mean if track else None, self.running_var if track else None, self.eps, factor, act
             )
-            if relu:
-                _mark_relu_output(y)
+            if act is not None:
+                _mark_relu_output(y, ACTIVATIONS[act])
         else:
             scale, shift = self._scale_shift()
-            y = ScaleShiftAct.apply(x, scale, shift, relu)
+            y = ScaleShiftAct.apply(x, scale, shift, act)
         return _hand_on(y, (after,) if after is not None else ())
+
+
+def _relu_forward(m: Any, x: Any, clip: float, who: str, torch_forward: Any) -> Any:
+    if _already_done(x, m):
+        return x
+    if not _on_graphs(x, who, (1, 2, 4)):
+        return torch_forward(m, x)
+    if not _is_dense(x):
+        if m.inplace:
+            return torch_forward(m, x)  # write through the caller's strides, as PyTorch does
+        x = _dense(x, who)
+    return _mark_relu_output(_ReLUFn.apply(x, m.inplace, clip), clip)
 
 
 class ReLU(_Fusekit, torch.nn.ReLU):
     """torch.nn.ReLU as a cuDNN pointwise graph (1-, 2- and 4-D inputs; ``inplace=True`` writes into x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if _already_done(x, self):
-            return x
-        if not _on_graphs(x, "ReLU", (1, 2, 4)):
-            return torch.nn.ReLU.forward(self, x)
-        if not _is_dense(x):
-            if self.inplace:
-                return torch.relu_(x)  # write through the caller's strides, as PyTorch does
-            x = _dense(x, "ReLU")
-        return _mark_relu_output(_ReLUFn.apply(x, self.inplace))
+        return _relu_forward(self, x, math.inf, "ReLU", torch.nn.ReLU.forward)
+
+
+class ReLU6(_Fusekit, torch.nn.ReLU6):
+    """torch.nn.ReLU6 (min(max(x, 0), 6)) as a cuDNN pointwise graph (1-, 2- and 4-D inputs;
+    ``inplace=True`` writes into x). Its backward passes the gradient where 0 < y < 6, as PyTorch's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _relu_forward(self, x, 6.0, "ReLU6", torch.nn.ReLU6.forward)
 
 
 class ChannelScaleShift(_Fusekit, torch.nn.Module):
-    """y = x * gamma + beta per channel (``scale``/``shift`` choose which exist), optional fused ReLU."""
+    """y = x * gamma + beta per channel (``scale``/``shift`` choose which exist), optional fused ReLU
+    (``activation="relu"`` or ``"relu6"``)."""
 
     def __init__(self, num_features: int, scale: bool = True, shift: bool = True, activation: str | None = None, device: Any = None) -> None:
         super().__init__()
@@ -665,7 +715,7 @@ class ChannelScaleShift(_Fusekit, torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(num_features, device=device)) if shift else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation == "relu")
+        return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation)
 
 
 def _is_pair_of(v: Any, value: int) -> bool:
@@ -756,7 +806,8 @@ class LogSoftmax(_Fusekit, torch.nn.LogSoftmax):
 # ----------------------------------------------------------------------------------------------
 _TARGETS: dict[type, type] = {
     torch.nn.Conv2d: Conv2d, torch.nn.ConvTranspose2d: ConvTranspose2d, torch.nn.Linear: Linear,
-    torch.nn.BatchNorm2d: BatchNorm2d, torch.nn.ReLU: ReLU, torch.nn.MaxPool2d: MaxPool2d, torch.nn.AvgPool2d: AvgPool2d,
+    torch.nn.BatchNorm2d: BatchNorm2d, torch.nn.ReLU: ReLU, torch.nn.ReLU6: ReLU6, torch.nn.MaxPool2d: MaxPool2d,
+    torch.nn.AvgPool2d: AvgPool2d,
     torch.nn.Softmax: Softmax, torch.nn.LogSoftmax: LogSoftmax,
 }
 
@@ -818,11 +869,11 @@ class FxTracer(torch.fx.Tracer):
 
 
 def _relu_node(model: torch.nn.Module, n: Any) -> bool:
-    """Whether fx node ``n`` calls a module whose output is a ReLU's (a ReLU, or a layer with a fused one)."""
+    """Whether fx node ``n`` calls a module whose output is a ReLU's (a ReLU or ReLU6, or a layer with a fused one)."""
     if n.op != "call_module":
         return False
     m = model.get_submodule(n.target)
-    return isinstance(m, torch.nn.ReLU) or getattr(m, "activation", None) == "relu"
+    return isinstance(m, (torch.nn.ReLU, torch.nn.ReLU6)) or getattr(m, "activation", None) in ACTIVATIONS
 
 
 def _fx_consumers(model: torch.nn.Module) -> tuple[dict[int, int], list[str], dict[int, str]]:
@@ -835,7 +886,7 @@ def _fx_consumers(model: torch.nn.Module) -> tuple[dict[int, int], list[str], di
     found: list[dict[int, int]] = []
     notes: list[str] = []
     relu_fed: dict[int, str] = {}
-    relu_fns = {F.relu, torch.relu}
+    relu_fns = {F.relu, torch.relu, F.relu6}
     try:
         for mode in (True, False):
             model.train(mode)
@@ -902,6 +953,9 @@ def _link(producer: Any, consumer: Any) -> bool:
     if isinstance(producer, (Conv2d, ConvTranspose2d, Linear, BatchNorm2d)) and isinstance(consumer, ReLU):
         producer.__dict__["_fk_relu"] = consumer
         return True
+    if isinstance(producer, (Conv2d, BatchNorm2d)) and isinstance(consumer, ReLU6):  # the graphs with a clipped ReLU
+        producer.__dict__["_fk_relu"] = consumer
+        return True
     return False
 
 
@@ -915,34 +969,37 @@ def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tupl
             after = bn._fk_relu
             in_chain.add(id(bn))
             if after is not None:
+                a = type(after).__name__
                 groups.append(((names[id(m)], names[id(bn)], names[id(after)]),
-                               "training: conv, then BN+ReLU as one graph; eval: one conv+bias+ReLU graph (BN folded into the conv)"))
+                               f"training: conv, then BN+{a} as one graph; eval: one conv+bias+{a} graph (BN folded into the conv)"))
             else:
                 groups.append(((names[id(m)], names[id(bn)]), "training: conv, then BN; eval: one conv+bias graph (BN folded into the conv)"))
     for m in mods:
         r = m._fk_relu
         if r is None or id(m) in in_chain:
             continue
-        what = {BatchNorm2d: "BN+ReLU as one graph (batch statistics in training, running statistics in eval)",
-                Conv2d: "conv+bias+ReLU as one graph", ConvTranspose2d: "transposed conv+bias+ReLU as one graph",
-                Linear: "matmul+bias+ReLU as one graph"}[type(m)]
+        a = type(r).__name__
+        what = {BatchNorm2d: f"BN+{a} as one graph (batch statistics in training, running statistics in eval)",
+                Conv2d: f"conv+bias+{a} as one graph", ConvTranspose2d: f"transposed conv+bias+{a} as one graph",
+                Linear: f"matmul+bias+{a} as one graph"}[type(m)]
         groups.append(((names[id(m)], names[id(r)]), what))
     return groups
 
 
 def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True) -> tuple[torch.nn.Module, ConvertReport]:
     """Move ``module`` onto fusekit: every ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear``,
-    ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.Softmax`` and
-    ``nn.LogSoftmax`` (exact types, not subclasses) becomes its fusekit.torch module: the same object
-    re-classed, so parameters, buffers, hooks, state-dict keys and optimizer references stay.
+    ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.ReLU6``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.Softmax``
+    and ``nn.LogSoftmax`` (exact types, not subclasses) becomes its fusekit.torch module: the same
+    object re-classed, so parameters, buffers, hooks, state-dict keys and optimizer references stay.
 
     With ``fuse``, modules whose every call feeds exactly one call of the next (found from a
     ``torch.fx`` trace in training and eval mode, else from nn.Sequential order) run together:
-    conv -> BN [-> ReLU] (training: conv, then the fused BN+ReLU graph; eval: BN folded into one
-    conv+bias[+ReLU] graph), BN -> ReLU, conv / transposed conv / Linear -> ReLU. The producer then
-    computes its followers' work and they pass its output on: calling a fused producer on its own
-    returns the fused result (as torch.ao.quantization.fuse_modules does). A conv whose input is a
-    ReLU module's output that nothing else uses runs that ReLU's backward in its dgrad (training).
+    conv -> BN [-> ReLU or ReLU6] (training: conv, then the fused BN+ReLU graph; eval: BN folded into
+    one conv+bias[+ReLU] graph), BN -> ReLU / ReLU6, conv -> ReLU / ReLU6, transposed conv / Linear ->
+    ReLU. The producer then computes its followers' work and they pass its output on: calling a fused
+    producer on its own returns the fused result (as torch.ao.quantization.fuse_modules does). A conv
+    whose input is a ReLU or ReLU6 module's output that nothing else uses runs that ReLU's backward in
+    its dgrad (training).
     The links are plain attributes (not submodules, not in the state dict; deepcopy keeps them
     within the copy); nn.DataParallel's replicas would share the original's, so use
     DistributedDataParallel or ``fuse=False``.

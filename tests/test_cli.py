@@ -558,6 +558,8 @@ REF_CASES = [
     ("linear_bias_relu", {"x": (5, 3), "w": (7, 3), "b": (7,)}, {}),
     ("matmul", {"a": (4, 8), "b": (8, 3)}, {}),
     ("relu", {"x": (2, 3, 4, 5)}, {}),
+    ("relu", {"x": (2, 3, 4, 5)}, {"upper_clip": 0.5}),
+    ("conv_bias_relu6", {"x": (2, 3, 6, 6), "w": (4, 3, 3, 3), "b": (4,)}, {"padding": 1}),
     ("batchnorm_inference", {"x": (2, 3, 4, 4), "mean": (3,), "inv_std": (3,), "gamma": (3,), "beta": (3,)}, {}),
     ("batchnorm_inference_relu", {"x": (2, 3, 4, 4), "mean": (3,), "inv_std": (3,), "gamma": (3,), "beta": (3,)}, {}),
 ]

@@ -108,6 +108,42 @@ def test_relu_clamps_and_passes(rng):
     assert (y[pre <= 0] == 0).all()
 
 
+@pytest.mark.parametrize("pattern, operands", [
+    ("relu", ("y",)), ("relu_backward", ("dy", "y")), ("relu_bias_grad", ("dy", "y")),
+    ("batchnorm_relu_backward", None), ("channel_scale_shift_relu", None),
+])
+def test_upper_clip_is_relu6(rng, pattern, operands):
+    """The ReLU patterns' upper_clip: the forward clamps to [0, 6]; the backward passes dy only where
+    0 < y < 6 (strict at both ends, as PyTorch's ReLU6); inf (the default) is the plain ReLU."""
+    y = np.array([-1.0, 0.0, 3.0, 6.0, 7.0, 5.5]).reshape(1, 6, 1, 1) * np.ones((2, 1, 2, 2))
+    dy = rng.standard_normal(y.shape)
+    if pattern == "relu":
+        np.testing.assert_array_equal(oracle.evaluate("relu", y, upper_clip=6)[0], np.clip(y, 0, 6))
+        np.testing.assert_array_equal(oracle.evaluate("relu", y)[0], np.maximum(y, 0))
+    elif pattern in ("relu_backward", "relu_bias_grad"):
+        mask = (y > 0) & (y < 6)
+        out = oracle.evaluate(pattern, dy, y, upper_clip=6.0)
+        np.testing.assert_array_equal(out[0], dy * mask)
+        np.testing.assert_array_equal(oracle.evaluate(pattern, dy, y)[0], dy * (y > 0))
+        if pattern == "relu_bias_grad":
+            np.testing.assert_allclose(out[1].reshape(-1), (dy * mask).sum(axis=(0, 2, 3)), rtol=1e-12)
+    elif pattern == "channel_scale_shift_relu":
+        g, b = rng.uniform(1, 3, 6), rng.uniform(-1, 1, 6)
+        x = rng.standard_normal((2, 6, 3, 3)) * 4
+        want = np.clip(x * g.reshape(1, -1, 1, 1) + b.reshape(1, -1, 1, 1), 0, 6)
+        np.testing.assert_allclose(oracle.evaluate(pattern, x, g, b, upper_clip=6.0)[0], want, rtol=1e-12)
+    else:  # the dReLU6 in front of the BN backward equals the BN backward of the masked dy
+        x = rng.standard_normal((2, 6, 2, 2))
+        g, mean, inv = rng.uniform(1, 2, 6), x.mean(axis=(0, 2, 3)), 1 / np.sqrt(x.var(axis=(0, 2, 3)) + 1e-5)
+        fused = oracle.evaluate(pattern, dy, y, x, g, mean, inv, upper_clip=6.0)
+        split = oracle.evaluate("batchnorm_backward", dy * ((y > 0) & (y < 6)), x, g, mean, inv)
+        for a, b in zip(fused, split):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(OperandError, match="upper_clip") as e:
+        oracle.evaluate("relu", y, upper_clip=-1.0)
+    assert e.value.operand == "upper_clip"
+
+
 def test_bias_shapes_agree(rng):
     x = rng.standard_normal((2, 3, 6, 6))
     w = rng.standard_normal((5, 3, 3, 3))

@@ -59,17 +59,30 @@ def _like_layout(y, x):
         memory_format=torch.channels_last if x.dim() == 4 and not x.is_contiguous() else torch.contiguous_format)
 
 
+INF = float("inf")
+
+
+def _act(y, relu, clip=INF):
+    """relu(y) clipped above at ``clip`` (ReLU6: 6), as the patterns' upper_clip."""
+    return y.clamp(0, clip) if relu else y
+
+
+def _mask(y, clip=INF):
+    """The ReLU backward's mask, strict at both ends as PyTorch's ReLU6 backward."""
+    return (y > 0) & (y < clip)
+
+
 class FakeOps:
     def __init__(self):
         self.calls = []
 
     # convolutions
-    def _conv(self, name, x, w, b, kw, relu):
+    def _conv(self, name, x, w, b, kw, relu, clip=INF):
         self.calls.append(name)
         _image(x, w)
         _same_dtype(x, w, b)
         y = F.conv2d(x, w, b, kw["stride"], kw["padding"], kw["dilation"], kw["groups"])
-        return _like_layout(F.relu(y) if relu else y, x)
+        return _like_layout(_act(y, relu, clip), x)
 
     def conv2d(self, x, w, *, padding=0, stride=1, dilation=1, groups=1):
         return self._conv("conv", x, w, None, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, False)
@@ -80,13 +93,16 @@ class FakeOps:
     def conv_bias_relu(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
         return self._conv("conv_bias_relu", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, True)
 
+    def conv_bias_relu6(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
+        return self._conv("conv_bias_relu6", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, True, 6.0)
+
     def _conv_grads(self, dz, x, w, needs, kw):
         _image(dz, x, w)
         _same_dtype(dz, x, w)
         dx, dw = _vjp(lambda a, b: F.conv2d(a, b, None, kw["stride"], kw["padding"], kw["dilation"], kw["groups"]), (x, w), dz)
         if kw.get("input_relu") and needs[0]:  # as ops: x is a ReLU's output, dx carries its backward
-            self.calls.append("dgrad_drelu")
-            dx = dx * (x > 0)
+            self.calls.append("dgrad_drelu" if kw.get("input_clip", INF) == INF else f"dgrad_drelu{kw['input_clip']:g}")
+            dx = dx * _mask(x, kw.get("input_clip", INF))
         return dx if needs[0] else None, dw if needs[1] else None
 
     def conv2d_backward(self, dy, x, w, *, needs=(True, True), **kw):
@@ -98,9 +114,9 @@ class FakeOps:
         dx, dw = self._conv_grads(dy, x, w, needs, kw)
         return dx, dw, dy.sum((0, 2, 3)) if needs[2] else None
 
-    def conv_bias_relu_backward(self, dy, x, w, y, *, needs=(True, True, True), **kw):
+    def conv_bias_relu_backward(self, dy, x, w, y, *, needs=(True, True, True), upper_clip=INF, **kw):
         self.calls.append("conv_bias_relu_backward")
-        dz = dy * (y > 0)
+        dz = dy * _mask(y, upper_clip)
         dx, dw = self._conv_grads(dz, x, w, needs, kw)
         return dx, dw, dz.sum((0, 2, 3)) if needs[2] else None
 
@@ -152,8 +168,9 @@ class FakeOps:
         c = x.shape[1]
         return torch.ones(c), torch.zeros(c), (torch.empty(c), torch.empty(c))
 
-    def batchnorm(self, x, gamma, beta, running_mean=None, running_var=None, *, epsilon=1e-5, momentum=0.1, relu=False):
-        self.calls.append("batchnorm_relu" if relu else "batchnorm")
+    def batchnorm(self, x, gamma, beta, running_mean=None, running_var=None, *, epsilon=1e-5, momentum=0.1, relu=False,
+                  upper_clip=INF):
+        self.calls.append(("batchnorm_relu" + ("6" if upper_clip == 6 else "")) if relu else "batchnorm")
         _image(x)
         for v, n in ((gamma, "gamma"), (beta, "beta")) + (((running_mean, "running_mean"), (running_var, "running_var"))
                                                           if running_mean is not None else ()):
@@ -162,7 +179,7 @@ class FakeOps:
         mean, var = xd.mean((0, 2, 3)), xd.var((0, 2, 3), unbiased=False)
         inv = (var + epsilon).rsqrt()
         y = (xd - mean.view(1, -1, 1, 1)) * (inv * gamma.double()).view(1, -1, 1, 1) + beta.double().view(1, -1, 1, 1)
-        y = _like_layout((F.relu(y) if relu else y).to(x.dtype), x)
+        y = _like_layout(_act(y, relu, upper_clip).to(x.dtype), x)
         sd = torch.float64 if x.dtype == torch.float64 else F32  # float32 statistics, as the patterns (float64 runs stay exact)
         if running_mean is None:
             return y, mean.to(sd), inv.to(sd)
@@ -171,12 +188,12 @@ class FakeOps:
         new_rv = running_var.double() * (1 - momentum) + var * (m / (m - 1)) * momentum
         return y, mean.to(sd), inv.to(sd), new_rm.to(sd), new_rv.to(sd)
 
-    def batchnorm_backward(self, dy, x, gamma, mean, inv_var, *, y=None, needs=(True, True, True)):
+    def batchnorm_backward(self, dy, x, gamma, mean, inv_var, *, y=None, needs=(True, True, True), upper_clip=INF):
         self.calls.append("batchnorm_relu_backward" if y is not None else "batchnorm_backward")
         _image(dy, x)
         _channel(gamma, "gamma")
         if y is not None:
-            dy = dy * (y > 0)
+            dy = dy * _mask(y, upper_clip)
         m = x.shape[0] * x.shape[2] * x.shape[3]
         d, xd = dy.double(), x.double()
         mu, inv, g = (v.double().view(1, -1, 1, 1) for v in (mean, inv_var, gamma))
@@ -186,18 +203,18 @@ class FakeOps:
         out = (dx.to(x.dtype), dgamma.float(), dbeta.float())
         return tuple(r if n else None for r, n in zip(out, needs))
 
-    def channel_scale_shift(self, x, gamma=None, beta=None, *, relu=False):
-        self.calls.append("scale_shift_relu" if relu else "scale_shift")
+    def channel_scale_shift(self, x, gamma=None, beta=None, *, relu=False, upper_clip=INF):
+        self.calls.append(("scale_shift_relu" + ("6" if upper_clip == 6 else "")) if relu else "scale_shift")
         _image(x)
         _channel(gamma, "gamma")
         _channel(beta, "beta")
         y = x.double() * gamma.double().view(1, -1, 1, 1) + beta.double().view(1, -1, 1, 1)
-        return _like_layout((F.relu(y) if relu else y).to(x.dtype), x)
+        return _like_layout(_act(y, relu, upper_clip).to(x.dtype), x)
 
-    def channel_scale_shift_backward(self, dy, x, gamma=None, *, y=None, needs=(True, True, True)):
+    def channel_scale_shift_backward(self, dy, x, gamma=None, *, y=None, needs=(True, True, True), upper_clip=INF):
         self.calls.append("scale_shift_backward")
         if y is not None:
-            dy = dy * (y > 0)
+            dy = dy * _mask(y, upper_clip)
         dx = (dy.double() * gamma.double().view(1, -1, 1, 1)).to(dy.dtype) if needs[0] else None
         dg = (dy.double() * x.double()).sum((0, 2, 3)).float() if needs[1] else None
         db = dy.double().sum((0, 2, 3)).float() if needs[2] else None
@@ -205,18 +222,19 @@ class FakeOps:
 
     # pointwise
     def call(self, name, *operands, out=None, **attrs):
-        assert name == "relu" and not attrs, name
-        self.calls.append("relu")
+        assert name == "relu" and set(attrs) <= {"upper_clip"}, name
+        clip = attrs.get("upper_clip", INF)
+        self.calls.append("relu" if clip == INF else f"relu{clip:g}")
         (x,) = operands
-        y = x.clamp_min(0)
+        y = x.clamp(0, clip)
         if out is not None:
             out.copy_(y)
             return out
         return y
 
-    def relu_backward(self, dy, y):
+    def relu_backward(self, dy, y, *, upper_clip=INF):
         _same_dtype(dy, y)
-        return dy * (y > 0)
+        return dy * _mask(y, upper_clip)
 
 
 class FakePool:
@@ -365,6 +383,8 @@ def test_constructors_take_torch_arguments():
     [
         (lambda: ft.Conv2d(3, 4, 3, activation="gelu"), "activation"),
         (lambda: ft.Linear(3, 4, activation="tanh"), "activation"),
+        (lambda: ft.Linear(3, 4, activation="relu6"), "activation"),  # no clipped-ReLU matmul graph
+        (lambda: ft.ConvTranspose2d(3, 4, 3, activation="relu6"), "activation"),
         (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
         (lambda: ft.MaxPool2d(2, dilation=2), "dilation"),
         (lambda: ft.MaxPool2d(2, return_indices=True), "return_indices"),
@@ -543,6 +563,80 @@ def test_relu_inplace_and_out_of_place(fake):
     assert y2 is not b and torch.equal(b, x) and torch.equal(y2, x.relu())
 
 
+def test_relu6_module_matches_torch_at_its_edges(fake):
+    """ReLU6 forward clamps to [0, 6]; its backward passes the gradient only where 0 < x < 6 (strict at
+    both ends, as PyTorch's hardtanh backward), out of place and in place."""
+    x = torch.tensor([-1.0, 0.0, 3.0, 6.0, 7.5, 5.999], dtype=torch.float64).repeat(2, 1)
+    for inplace in (False, True):
+        fake.clear()
+        a, r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y, yr = ft.ReLU6(inplace=inplace)(a * 1.0), torch.nn.ReLU6(inplace=inplace)(r * 1.0)
+        assert torch.equal(y, yr) and fake == ["relu6"]
+        g = torch.randn_like(yr)
+        y.backward(g)
+        yr.backward(g)
+        assert torch.equal(a.grad, r.grad) and torch.equal(a.grad != 0, (x > 0) & (x < 6))
+
+
+def _relu6_cnn():
+    """MobileNetV2's pieces: conv -> BN -> ReLU6, a depthwise conv -> BN -> ReLU6 (in place), a conv ->
+    ReLU6, and a Linear -> ReLU6 (no clipped matmul graph: the ReLU6 runs on its own)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU6(),
+        torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU6(inplace=True),
+        torch.nn.Conv2d(8, 6, 1), torch.nn.ReLU6(),
+        torch.nn.Flatten(), torch.nn.Linear(6 * 10 * 10, 5), torch.nn.ReLU6(),
+    ).double()
+    _randomize_bn(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.uniform_(4.0, 6.0)  # many outputs above 6: the clip matters
+                m.bias.uniform_(1.0, 2.0)
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(60.0)
+    return model
+
+
+def test_converted_relu6_model_train_and_eval_match_torch(fake):
+    ref = _relu6_cnn()
+    fk, report = ft.convert(ref)
+    assert report.counts() == {"Conv2d": 3, "BatchNorm2d": 2, "ReLU6": 4, "Linear": 1}, report
+    assert [names for names, _ in report.fused] == [
+        ("0", "1", "2"), ("3", "4", "5"), ("6", "7"), ("2", "3"), ("5", "6")], report  # the last two: dReLU6 in the dgrads
+    assert "BN+ReLU6 as one graph" in str(report)
+    x = torch.randn(3, 3, 10, 10, dtype=torch.float64)
+    with torch.no_grad():  # (on a copy: the running statistics stay as fk's)
+        probe = copy.deepcopy(ref)
+        assert float((probe[:2](x) >= 6).double().mean()) > 0.05 and float((probe[:10](x) >= 6).double().mean()) > 0.2
+    compare(fk, ref, x, tol=1e-6)
+    assert fake.count("batchnorm_relu6") == 2 and "conv_bias_relu6" in fake and "relu6" in fake  # the Linear's ReLU6 alone
+    assert fake.count("dgrad_drelu6") == 2 and "batchnorm_relu_backward" not in fake  # both BNs' dReLU6 ran in the dgrads
+    fk.eval(), ref.eval()
+    fake.clear()
+    compare(fk, ref, x, tol=1e-6)
+    assert fake[:3] == ["conv_bias_relu6"] * 3, fake  # both BNs folded into their convs, ReLU6 in the epilogue
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6"])
+def test_module_activation_argument(fake, act):
+    """Conv2d / BatchNorm2d(activation=...) compute torch.nn's layer then F.relu / F.relu6."""
+    torch.manual_seed(0)
+    f = F.relu6 if act == "relu6" else F.relu
+    x = 12 * torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    ref = torch.nn.Conv2d(3, 4, 3, padding=1).double()
+    conv = clone_as(ft.Conv2d(3, 4, 3, padding=1, activation=act).double(), ref)
+    xf, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, yr = conv(xf), f(ref(xr))
+    assert rel(y, yr) < 1e-12 and (act == "relu" or bool((yr == 6).any()))
+    y.sum().backward()
+    yr.sum().backward()
+    assert rel(xf.grad, xr.grad) < 1e-12
+    bn, bref = ft.BatchNorm2d(3, activation=act).double(), torch.nn.BatchNorm2d(3).double()
+    assert rel(bn(x), f(bref(x))) < 1e-6 and "activation='" + act + "'" in repr(bn)
+
+
 def test_pools_and_softmax_match_torch(fake):
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
     compare(ft.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d(3, 2, 1), x)
@@ -709,9 +803,9 @@ def test_relu_output_changed_in_place_is_not_fused(fake):
     x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
     with torch.no_grad():
         h = fk[2](fk[1](fk[0](x)))
-    assert ft._is_relu_output(h)
+    assert ft._relu_output_clip(h) == float("inf")
     h.add_(1.0)
-    assert not ft._is_relu_output(h)
+    assert ft._relu_output_clip(h) is None
     h.requires_grad_(True)
     fk[3](h).sum().backward()
     assert "dgrad_drelu" not in fake and h.grad is not None
@@ -777,18 +871,18 @@ def test_convert_report_and_what_is_left_alone():
         pass
 
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU(), MyConv(4, 4, 1), torch.nn.ReLU6(),
+        torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU(), MyConv(4, 4, 1), torch.nn.Hardswish(),
         torch.nn.MaxPool2d(2, dilation=2), torch.nn.Flatten(), torch.nn.Linear(4, 2),
     )
     fk, report = ft.convert(model)
     left = {name: (t, why) for name, t, why in report.left_alone}
     assert "0" not in left and "subclass of torch.nn.Conv2d" in left["2"][1]
-    assert left["3"] == ("ReLU6", "no fusekit module: runs in PyTorch") and "dilation" in left["4"][1]
+    assert left["3"] == ("Hardswish", "no fusekit module: runs in PyTorch") and "dilation" in left["4"][1]
     assert type(fk[0]) is ft.Conv2d and fk[0].padding_mode == "reflect" and type(fk[2]) is MyConv
     assert report.counts() == {"Conv2d": 1, "ReLU": 1, "Linear": 1}
     assert [names for names, _ in report.fused] == [("0", "1")]  # the reflect-padded conv takes its ReLU
     text = str(report)
-    for s in ("3 modules replaced", "1 fused groups", "left alone:", "ReLU6", "torch.fx", "fusekit.torch.graphed(model)"):
+    for s in ("3 modules replaced", "1 fused groups", "left alone:", "Hardswish", "torch.fx", "fusekit.torch.graphed(model)"):
         assert s in text, text
     assert "graphed" not in str(ft.convert(torch.nn.Sequential(torch.nn.Flatten()))[1])  # nothing replaced: no advice
 
@@ -858,7 +952,7 @@ TORCHVISION = {
     # model: (replaced counts, fused groups (with the convs whose dgrad takes a ReLU's backward), left-alone types)
     "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 28, {"AdaptiveAvgPool2d"}),
     "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 85, {"AdaptiveAvgPool2d"}),
-    "mobilenet_v2": ({"Conv2d": 52, "BatchNorm2d": 52, "Linear": 1}, 52, {"ReLU6", "Dropout"}),
+    "mobilenet_v2": ({"Conv2d": 52, "BatchNorm2d": 52, "ReLU6": 35, "Linear": 1}, 86, {"Dropout"}),
     "vgg11_bn": ({"Conv2d": 8, "BatchNorm2d": 8, "ReLU": 10, "MaxPool2d": 5, "Linear": 3}, 13, {"AdaptiveAvgPool2d", "Dropout"}),
 }
 

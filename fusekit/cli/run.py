@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -224,10 +225,14 @@ def torch_references() -> dict[str, TorchRef]:
     import torch
     import torch.nn.functional as F
 
-    def conv(relu: bool) -> Callable[..., Any]:
+    def act_(y: Any, upper_clip: float) -> Any:
+        """ReLU in place, clipped above at ``upper_clip`` (the patterns' attribute; ReLU6: 6)."""
+        return y.relu_() if math.isinf(upper_clip) else y.clamp_(0.0, upper_clip)
+
+    def conv(relu: bool, clip: float = math.inf) -> Callable[..., Any]:
         def f(x, w, b=None, *, padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1):
             y = F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
-            return y.relu_() if relu else y
+            return act_(y, clip) if relu else y
 
         return f
 
@@ -249,9 +254,9 @@ def torch_references() -> dict[str, TorchRef]:
         return f
 
     def bn(relu: bool) -> Callable[..., Any]:
-        def f(x, mean, var, gamma, beta):
+        def f(x, mean, var, gamma, beta, *, upper_clip=math.inf):
             y = F.batch_norm(x, mean, var, gamma, beta, training=False, momentum=0.0, eps=BN_EPS)
-            return y.relu_() if relu else y
+            return act_(y, upper_clip) if relu else y
 
         return f
 
@@ -265,13 +270,15 @@ def torch_references() -> dict[str, TorchRef]:
         "conv": TorchRef(conv(False), "F.conv2d"),
         "conv_bias": TorchRef(conv(False), "F.conv2d with bias"),
         "conv_bias_relu": TorchRef(conv(True), "F.conv2d with bias, relu_"),
+        "conv_bias_relu6": TorchRef(conv(True, 6.0), "F.conv2d with bias, clamp_(0, 6)"),
         "conv_bias_add_relu": TorchRef(conv_add_relu, "F.conv2d with bias, add_, relu_"),
         "conv_transpose_bias": TorchRef(conv_t(False), "F.conv_transpose2d with bias"),
         "conv_transpose_bias_relu": TorchRef(conv_t(True), "F.conv_transpose2d with bias, relu_"),
         "linear_bias": TorchRef(linear(False), "F.linear"),
         "linear_bias_relu": TorchRef(linear(True), "F.linear, relu_"),
         "matmul": TorchRef(torch.matmul, "torch.matmul"),
-        "relu": TorchRef(torch.relu, "torch.relu"),
+        "relu": TorchRef(lambda x, *, upper_clip=math.inf: torch.relu(x) if math.isinf(upper_clip) else torch.clamp(x, 0.0, upper_clip),
+                         "torch.relu (torch.clamp with an upper_clip)"),
         "batchnorm_inference": TorchRef(bn(False), "F.batch_norm (eval)", **bn_kw),  # type: ignore[arg-type]
         "batchnorm_inference_relu": TorchRef(bn(True), "F.batch_norm (eval), relu_", **bn_kw),  # type: ignore[arg-type]
     }

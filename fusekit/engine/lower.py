@@ -71,6 +71,13 @@ def _relu(g: Any, x: Any, upper_clip: float, name: str) -> Any:
     return g.relu(x, upper_clip=float(upper_clip), name=name) if math.isfinite(upper_clip) else g.relu(x, name=name)
 
 
+def _relu_backward(g: Any, dy: Any, y: Any, upper_clip: float, name: str) -> Any:
+    """dy where 0 < y < ``upper_clip`` (PyTorch's ReLU6 backward, strict at both ends), else 0."""
+    if math.isfinite(upper_clip):
+        return g.relu_backward(dy, y, upper_clip=float(upper_clip), name=name)
+    return g.relu_backward(dy, y, name=name)
+
+
 def _first(res: Any, k: int) -> tuple:
     """The first k real outputs of a node (optional outputs it did not make are dropped)."""
     return tuple(t for t in res if t is not None)[:k]
@@ -92,7 +99,7 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "matmul": lambda g, i, a, n: g.matmul(i["a"], i["b"], name=n),
     "bias": lambda g, i, a, n: g.bias(i["input"], i["bias"], name=n),
     "relu": lambda g, i, a, n: _relu(g, i["input"], a["upper_clip"], n),
-    "relu_backward": lambda g, i, a, n: g.relu_backward(i["loss"], i["input"], name=n),
+    "relu_backward": lambda g, i, a, n: _relu_backward(g, i["loss"], i["input"], a["upper_clip"], n),
     "channel_sum": lambda g, i, a, n: _reduce_add(g, i["input"], n),
     "batchnorm": lambda g, i, a, n: g.batchnorm(
         i["input"], i["scale"], i["bias"], in_running_mean=i["in_running_mean"], in_running_var=i["in_running_var"],

@@ -128,7 +128,7 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
         conv2d_wgrad_nchw, a["groups"], (i["image"], 1), (i["loss"], 1), a["kernel"], a["padding"], a["stride"], a["dilation"], axis=0
     ),
     "matmul": lambda i, a: np.matmul(i["a"], i["b"]),
-    "relu_backward": lambda i, a: i["loss"] * (i["input"] > 0),
+    "relu_backward": lambda i, a: i["loss"] * ((i["input"] > 0) & (i["input"] < a["upper_clip"])),
     "channel_sum": lambda i, a: _channel_sum(i["input"]),
     "batchnorm": lambda i, a: _batchnorm(i, a),
     "batchnorm_backward": lambda i, a: _batchnorm_backward(i),

@@ -282,7 +282,7 @@ OPS: dict[str, OpSig] = {
     "matmul": OpSig(("a", "b"), (), _matmul_shape),
     "bias": OpSig(("input", "bias"), (), _bias_shape),
     "relu": OpSig(("input",), ("upper_clip",), _same_shape("input"), defaults=(("upper_clip", math.inf),)),  # ReLU6: 6.0
-    "relu_backward": OpSig(("loss", "input"), (), _pair_shape),
+    "relu_backward": OpSig(("loss", "input"), ("upper_clip",), _pair_shape, defaults=(("upper_clip", math.inf),)),  # mask 0 < input < upper_clip
     "channel_sum": OpSig(("input",), (), _channel_sum_shape, True),
     "add": OpSig(("a", "b"), (), _broadcast_shape),
     "mul": OpSig(("a", "b"), (), _broadcast_shape),

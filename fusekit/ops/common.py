@@ -3,6 +3,7 @@ step and the per-channel sums over few channels."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..dispatch import call, fused_or_split
@@ -40,18 +41,26 @@ def _strides(a: Any) -> tuple:
     return a.stride() if s is None else s
 
 
-def relu_bias_grad(dy: Any, y: Any, need_db: bool) -> tuple[Any, Any]:
-    """(dz, db) of ``relu(z)`` with upstream ``dy``: relu_backward, fused with the bias gradient when wanted."""
+def clip_attrs(upper_clip: float) -> dict[str, float]:
+    """The ``upper_clip`` attribute of the ReLU patterns: none for a plain ReLU (inf, their default),
+    so plain calls keep their dispatch keys; ``{"upper_clip": 6.0}`` for ReLU6."""
+    return {} if math.isinf(upper_clip) else {"upper_clip": float(upper_clip)}
+
+
+def relu_bias_grad(dy: Any, y: Any, need_db: bool, upper_clip: float = math.inf) -> tuple[Any, Any]:
+    """(dz, db) of ``relu(z)`` (clipped above at ``upper_clip``: ReLU6 with 6) with upstream ``dy``:
+    relu_backward, fused with the bias gradient when wanted."""
+    clip = clip_attrs(upper_clip)
     if not need_db:
-        return call("relu_backward", dy, y), None
+        return call("relu_backward", dy, y, **clip), None
     k = _pixels_per_row(dy, y)
     if k > 1:
-        dz, db = relu_bias_grad(_as_rows(dy, k), _as_rows(y, k), True)
+        dz, db = relu_bias_grad(_as_rows(dy, k), _as_rows(y, k), True, upper_clip)
         return _from_rows(dz, dy.shape), _fold(db, k)
     return fused_or_split(
-        tag("relu_bias_grad", dy, y),
-        lambda: call("relu_bias_grad", dy, y),
-        lambda: (lambda d: (d, call("bias_grad", d)))(call("relu_backward", dy, y)),
+        tag("relu_bias_grad", dy, y, attrs=tuple(clip.values())),
+        lambda: call("relu_bias_grad", dy, y, **clip),
+        lambda: (lambda d: (d, call("bias_grad", d)))(call("relu_backward", dy, y, **clip)),
         like=dy,
     )
 

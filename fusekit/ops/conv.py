@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 from ..dispatch import call, fused_or_split, run
 from ..engine.patterns import get_pattern
 from ..tensors import adapter_for
-from .common import bias_grad, cast_like, empty_as, few_channels_last, relu_bias_grad, tag
+from .common import bias_grad, cast_like, clip_attrs, empty_as, few_channels_last, relu_bias_grad, tag
 from .norm import affine_identity
 
 _CONV_ATTRS = ("padding", "stride", "dilation", "groups")
@@ -27,7 +28,7 @@ def conv_bias(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dila
 
 def conv_bias_relu6(x: Any, w: Any, b: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
     """``min(max(conv2d(x, w) + b, 0), 6)`` (ReLU6, as MobileNet) as one cuDNN graph."""
-    return run("conv_bias_relu6", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b), out)
+    return _conv_epilogue("conv_bias_relu6", (x, w, b), (padding, stride, dilation, groups), out)
 
 
 def conv_bias_add(x: Any, w: Any, b: Any, z: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
@@ -46,16 +47,20 @@ def _conv_epilogue(name: str, operands: tuple, values: tuple, out: Any) -> Any:
         y = call("conv", x, w, **dict(zip(_CONV_ATTRS, values)))
         if name == "conv_bias_add_relu":
             return call("add_relu", _bias_act(y, b, False, None), operands[3], out=out)
-        return _bias_act(y, b, name == "conv_bias_relu", out)
+        return _bias_act(y, b, name in _RELU_CLIP, out, _RELU_CLIP.get(name, math.inf))
 
     return fused_or_split(tag(name, *operands, attrs=values), lambda: run(name, _CONV_ATTRS, values, operands, out), split, like=x)
 
 
-def _bias_act(y: Any, b: Any, relu: bool, out: Any) -> Any:
-    """``[relu](y + b)`` per channel as a pointwise graph (the bias in float32, as the fused graphs take it)."""
+_RELU_CLIP = {"conv_bias_relu": math.inf, "conv_bias_relu6": 6.0}
+
+
+def _bias_act(y: Any, b: Any, relu: bool, out: Any, upper_clip: float = math.inf) -> Any:
+    """``[relu](y + b)`` per channel as a pointwise graph (the bias in float32, as the fused graphs
+    take it; the ReLU clipped above at ``upper_clip``)."""
     b32 = adapter_for(b).astype(b, "float32")
     if relu:
-        return call("channel_scale_shift_relu", y, affine_identity(y)[0], b32, out=out)
+        return call("channel_scale_shift_relu", y, affine_identity(y)[0], b32, out=out, **clip_attrs(upper_clip))
     return call("channel_shift", y, b32, out=out)
 
 
@@ -125,16 +130,17 @@ def _output_padding(x_hw: Sequence[int], dy_hw: Sequence[int], k_hw: Sequence[in
     return tuple(int(x_hw[i]) - ((int(dy_hw[i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(k_hw[i]) - 1) + 1) for i in range(2))  # type: ignore[return-value]
 
 
-def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu):
+def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip=math.inf):
     conv = dict(padding=padding, stride=stride, dilation=dilation, groups=groups)
     dx = dw = None
     if need_dx:
         op = _output_padding(x.shape[2:], dz.shape[2:], w.shape[2:], padding, stride, dilation)
         if input_relu:
+            clip = clip_attrs(input_clip)
             dx = fused_or_split(
-                tag("conv_dgrad_drelu", dz, w, x, attrs=(op, padding, stride, dilation, groups)),
-                lambda: call("conv_dgrad_drelu", dz, w, x, output_padding=op, **conv),
-                lambda: call("relu_backward", call("conv_dgrad", dz, w, output_padding=op, **conv), x),
+                tag("conv_dgrad_drelu", dz, w, x, attrs=(op, padding, stride, dilation, groups, *clip.values())),
+                lambda: call("conv_dgrad_drelu", dz, w, x, output_padding=op, **conv, **clip),
+                lambda: call("relu_backward", call("conv_dgrad", dz, w, output_padding=op, **conv), x, **clip),
                 like=dz,
             )
         else:
@@ -174,42 +180,44 @@ def _wgrad(x: Any, dz: Any, kernel: tuple, conv: dict) -> Any:
     )
 
 
-def relu_backward(dy: Any, y: Any) -> Any:
-    """``dy * (y > 0)``, y the ReLU's output (or input)."""
-    return call("relu_backward", dy, y)
+def relu_backward(dy: Any, y: Any, *, upper_clip: float = math.inf) -> Any:
+    """``dy * (0 < y < upper_clip)``, y the ReLU's output (or input); ``upper_clip=6`` for ReLU6."""
+    return call("relu_backward", dy, y, **clip_attrs(upper_clip))
 
 
 def conv_bias_relu_backward(
     dy: Any, x: Any, w: Any, y: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
-    needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
+    needs: Sequence[bool] = (True, True, True), input_relu: bool = False, upper_clip: float = math.inf,
+    input_clip: float = math.inf,
 ) -> tuple[Any, Any, Any]:
-    """(dx, dw, db) of ``y = relu(conv2d(x, w) + b)``; saved: x, w, y.
+    """(dx, dw, db) of ``y = relu(conv2d(x, w) + b)`` (the ReLU clipped at ``upper_clip``: 6 for
+    :func:`conv_bias_relu6`); saved: x, w, y.
 
-    ``input_relu``: x is the output of a ReLU; dx then also carries that ReLU's backward (the
-    fused dgrad + dReLU graph), so the caller skips it."""
+    ``input_relu``: x is the output of a ReLU (clipped at ``input_clip``); dx then also carries that
+    ReLU's backward (the fused dgrad + dReLU graph), so the caller skips it."""
     need_dx, need_dw, need_db = needs
-    dz, db = relu_bias_grad(dy, y, need_db)
-    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu)
+    dz, db = relu_bias_grad(dy, y, need_db, upper_clip)
+    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip)
     return dx, dw, cast_like(db, dy)
 
 
 def conv_bias_backward(
     dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
-    needs: Sequence[bool] = (True, True, True), input_relu: bool = False,
+    needs: Sequence[bool] = (True, True, True), input_relu: bool = False, input_clip: float = math.inf,
 ) -> tuple[Any, Any, Any]:
     """(dx, dw, db) of ``y = conv2d(x, w) + b``; saved: x, w."""
     need_dx, need_dw, need_db = needs
     db = bias_grad(dy) if need_db else None
-    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu)
+    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip)
     return dx, dw, cast_like(db, dy)
 
 
 def conv2d_backward(
     dy: Any, x: Any, w: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1, groups: int = 1,
-    needs: Sequence[bool] = (True, True), input_relu: bool = False,
+    needs: Sequence[bool] = (True, True), input_relu: bool = False, input_clip: float = math.inf,
 ) -> tuple[Any, Any]:
     """(dx, dw) of ``y = conv2d(x, w)``; saved: x, w."""
-    return _conv_grads(dy, x, w, padding, stride, dilation, groups, needs[0], needs[1], input_relu)
+    return _conv_grads(dy, x, w, padding, stride, dilation, groups, needs[0], needs[1], input_relu, input_clip)
 
 
 def conv_transpose_bias_relu_backward(

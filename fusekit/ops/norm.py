@@ -3,12 +3,13 @@ ReLU), its backward, inference BN and folding into a conv, layer norm and instan
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from ..dispatch import call, fused_or_split
 from ..errors import OperandError
 from ..tensors import TensorSpec, adapter_for, make_spec
-from .common import bias_grad, tag
+from .common import bias_grad, clip_attrs, tag
 
 _IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
 
@@ -62,10 +63,10 @@ def _empty_like(x: Any, op: str = "fusekit", name: str = "x") -> Any:
 
 def batchnorm(
     x: Any, gamma: Any, beta: Any, running_mean: Any = None, running_var: Any = None, *,
-    epsilon: float = 1e-5, momentum: float = 0.1, relu: bool = False,
+    epsilon: float = 1e-5, momentum: float = 0.1, relu: bool = False, upper_clip: float = math.inf,
 ) -> tuple[Any, ...]:
-    """Training batch norm (normalize, scale, shift fused; + ReLU with ``relu``): (y, mean, inv_var
-    [, new_running_mean, new_running_var])."""
+    """Training batch norm (normalize, scale, shift fused; + ReLU with ``relu``, clipped above at
+    ``upper_clip``: 6 for ReLU6): (y, mean, inv_var [, new_running_mean, new_running_var])."""
     stats_only = running_mean is None
     if stats_only:  # the frontend's batchnorm node cannot drop its running-stat ports: feed it (0, 1), momentum 0
         ones, zeros, _ = affine_identity(x, "batchnorm")
@@ -73,19 +74,20 @@ def batchnorm(
     kw = dict(epsilon=epsilon, momentum=momentum)
     res = fused_or_split(
         tag("batchnorm_node", x),
-        lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw),
-        lambda: _bn_split_forward(x, gamma, beta, running_mean, running_var, relu, epsilon, momentum),
+        lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw, upper_clip),
+        lambda: _bn_split_forward(x, gamma, beta, running_mean, running_var, relu, epsilon, momentum, upper_clip),
     )
     return tuple(res[:3]) if stats_only else tuple(res)
 
 
-def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, kw: dict) -> tuple:
+def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, kw: dict, upper_clip: float) -> tuple:
     if not relu:
         return call("batchnorm", x, gamma, beta, rm, rv, **kw)
+    clip = clip_attrs(upper_clip)
     return fused_or_split(
-        tag("batchnorm_relu", x),
-        lambda: call("batchnorm_relu", x, gamma, beta, rm, rv, **kw),
-        lambda: (lambda r: (call("relu", r[0]),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, rm, rv, **kw)),
+        tag("batchnorm_relu", x, attrs=tuple(clip.values())),
+        lambda: call("batchnorm_relu", x, gamma, beta, rm, rv, **kw, **clip),
+        lambda: (lambda r: (call("relu", r[0], **clip),) + tuple(r[1:]))(call("batchnorm", x, gamma, beta, rm, rv, **kw)),
         like=x,  # side-effect free: the running statistics come back as new arrays
     )
 
@@ -95,7 +97,9 @@ def _count(x: Any) -> int:
     return n * h * w
 
 
-def _bn_split_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, epsilon: float, momentum: float) -> tuple:
+def _bn_split_forward(
+    x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, epsilon: float, momentum: float, upper_clip: float = math.inf,
+) -> tuple:
     """Training batch norm from reductions and one pointwise graph, for keys cuDNN's batch-norm node
     refuses (its engines want C a multiple of their vector width): mean = sum(x) / M, then the
     two-pass variance sum((x - mean)^2) / M, the C-length statistics in array math, and
@@ -105,7 +109,7 @@ def _bn_split_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: boo
     mean = bias_grad(x) / m
     var = call("centered_sq_sum", x, mean) / m
     inv = (var + epsilon) ** -0.5
-    y = batchnorm_inference(x, mean, inv, gamma, beta, relu=relu)
+    y = batchnorm_inference(x, mean, inv, gamma, beta, relu=relu, upper_clip=upper_clip)
     new_rm = rm * (1 - momentum) + mean * momentum
     new_rv = rv * (1 - momentum) + var * (momentum * m / max(m - 1, 1))
     return y, mean, inv, new_rm, new_rv
@@ -124,23 +128,26 @@ def _bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tupl
 
 
 def batchnorm_backward(
-    dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any, *, y: Any = None, needs: Sequence[bool] = (True, True, True)
+    dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any, *, y: Any = None, needs: Sequence[bool] = (True, True, True),
+    upper_clip: float = math.inf,
 ) -> tuple[Any, Any, Any]:
-    """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True))
-    the ReLU backward is fused in front (the dReLU + BN backward graph)."""
+    """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True),
+    clipped at ``upper_clip``) the ReLU backward is fused in front (the dReLU + BN backward graph)."""
+    clip = clip_attrs(upper_clip)
+
     def node() -> tuple:
         if y is None:
             return call("batchnorm_backward", dy, x, gamma, mean, inv_var)
         return fused_or_split(
-            tag("batchnorm_relu_backward", dy, x),
-            lambda: call("batchnorm_relu_backward", dy, y, x, gamma, mean, inv_var),
-            lambda: call("batchnorm_backward", call("relu_backward", dy, y), x, gamma, mean, inv_var),
+            tag("batchnorm_relu_backward", dy, x, attrs=tuple(clip.values())),
+            lambda: call("batchnorm_relu_backward", dy, y, x, gamma, mean, inv_var, **clip),
+            lambda: call("batchnorm_backward", call("relu_backward", dy, y, **clip), x, gamma, mean, inv_var),
             like=dy,
         )
 
     res = fused_or_split(
         tag("batchnorm_backward_node", dy, x), node,
-        lambda: _bn_split_backward(dy if y is None else call("relu_backward", dy, y), x, gamma, mean, inv_var),
+        lambda: _bn_split_backward(dy if y is None else call("relu_backward", dy, y, **clip), x, gamma, mean, inv_var),
     )
     return tuple(r if n else None for r, n in zip(res, needs))  # type: ignore[return-value]
 
@@ -150,22 +157,29 @@ def inv_std(running_var: Any, epsilon: float = 1e-5) -> Any:
     return (running_var + epsilon) ** -0.5
 
 
-def batchnorm_inference(x: Any, mean: Any, inv_stdev: Any, gamma: Any, beta: Any, *, relu: bool = False) -> Any:
-    """Inference batch norm from running statistics (``inv_stdev`` = :func:`inv_std` of the running variance)."""
+def batchnorm_inference(
+    x: Any, mean: Any, inv_stdev: Any, gamma: Any, beta: Any, *, relu: bool = False, upper_clip: float = math.inf,
+) -> Any:
+    """Inference batch norm from running statistics (``inv_stdev`` = :func:`inv_std` of the running
+    variance), + ReLU with ``relu`` (clipped above at ``upper_clip``)."""
     if not relu:
         return call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)
+    clip = clip_attrs(upper_clip)
     return fused_or_split(
-        tag("batchnorm_inference_relu", x),
-        lambda: call("batchnorm_inference_relu", x, mean, inv_stdev, gamma, beta),
-        lambda: call("relu", call("batchnorm_inference", x, mean, inv_stdev, gamma, beta)),
+        tag("batchnorm_inference_relu", x, attrs=tuple(clip.values())),
+        lambda: call("batchnorm_inference_relu", x, mean, inv_stdev, gamma, beta, **clip),
+        lambda: call("relu", call("batchnorm_inference", x, mean, inv_stdev, gamma, beta), **clip),
         like=x,
     )
 
 
-def channel_scale_shift(x: Any, gamma: Any = None, beta: Any = None, *, relu: bool = False) -> Any:
-    """y = x * gamma + beta per channel (either may be None), + ReLU with ``relu``; pointwise cuDNN graphs."""
+def channel_scale_shift(x: Any, gamma: Any = None, beta: Any = None, *, relu: bool = False, upper_clip: float = math.inf) -> Any:
+    """y = x * gamma + beta per channel (either may be None), + ReLU with ``relu`` (clipped above at
+    ``upper_clip``); pointwise cuDNN graphs."""
     if gamma is not None and beta is not None:
-        return call("channel_scale_shift_relu" if relu else "channel_scale_shift", x, gamma, beta)
+        if relu:
+            return call("channel_scale_shift_relu", x, gamma, beta, **clip_attrs(upper_clip))
+        return call("channel_scale_shift", x, gamma, beta)
     if relu:
         raise OperandError("channel_scale_shift", "beta", "relu=True needs both gamma and beta (fuse the ReLU behind a full scale and shift)")
     if gamma is not None:
@@ -176,13 +190,14 @@ def channel_scale_shift(x: Any, gamma: Any = None, beta: Any = None, *, relu: bo
 
 
 def channel_scale_shift_backward(
-    dy: Any, x: Any, gamma: Any = None, *, y: Any = None, needs: Sequence[bool] = (True, True, True)
+    dy: Any, x: Any, gamma: Any = None, *, y: Any = None, needs: Sequence[bool] = (True, True, True),
+    upper_clip: float = math.inf,
 ) -> tuple[Any, Any, Any]:
-    """(dx, dgamma, dbeta) of :func:`channel_scale_shift`; ``y``: its output when relu=True (the mask).
-    dgamma needs x; dx needs gamma (dx = dy when there is no gamma)."""
+    """(dx, dgamma, dbeta) of :func:`channel_scale_shift`; ``y``: its output when relu=True (the mask;
+    the ReLU clipped at ``upper_clip``). dgamma needs x; dx needs gamma (dx = dy when there is no gamma)."""
     need_dx, need_dg, need_db = needs
     if y is not None:
-        dy = call("relu_backward", dy, y)
+        dy = call("relu_backward", dy, y, **clip_attrs(upper_clip))
     dx = (call("channel_scale", dy, gamma) if gamma is not None else dy) if need_dx else None
     dg = call("scale_grad", dy, x) if need_dg else None
     db = call("shift_grad", dy) if need_db else None
