@@ -437,8 +437,10 @@ def test_converted_squeezenet_runs_its_ceil_mode_pools_on_fusekit():
         assert e_fk < max(3 * e_t, FLOOR["amp-fp16"]), f"{what}: fusekit {e_fk:.2e} vs torch {e_t:.2e}"
 
 
-@pytest.mark.parametrize("name, precision", [("resnet18", "amp-fp16"), ("resnet50", "amp-fp16"), ("resnet50", "fp32")])
-def test_converted_resnet_gradients_match_original(name, precision):
+@pytest.mark.parametrize("name, precision", [
+    ("resnet18", "amp-fp16"), ("resnet50", "amp-fp16"), ("resnet50", "fp32"), ("mobilenet_v2", "amp-fp16"), ("mobilenet_v2", "fp32"),
+])
+def test_converted_model_gradients_match_original(name, precision):
     """One training-mode backward (AMP fp16, or float32) of the converted model vs the original, both
     against a float64 copy: every parameter's gradient error within 3x the original's (or 5e-2)."""
     base = _torchvision(name)
@@ -481,7 +483,7 @@ def test_relu_backward_in_the_next_convs_dgrad_matches_float64(dtype, monkeypatc
     g = cl(torch.randn(8, 64, 14, 14, device="cuda"))
     seen = []
     real = opsconv._conv_grads
-    monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: seen.append(a[9]) or real(*a))  # input_relu
 
     def grads(model, fused):
         for m in model.modules():
@@ -504,6 +506,68 @@ def test_relu_backward_in_the_next_convs_dgrad_matches_float64(dtype, monkeypatc
     print(f"{dtype}: gradient errors vs float64, fused {max(errs[True]):.2e}, unfused {max(errs[False]):.2e}")
     for ef, eu in zip(errs[True], errs[False]):
         assert ef < max(2 * eu, TOL[dtype])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-fp16"])
+def test_converted_relu6_blocks_train_on_fused_graphs(precision, monkeypatch):
+    """MobileNetV2's inverted residual (1x1 expand -> BN -> ReLU6, depthwise 3x3 -> BN -> ReLU6, 1x1
+    project -> BN, + x), converted: in training the BNs run BN+ReLU6 graphs and the convs after a
+    ReLU6 take its backward into their dgrad; output, input and parameter gradients (training) and
+    output (eval, folded) within 3x the original's error against float64, or a floor."""
+    import fusekit.ops.conv as opsconv
+
+    class Block(torch.nn.Module):
+        def __init__(self, c=32, e=4):
+            super().__init__()
+            h = c * e
+            self.body = torch.nn.Sequential(
+                torch.nn.Conv2d(c, h, 1, bias=False), torch.nn.BatchNorm2d(h), torch.nn.ReLU6(inplace=True),
+                torch.nn.Conv2d(h, h, 3, padding=1, groups=h, bias=False), torch.nn.BatchNorm2d(h), torch.nn.ReLU6(inplace=True),
+                torch.nn.Conv2d(h, c, 1, bias=False), torch.nn.BatchNorm2d(c),
+            )
+
+        def forward(self, x):
+            return x + self.body(x)
+
+    torch.manual_seed(0)
+    base = Block().cuda().to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for m in base.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.uniform_(2.0, 4.0)  # a good share of activations above 6: the clip matters
+                m.bias.uniform_(0.5, 1.5)
+                m.running_var.uniform_(0.5, 2.0)
+    fk, report = ft().convert(base)
+    assert report.counts().get("ReLU6") == 2 and sum("BN+ReLU6" in what for _, what in report.fused) == 2, report
+    ref64 = copy.deepcopy(base).double()
+    clips, fed = [], []
+    real_bn, real_grads = ft().ops.batchnorm, opsconv._conv_grads
+    monkeypatch.setattr(ft().ops, "batchnorm", lambda *a, **k: clips.append(k.get("upper_clip")) or real_bn(*a, **k))
+    monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: fed.append(a[9:]) or real_grads(*a))
+    x = cl(torch.randn(8, 32, 14, 14, device="cuda"))
+    g = cl(torch.randn(8, 32, 14, 14, device="cuda"))
+    amp = precision == "amp-fp16"
+    errs = {}
+    for m in (fk, base, ref64):
+        m.train()
+        xi = (x.double() if m is ref64 else x.clone()).requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp and m is not ref64):
+            y = m(xi)
+        (y.double() * g.double()).sum().backward()
+        errs[id(m)] = [y.detach(), xi.grad] + [p.grad for p in m.parameters()]
+    assert clips == [6.0, 6.0, math.inf]  # the two BN+ReLU6 graphs, then the project BN alone
+    assert sorted(fed) == sorted([(False, math.inf), (True, 6.0), (True, 6.0)])  # the depthwise and project dgrads take the dReLU6
+    want = errs[id(ref64)]
+    floor = 3e-3 if precision == "fp32" else 2e-2
+    for i, (a, b, w) in enumerate(zip(errs[id(fk)], errs[id(base)], want)):
+        ef, et = rel(a, w), rel(b, w)
+        assert ef < max(3 * et, floor), f"{i}: fusekit {ef:.2e} vs torch {et:.2e}"
+    for m in (fk, base, ref64):
+        m.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+        yf, yt = fk(x), base(x)
+    y64 = ref64(x.double())
+    assert rel(yf, y64) < max(3 * rel(yt, y64), floor)
 
 
 # ----------------------------------------------------------------------------------------------
