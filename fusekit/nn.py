@@ -506,15 +506,16 @@ def _fuse(layers: Sequence[Module]) -> list[Module]:
 
 
 class MaxPool2d(Module):
-    """Max pooling (CuPy kernel; cuDNN's Python graph API has no pooling node). The argmax is kept
-    as an int32 array for the backward."""
+    """Max pooling (CuPy kernel; cuDNN's Python graph API has no pooling node), ``dilation`` and
+    ``ceil_mode`` as PyTorch's. The argmax is kept as an int32 array for the backward."""
 
-    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> None:
         self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.dilation, self.ceil_mode = dilation, ceil_mode
         self._saved: tuple | None = None
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:
-        y, argmax = pool.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+        y, argmax = pool.max_pool2d(x, self.kernel_size, self.stride, self.padding, dilation=self.dilation, ceil_mode=self.ceil_mode)
         self._saved = (argmax, x.shape)
         return y
 
@@ -525,20 +526,27 @@ class MaxPool2d(Module):
 
 
 class AvgPool2d(Module):
-    """Average pooling (CuPy kernel), PyTorch semantics (count_include_pad)."""
+    """Average pooling (CuPy kernel), PyTorch semantics (``count_include_pad``, ``ceil_mode``,
+    ``divisor_override``)."""
 
-    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True) -> None:
+    def __init__(
+        self, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, ceil_mode: bool = False,
+        divisor_override: int | None = None,
+    ) -> None:
         self.args = (kernel_size, stride, padding)
-        self.count_include_pad = count_include_pad
+        self.count_include_pad, self.ceil_mode, self.divisor_override = count_include_pad, ceil_mode, divisor_override
         self._shape: tuple | None = None
+
+    def _kw(self) -> dict[str, Any]:
+        return dict(count_include_pad=self.count_include_pad, ceil_mode=self.ceil_mode, divisor_override=self.divisor_override)
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:
         self._shape = x.shape
-        return pool.avg_pool2d(x, *self.args, count_include_pad=self.count_include_pad)
+        return pool.avg_pool2d(x, *self.args, **self._kw())
 
     def backward(self, dy: cp.ndarray) -> cp.ndarray:
         assert self._shape is not None, "backward() before forward()"
-        return pool.avg_pool2d_backward(dy, self._shape, *self.args, count_include_pad=self.count_include_pad)
+        return pool.avg_pool2d_backward(dy, self._shape, *self.args, **self._kw())
 
 
 class Softmax(Module):

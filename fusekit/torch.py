@@ -432,28 +432,32 @@ class _ReLUFn(torch.autograd.Function):
 
 
 class _MaxPool(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x, kernel_size, stride, padding, ceil_mode):  # type: ignore[override]
-        y, argmax = pool.max_pool2d(x, kernel_size, stride, padding, ceil_mode=ceil_mode)
-        ctx.save_for_backward(argmax)
-        ctx.shape = tuple(x.shape)
-        return y
+    """(y, argmax): max pooling and its int32 argmax (not differentiable), which the backward scatters through."""
 
     @staticmethod
-    def backward(ctx: Any, dy):  # type: ignore[override]
+    def forward(ctx: Any, x, kernel_size, stride, padding, ceil_mode, dilation):  # type: ignore[override]
+        y, argmax = pool.max_pool2d(x, kernel_size, stride, padding, ceil_mode=ceil_mode, dilation=dilation)
+        ctx.save_for_backward(argmax)
+        ctx.mark_non_differentiable(argmax)
+        ctx.shape = tuple(x.shape)
+        return y, argmax
+
+    @staticmethod
+    def backward(ctx: Any, dy, _):  # type: ignore[override]
         (argmax,) = ctx.saved_tensors
-        return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None, None
+        return pool.max_pool2d_backward(_like(dy, argmax), argmax, ctx.shape), None, None, None, None, None
 
 
 class _AvgPool(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad, ceil_mode):  # type: ignore[override]
-        ctx.args, ctx.shape, ctx.kw = (kernel_size, stride, padding), tuple(x.shape), dict(count_include_pad=count_include_pad, ceil_mode=ceil_mode)
+    def forward(ctx: Any, x, kernel_size, stride, padding, count_include_pad, ceil_mode, divisor_override):  # type: ignore[override]
+        ctx.args, ctx.shape = (kernel_size, stride, padding), tuple(x.shape)
+        ctx.kw = dict(count_include_pad=count_include_pad, ceil_mode=ceil_mode, divisor_override=divisor_override)
         return pool.avg_pool2d(x, kernel_size, stride, padding, **ctx.kw)
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
-        return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, **ctx.kw), None, None, None, None, None
+        return pool.avg_pool2d_backward(dy.contiguous(), ctx.shape, *ctx.args, **ctx.kw), None, None, None, None, None, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -718,56 +722,42 @@ class ChannelScaleShift(_Fusekit, torch.nn.Module):
         return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation)
 
 
-def _is_pair_of(v: Any, value: int) -> bool:
-    return all(int(e) == value for e in (v if isinstance(v, (tuple, list)) else (v, v)))
-
-
-def _only_supported(m: Any, who: str, takes: str, checks: tuple[tuple[str, bool], ...]) -> None:
-    """OperandError naming the first of ``m``'s attributes whose check fails (fusekit's pooling
-    kernels take only ``takes``)."""
-    for name, ok in checks:
-        if not ok:
-            raise OperandError(f"fusekit.torch.{who}", name, f"{getattr(m, name)!r} is not supported (fusekit's kernel takes {takes})",
-                               what="argument")
-
-
 class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
-    """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward),
-    ``ceil_mode`` too. ``dilation`` 1 and ``return_indices=False`` only (others: OperandError)."""
+    """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward), with
+    ``ceil_mode``, ``dilation`` and ``return_indices`` (int64 indices, as PyTorch's, for
+    ``F.max_unpool2d``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fk_setup()
 
-    def _fk_setup(self) -> None:
-        _only_supported(self, "MaxPool2d", "dilation=1, return_indices=False", (
-            ("dilation", _is_pair_of(self.dilation, 1)), ("return_indices", not self.return_indices)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
         if not _on_graphs(x, "MaxPool2d"):
             return torch.nn.MaxPool2d.forward(self, x)
         x = _dense(x, "MaxPool2d")
-        if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: no argmax written
-            return pool.max_pool2d(x, self.kernel_size, self.stride, self.padding, ceil_mode=self.ceil_mode, indices=False)[0]
-        return _MaxPool.apply(x, self.kernel_size, self.stride, self.padding, self.ceil_mode)
+        args = (self.kernel_size, self.stride, self.padding)
+        if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: argmax written only for return_indices
+            y, argmax = pool.max_pool2d(x, *args, ceil_mode=self.ceil_mode, dilation=self.dilation, indices=self.return_indices)
+        else:
+            y, argmax = _MaxPool.apply(x, *args, self.ceil_mode, self.dilation)
+        return (y, argmax.long()) if self.return_indices else y
 
 
 class AvgPool2d(_Fusekit, torch.nn.AvgPool2d):
-    """torch.nn.AvgPool2d through fusekit's CuPy kernel (PyTorch's divisors, ``count_include_pad`` and
-    ``ceil_mode`` too). ``divisor_override=None`` only (others: OperandError)."""
+    """torch.nn.AvgPool2d through fusekit's CuPy kernel (PyTorch's divisors; ``count_include_pad``,
+    ``ceil_mode`` and ``divisor_override`` too)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fk_setup()
-
-    def _fk_setup(self) -> None:
-        _only_supported(self, "AvgPool2d", "divisor_override=None", (("divisor_override", self.divisor_override is None),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not _on_graphs(x, "AvgPool2d"):
             return torch.nn.AvgPool2d.forward(self, x)
         stride = self.stride if self.stride is not None else self.kernel_size
-        return _AvgPool.apply(_dense(x, "AvgPool2d"), self.kernel_size, stride, self.padding, self.count_include_pad, self.ceil_mode)
+        return _AvgPool.apply(
+            _dense(x, "AvgPool2d"), self.kernel_size, stride, self.padding, self.count_include_pad, self.ceil_mode, self.divisor_override
+        )
 
 
 def _softmax_forward(m: Any, x: Any, log: bool, who: str) -> Any:

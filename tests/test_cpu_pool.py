@@ -192,6 +192,45 @@ def test_max_pool_backward_reference_is_the_gradient(geom, rng):
     np.testing.assert_allclose(pool.max_pool2d_backward_reference(dy, am, shape), g, rtol=1e-6, atol=1e-8)
 
 
+DILATED = [  # (shape, kernel, stride, padding, dilation): windows whose first taps fall in the padding too
+    ((2, 3, 9, 11), 3, 1, 1, 2), ((1, 2, 10, 7), 2, 2, 1, 3), ((2, 3, 8, 9), (3, 2), (2, 1), (1, 1), (2, 3)),
+    ((1, 1, 5, 5), 3, 1, 0, 2), ((2, 2, 12, 12), 3, 2, 1, 3),
+]
+
+
+@pytest.mark.parametrize("ceil", [False, True])
+@pytest.mark.parametrize("case", DILATED, ids=lambda c: "x".join(map(str, c[0])) + f"-k{c[1]}s{c[2]}p{c[3]}d{c[4]}".replace(" ", ""))
+def test_dilated_max_pool_reference_matches_torch(case, ceil, rng):
+    torch = pytest.importorskip("torch")
+    shape, k, s, p, d = case
+    x = rng.standard_normal(shape)
+    x[0, 0, :2, :2] = 5.0  # ties: the first tap in row-major window order wins
+    xt = torch.tensor(x, requires_grad=True)
+    yt, it = torch.nn.functional.max_pool2d(xt, k, s, p, d, ceil_mode=ceil, return_indices=True)
+    y, am = pool.max_pool2d_reference(x, k, s, p, ceil_mode=ceil, dilation=d)
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(am, it.numpy())
+    g = pool.pool2d_geometry(shape, k, s, p, ceil_mode=ceil, dilation=d)
+    assert (g.ho, g.wo) == tuple(yt.shape[2:]) and (g.dh, g.dw) == ((d, d) if isinstance(d, int) else d)
+
+
+@pytest.mark.parametrize("ceil", [False, True])
+@pytest.mark.parametrize("divisor", [1, 3, 7])
+def test_avg_pool_divisor_override_reference_matches_torch(divisor, ceil, rng):
+    torch = pytest.importorskip("torch")
+    shape = (2, 3, 9, 10)
+    x, dy_shape = rng.standard_normal(shape), None
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch.nn.functional.avg_pool2d(xt, 3, 2, 1, ceil, True, divisor)
+    y = pool.avg_pool2d_reference(x, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    dy_shape = y.shape
+    dy = rng.standard_normal(dy_shape)
+    yt.backward(torch.tensor(dy))
+    dx = pool.avg_pool2d_backward_reference(dy, shape, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("shape, axis", [((2, 4, 3, 2), 1), ((3, 5), 1), ((3, 5), 0)])
 def test_softmax_backward_references_are_the_gradients(shape, axis, rng):
     x, dy = rng.standard_normal(shape), rng.standard_normal(shape)
@@ -296,6 +335,16 @@ def test_geometry_errors(shape, args, operand, match):
         pool.pool2d_geometry(shape, *args, pattern="max_pool2d")
     assert ei.value.operand == operand
     assert str(ei.value).startswith("max_pool2d: operand ")
+
+
+@pytest.mark.parametrize("dilation, operand, match", [
+    (3, "kernel_size", r"kernel 3 dilated by 3 \(extent 7\) larger than padded input height 5 \+ 2\*0 = 5"),
+    (0, "dilation", ">= 1"), ((2, -1), "dilation", ">= 1"), (1.5, "dilation", "an int or a pair"),
+])
+def test_geometry_dilation_errors(dilation, operand, match):
+    with pytest.raises(OperandError, match=match) as ei:
+        pool.pool2d_geometry((1, 1, 5, 5), 3, 1, 0, pattern="max_pool2d", dilation=dilation)
+    assert ei.value.operand == operand
 
 
 def test_references_check_geometry():
@@ -693,6 +742,50 @@ def test_host_compiled_pool_kernels(case, dtype, layout, rng):
         ref = pool.avg_pool2d_backward_reference(dyv, (n, c, h, w), *geom, count_include_pad=cip, ceil_mode=ceil)
         assert rel(dx.values(), ref) < HOST_TOL[dtype]
         assert np.isfinite(dx.values()).all()
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("ceil", [False, True])
+@pytest.mark.parametrize("case", DILATED[:3] + [((2, 16, 9, 11), 3, 2, 1, 2)], ids=lambda c: "x".join(map(str, c[0])))
+def test_host_compiled_dilated_max_pool(case, ceil, dtype, layout, rng):
+    """Dilated windows in both max-pool kernels (with argmax; channels-last 16-byte lanes without),
+    the argmax PyTorch's index, and the backward through it."""
+    shape, k, s, p, d = case
+    x, xv = host_array(rng.standard_normal(shape), dtype, layout)
+    y, am = pool.max_pool2d(x, k, s, p, ceil_mode=ceil, dilation=d)
+    yr, amr = pool.max_pool2d_reference(xv, k, s, p, ceil_mode=ceil, dilation=d)
+    np.testing.assert_array_equal(y.values(), yr)
+    np.testing.assert_array_equal(am.a, amr)
+    pool._Launch.launched.clear()
+    yi, _ = pool.max_pool2d(x, k, s, p, ceil_mode=ceil, dilation=d, indices=False)
+    np.testing.assert_array_equal(yi.values(), yr)
+    lanes = 16 // np.dtype(STORAGE[dtype]).itemsize
+    assert pool._Launch.launched == ["max_pool_fwd_nhwc_vec" if layout == "NHWC" and shape[1] % lanes == 0 else "max_pool_fwd"]
+    dy, dyv = host_array(rng.standard_normal(yr.shape), dtype, layout)
+    dx = pool.max_pool2d_backward(dy, am, shape)
+    assert rel(dx.values(), pool.max_pool2d_backward_reference(dyv, amr, shape)) < HOST_TOL[dtype]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("divisor", [1, 5])
+def test_host_compiled_avg_pool_divisor_override(divisor, dtype, layout, rng):
+    shape = (2, 3, 9, 10)
+    x, xv = host_array(rng.standard_normal(shape), dtype, layout)
+    for ceil in (False, True):
+        y = pool.avg_pool2d(x, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+        assert rel(y.values(), pool.avg_pool2d_reference(xv, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)) < HOST_TOL[dtype]
+        dy, dyv = host_array(rng.standard_normal(y.a.shape), dtype, layout)
+        dx = pool.avg_pool2d_backward(dy, shape, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+        want = pool.avg_pool2d_backward_reference(dyv, shape, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+        assert rel(dx.values(), want) < HOST_TOL[dtype]
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(OperandError, match="divisor_override") as e:
+            pool.avg_pool2d(x, 3, divisor_override=bad)
+        assert e.value.operand == "divisor_override"
 
 
 HOST_SOFTMAX = [

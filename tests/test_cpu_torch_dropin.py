@@ -241,10 +241,10 @@ class FakePool:
     def __init__(self, calls):
         self.calls = calls
 
-    def max_pool2d(self, x, kernel_size, stride=None, padding=0, *, ceil_mode=False, indices=True):
+    def max_pool2d(self, x, kernel_size, stride=None, padding=0, *, ceil_mode=False, indices=True, dilation=1):
         self.calls.append("max_pool2d")
         _image(x)
-        y, idx = F.max_pool2d(x, kernel_size, stride, padding, ceil_mode=ceil_mode, return_indices=True)
+        y, idx = F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode, return_indices=True)
         return y, (idx.to(torch.int32) if indices else None)
 
     def max_pool2d_backward(self, dy, argmax, input_shape):
@@ -253,14 +253,16 @@ class FakePool:
         dx.scatter_add_(2, argmax.long().reshape(n, c, -1), dy.reshape(n, c, -1))
         return dx.reshape(n, c, h, w)
 
-    def avg_pool2d(self, x, kernel_size, stride=None, padding=0, count_include_pad=True, *, ceil_mode=False):
+    def avg_pool2d(self, x, kernel_size, stride=None, padding=0, count_include_pad=True, *, ceil_mode=False, divisor_override=None):
         self.calls.append("avg_pool2d")
         _image(x)
-        return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
+        return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
-    def avg_pool2d_backward(self, dy, input_shape, kernel_size, stride=None, padding=0, count_include_pad=True, ceil_mode=False):
+    def avg_pool2d_backward(self, dy, input_shape, kernel_size, stride=None, padding=0, count_include_pad=True, ceil_mode=False,
+                            divisor_override=None):
         z = torch.zeros(input_shape, dtype=dy.dtype)
-        return _vjp(lambda a: F.avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad), (z,), dy)[0]
+        f = lambda a: F.avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)  # noqa: E731
+        return _vjp(f, (z,), dy)[0]
 
     def softmax(self, x, axis=1):
         self.calls.append("softmax")
@@ -386,9 +388,6 @@ def test_constructors_take_torch_arguments():
         (lambda: ft.Linear(3, 4, activation="relu6"), "activation"),  # no clipped-ReLU matmul graph
         (lambda: ft.ConvTranspose2d(3, 4, 3, activation="relu6"), "activation"),
         (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
-        (lambda: ft.MaxPool2d(2, dilation=2), "dilation"),
-        (lambda: ft.MaxPool2d(2, return_indices=True), "return_indices"),
-        (lambda: ft.AvgPool2d(2, divisor_override=3), "divisor_override"),
     ],
 )
 def test_unsupported_arguments_are_operand_errors(make, operand):
@@ -637,6 +636,28 @@ def test_module_activation_argument(fake, act):
     assert rel(bn(x), f(bref(x))) < 1e-6 and "activation='" + act + "'" in repr(bn)
 
 
+@pytest.mark.parametrize("ceil", [False, True])
+def test_pool_arguments_match_torch(fake, ceil):
+    """MaxPool2d with dilation and return_indices (int64 indices, F.max_unpool2d takes them), and
+    AvgPool2d with divisor_override, forward and backward as torch.nn's."""
+    x = torch.randn(2, 3, 11, 10, dtype=torch.float64)
+    for make in (lambda m: m(3, 2, 1, dilation=2, ceil_mode=ceil), lambda m: m((3, 2), (1, 2), (1, 1), (2, 3), ceil_mode=ceil)):
+        compare(make(ft.MaxPool2d), make(torch.nn.MaxPool2d), x)
+    fk, ref = ft.MaxPool2d(2, 2, return_indices=True, ceil_mode=ceil), torch.nn.MaxPool2d(2, 2, return_indices=True, ceil_mode=ceil)
+    for grad in (True, False):
+        xf = x.clone().requires_grad_(grad)
+        (y, i), (yr, ir) = fk(xf), ref(x)
+        assert torch.equal(y, yr) and i.dtype == torch.int64 and torch.equal(i, ir)
+        assert torch.equal(F.max_unpool2d(y, i, 2, 2, output_size=x.shape[2:]), F.max_unpool2d(yr, ir, 2, 2, output_size=x.shape[2:]))
+    xf = x.clone().requires_grad_(True)
+    fk(xf)[0].sum().backward()
+    xr = x.clone().requires_grad_(True)
+    ref(xr)[0].sum().backward()
+    assert torch.equal(xf.grad, xr.grad)
+    for d in (1, 4):
+        compare(ft.AvgPool2d(3, 2, 1, ceil_mode=ceil, divisor_override=d), torch.nn.AvgPool2d(3, 2, 1, ceil_mode=ceil, divisor_override=d), x)
+
+
 def test_pools_and_softmax_match_torch(fake):
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
     compare(ft.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d(3, 2, 1), x)
@@ -877,12 +898,12 @@ def test_convert_report_and_what_is_left_alone():
     fk, report = ft.convert(model)
     left = {name: (t, why) for name, t, why in report.left_alone}
     assert "0" not in left and "subclass of torch.nn.Conv2d" in left["2"][1]
-    assert left["3"] == ("Hardswish", "no fusekit module: runs in PyTorch") and "dilation" in left["4"][1]
+    assert left["3"] == ("Hardswish", "no fusekit module: runs in PyTorch") and "4" not in left
     assert type(fk[0]) is ft.Conv2d and fk[0].padding_mode == "reflect" and type(fk[2]) is MyConv
-    assert report.counts() == {"Conv2d": 1, "ReLU": 1, "Linear": 1}
+    assert report.counts() == {"Conv2d": 1, "ReLU": 1, "MaxPool2d": 1, "Linear": 1}
     assert [names for names, _ in report.fused] == [("0", "1")]  # the reflect-padded conv takes its ReLU
     text = str(report)
-    for s in ("3 modules replaced", "1 fused groups", "left alone:", "Hardswish", "torch.fx", "fusekit.torch.graphed(model)"):
+    for s in ("4 modules replaced", "1 fused groups", "left alone:", "Hardswish", "torch.fx", "fusekit.torch.graphed(model)"):
         assert s in text, text
     assert "graphed" not in str(ft.convert(torch.nn.Sequential(torch.nn.Flatten()))[1])  # nothing replaced: no advice
 

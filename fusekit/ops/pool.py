@@ -51,6 +51,8 @@ class PoolGeometry(NamedTuple):
     pw: int
     ho: int
     wo: int
+    dh: int = 1  # dilation (max pooling): window taps dh rows / dw columns apart
+    dw: int = 1
 
 
 def _pair(pattern: str, name: str, v: Any, minimum: int) -> tuple[int, int]:
@@ -69,15 +71,15 @@ def _pair(pattern: str, name: str, v: Any, minimum: int) -> tuple[int, int]:
 
 def pool2d_geometry(
     input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0, pattern: str = "pool2d",
-    ceil_mode: bool = False,
+    ceil_mode: bool = False, dilation: Any = 1,
 ) -> PoolGeometry:
     """Check pooling attributes against an (N, C, H, W) shape; output size by PyTorch's formula (floor,
     or with ``ceil_mode`` one more window where the last would start inside the input or its left
     padding; every window then still covers real input, and the kernels clip windows to it).
+    ``dilation`` (max pooling) spreads a window's taps, its extent (k - 1) * d + 1.
 
-    Raises OperandError for a non-4-D shape, kernel or stride < 1, padding < 0 or more than half the
-    kernel (PyTorch's limit, which keeps every window on real input), or a kernel larger than the
-    padded input.
+    Raises OperandError for a non-4-D shape, kernel, stride or dilation < 1, padding < 0 or more than
+    half the kernel (PyTorch's limit), or a (dilated) kernel larger than the padded input.
     """
     shape = tuple(int(s) for s in input_shape)
     if len(shape) != 4:
@@ -87,19 +89,23 @@ def pool2d_geometry(
     kh, kw = _pair(pattern, "kernel_size", kernel_size, 1)
     sh, sw = _pair(pattern, "stride", kernel_size if stride is None else stride, 1)
     ph, pw = _pair(pattern, "padding", padding, 0)
+    dh, dw = _pair(pattern, "dilation", dilation, 1)
     _, _, h, w = shape
-    for axis, k, p, size in (("height", kh, ph, h), ("width", kw, pw, w)):
+    for axis, k, p, d, size in (("height", kh, ph, dh, h), ("width", kw, pw, dw, w)):
         if 2 * p > k:
             raise OperandError(pattern, "padding", f"{axis} padding {p} is more than half the kernel {k}")
-        if k > size + 2 * p:
-            raise OperandError(pattern, "kernel_size", f"kernel {k} larger than padded input {axis} {size} + 2*{p} = {size + 2 * p}")
-    return PoolGeometry(kh, kw, sh, sw, ph, pw, _out_size(h, kh, sh, ph, ceil_mode), _out_size(w, kw, sw, pw, ceil_mode))
+        extent = (k - 1) * d + 1
+        if extent > size + 2 * p:
+            what = f"kernel {k}" + (f" dilated by {d} (extent {extent})" if d > 1 else "")
+            raise OperandError(pattern, "kernel_size", f"{what} larger than padded input {axis} {size} + 2*{p} = {size + 2 * p}")
+    ho, wo = _out_size(h, (kh - 1) * dh + 1, sh, ph, ceil_mode), _out_size(w, (kw - 1) * dw + 1, sw, pw, ceil_mode)
+    return PoolGeometry(kh, kw, sh, sw, ph, pw, ho, wo, dh, dw)
 
 
-def _out_size(size: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
+def _out_size(size: int, extent: int, s: int, p: int, ceil_mode: bool) -> int:
     if not ceil_mode:
-        return (size + 2 * p - k) // s + 1
-    out = -(-(size + 2 * p - k) // s) + 1
+        return (size + 2 * p - extent) // s + 1
+    out = -(-(size + 2 * p - extent) // s) + 1
     return out - 1 if (out - 1) * s >= size + p else out
 
 
@@ -113,15 +119,18 @@ def _axis(pattern: str, axis: Any, ndim: int) -> int:
 # NumPy float64 references (the oracle of the tests)
 # ----------------------------------------------------------------------------------------------
 def _offsets(g: PoolGeometry, h: int, w: int, i: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Input rows and columns under window offset (i, j) of every output position, and their validity."""
-    rows = np.arange(g.ho) * g.sh - g.ph + i
-    cols = np.arange(g.wo) * g.sw - g.pw + j
+    """Input rows and columns under window tap (i, j) of every output position, and their validity."""
+    rows = np.arange(g.ho) * g.sh - g.ph + i * g.dh
+    cols = np.arange(g.wo) * g.sw - g.pw + j * g.dw
     valid = ((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :]
     return np.clip(rows, 0, h - 1), np.clip(cols, 0, w - 1), valid
 
 
-def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool) -> np.ndarray:
-    """(Ho, Wo) divisors as PyTorch: window clipped to the padded input, or to the input without pad."""
+def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool, divisor_override: int | None = None) -> np.ndarray:
+    """(Ho, Wo) divisors as PyTorch: window clipped to the padded input, or to the input without pad
+    (or ``divisor_override`` everywhere)."""
+    if divisor_override is not None:
+        return np.full((g.ho, g.wo), float(divisor_override))
     def span(n_out: int, s: int, p: int, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         start = np.arange(n_out) * s - p
         end = np.minimum(start + k, size + p)
@@ -133,18 +142,22 @@ def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool) -> np
 
 
 def max_pool2d_reference(
-    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0, ceil_mode: bool = False
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0, ceil_mode: bool = False, dilation: Any = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 max pooling of (N, C, H, W) and int64 argmax (flat h*W+w in the input plane).
 
     As PyTorch: padding never wins, ties keep the first position in row-major window order, NaN wins.
     """
     x = np.asarray(x, dtype=np.float64)
-    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference", ceil_mode)
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference", ceil_mode, dilation)
     n, c, h, w = x.shape
     best = np.full((n, c, g.ho, g.wo), -np.inf)
-    first_h = np.maximum(np.arange(g.ho) * g.sh - g.ph, 0)
-    first_w = np.maximum(np.arange(g.wo) * g.sw - g.pw, 0)
+
+    def first(n_out: int, s: int, p: int, d: int) -> np.ndarray:  # the window's first tap inside the input
+        start = np.arange(n_out) * s - p
+        return np.where(start < 0, start + (-start + d - 1) // d * d, start)
+
+    first_h, first_w = first(g.ho, g.sh, g.ph, g.dh), first(g.wo, g.sw, g.pw, g.dw)
     idx = np.broadcast_to((first_h[:, None] * w + first_w[None, :]), best.shape).astype(np.int64)
     for i in range(g.kh):
         for j in range(g.kw):
@@ -167,7 +180,8 @@ def max_pool2d_backward_reference(dy: np.ndarray, argmax: np.ndarray, input_shap
 
 
 def avg_pool2d_reference(
-    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, ceil_mode: bool = False
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, ceil_mode: bool = False,
+    divisor_override: int | None = None,
 ) -> np.ndarray:
     """float64 average pooling of (N, C, H, W) with PyTorch's divisors (zero padding)."""
     x = np.asarray(x, dtype=np.float64)
@@ -178,12 +192,12 @@ def avg_pool2d_reference(
         for j in range(g.kw):
             rows, cols, valid = _offsets(g, h, w, i, j)
             total += np.where(valid, x[:, :, rows[:, None], cols[None, :]], 0.0)
-    return total / _avg_divisor(g, h, w, count_include_pad)
+    return total / _avg_divisor(g, h, w, count_include_pad, divisor_override)
 
 
 def avg_pool2d_backward_reference(
     dy: np.ndarray, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
-    count_include_pad: bool = True, ceil_mode: bool = False,
+    count_include_pad: bool = True, ceil_mode: bool = False, divisor_override: int | None = None,
 ) -> np.ndarray:
     """float64 gradient of avg_pool2d_reference with respect to its input."""
     dy = np.asarray(dy, dtype=np.float64)
@@ -191,7 +205,7 @@ def avg_pool2d_backward_reference(
     g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, "avg_pool2d_backward_reference", ceil_mode)
     if dy.shape != (n, c, g.ho, g.wo):
         raise OperandError("avg_pool2d_backward_reference", "dy", f"expected shape {(n, c, g.ho, g.wo)}, got {dy.shape}")
-    share = dy / _avg_divisor(g, h, w, count_include_pad)
+    share = dy / _avg_divisor(g, h, w, count_include_pad, divisor_override)
     dxp = np.zeros((n, c, h + 2 * g.ph + g.kh, w + 2 * g.pw + g.kw))
     for i in range(g.kh):
         for j in range(g.kw):
@@ -274,23 +288,29 @@ __device__ __forceinline__ void decode(long long i, int C, int H, int W, int cl,
     else    { w = (int)(i % W); i /= W; h = (int)(i % H); i /= H; c = (int)(i % C); n = (int)(i / C); }
 }
 
+// A window's taps along one axis: from its first tap inside the input (s), d apart, below e.
+__device__ __forceinline__ void taps(int o, int st, int p, int k, int d, int size, int& s, int& e) {
+    s = o * st - p;
+    e = imin(s + (k - 1) * d + 1, size);
+    if (s < 0) s += ((-s + d - 1) / d) * d;
+}
+
 // One thread per output; padding never wins; ties keep the first window position; NaN wins.
 extern "C" __global__ void max_pool_fwd(
     const T* x, T* y, int* am, long long total, int C, int H, int W, int Ho, int Wo,
-    int kh, int kw, int sh, int sw, int ph, int pw,
+    int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw,
     long long xn, long long xc, long long xh, long long xw,
     long long yn, long long yc, long long yh, long long yw, int cl, int want_idx) {
     GRID_LOOP(i, total) {
-        int n, c, ho, wo;
+        int n, c, ho, wo, hs, he, ws, we;
         decode(i, C, Ho, Wo, cl, n, c, ho, wo);
-        int hs = ho * sh - ph, ws = wo * sw - pw;
-        const int he = imin(hs + kh, H), we = imin(ws + kw, W);
-        hs = imax(hs, 0); ws = imax(ws, 0);
+        taps(ho, sh, ph, kh, dh, H, hs, he);
+        taps(wo, sw, pw, kw, dw, W, ws, we);
         const T* xp = x + (n * xn + c * xc);
         float best = neg_inf();
         int arg = hs * W + ws;
-        for (int h = hs; h < he; ++h) {
-            for (int w = ws; w < we; ++w) {
+        for (int h = hs; h < he; h += dh) {
+            for (int w = ws; w < we; w += dw) {
                 const float v = ld(xp, h * xh + w * xw);
                 if (v > best || v != v) { best = v; arg = h * W + w; }
             }
@@ -309,7 +329,8 @@ extern "C" __global__ void max_pool_fwd(
 union Pack { uint4 u; T e[VEC]; };
 
 extern "C" __global__ void max_pool_fwd_nhwc_vec(
-    const T* x, T* y, int total, int C, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, int ph, int pw) {
+    const T* x, T* y, int total, int C, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, int ph, int pw,
+    int dh, int dw) {
     const int groups = C / VEC;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
         const int g = i % groups;
@@ -317,15 +338,15 @@ extern "C" __global__ void max_pool_fwd_nhwc_vec(
         const int wo = t % Wo; t /= Wo;
         const int ho = t % Ho;
         const int n = t / Ho;
-        int hs = ho * sh - ph, ws = wo * sw - pw;
-        const int he = imin(hs + kh, H), we = imin(ws + kw, W);
-        hs = imax(hs, 0); ws = imax(ws, 0);
+        int hs, he, ws, we;
+        taps(ho, sh, ph, kh, dh, H, hs, he);
+        taps(wo, sw, pw, kw, dw, W, ws, we);
         float best[VEC];
         #pragma unroll
         for (int j = 0; j < VEC; ++j) best[j] = neg_inf();
         const T* xn = x + (long long)n * H * W * C + g * VEC;
-        for (int h = hs; h < he; ++h) {
-            for (int w = ws; w < we; ++w) {
+        for (int h = hs; h < he; h += dh) {
+            for (int w = ws; w < we; w += dw) {
                 Pack v;
                 v.u = *reinterpret_cast<const uint4*>(xn + ((long long)h * W + w) * C);
                 #pragma unroll
@@ -374,25 +395,26 @@ extern "C" __global__ void cast_f32(const float* a, T* o, long long total) {
     GRID_LOOP(i, total) st(o, i, a[i]);
 }
 
-// PyTorch's divisor: the window clipped to the padded input (count_include_pad) or to the input.
+// PyTorch's divisor: the window clipped to the padded input (count_include_pad) or to the input;
+// div_override > 0 replaces it (divisor_override).
 __device__ __forceinline__ int avg_window(int ho, int wo, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw,
-                                          int cip, int& hs, int& he, int& ws, int& we) {
+                                          int cip, int div_override, int& hs, int& he, int& ws, int& we) {
     hs = ho * sh - ph; ws = wo * sw - pw;
     he = imin(hs + kh, H + ph); we = imin(ws + kw, W + pw);
     const int padded = (he - hs) * (we - ws);
     hs = imax(hs, 0); ws = imax(ws, 0); he = imin(he, H); we = imin(we, W);
-    return cip ? padded : (he - hs) * (we - ws);
+    return div_override > 0 ? div_override : cip ? padded : (he - hs) * (we - ws);
 }
 
 extern "C" __global__ void avg_pool_fwd(
     const T* x, T* y, long long total, int C, int H, int W, int Ho, int Wo,
-    int kh, int kw, int sh, int sw, int ph, int pw, int cip,
+    int kh, int kw, int sh, int sw, int ph, int pw, int cip, int div_override,
     long long xn, long long xc, long long xh, long long xw,
     long long yn, long long yc, long long yh, long long yw, int cl) {
     GRID_LOOP(i, total) {
         int n, c, ho, wo, hs, he, ws, we;
         decode(i, C, Ho, Wo, cl, n, c, ho, wo);
-        const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, hs, he, ws, we);
+        const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, div_override, hs, he, ws, we);
         const T* xp = x + (n * xn + c * xc);
         float s = 0.f;
         for (int h = hs; h < he; ++h)
@@ -404,7 +426,7 @@ extern "C" __global__ void avg_pool_fwd(
 // One thread per input element, gathering from the windows that cover it (deterministic).
 extern "C" __global__ void avg_pool_bwd(
     const T* dy, T* dx, long long total, int C, int H, int W, int Ho, int Wo,
-    int kh, int kw, int sh, int sw, int ph, int pw, int cip,
+    int kh, int kw, int sh, int sw, int ph, int pw, int cip, int div_override,
     long long dn, long long dc, long long dh, long long dw,
     long long xn, long long xc, long long xh, long long xw, int cl) {
     GRID_LOOP(i, total) {
@@ -417,7 +439,7 @@ extern "C" __global__ void avg_pool_bwd(
         for (int ho = hos; ho < hoe; ++ho) {
             for (int wo = wos; wo < woe; ++wo) {
                 int hs, he, ws, we;
-                const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, hs, he, ws, we);
+                const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, div_override, hs, he, ws, we);
                 s += ld(dp, ho * dh + wo * dw) / (float)div;
             }
         }
@@ -704,10 +726,10 @@ class _Launch:
 # ----------------------------------------------------------------------------------------------
 def max_pool2d(
     x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *, ceil_mode: bool = False, out: Any = None,
-    indices: bool = True,
+    indices: bool = True, dilation: Any = 1,
 ) -> tuple[Any, Any]:
     """Max pooling of an (N, C, H, W) image, as torch.nn.functional.max_pool2d(return_indices=True)
-    (``ceil_mode`` as PyTorch's).
+    (``ceil_mode`` and ``dilation`` as PyTorch's).
 
     Padding is -inf (it never wins). Returns (y, argmax): y of x's dtype and memory layout (or
     ``out``, dense NCHW or NHWC, if given), shape (N, C, Ho, Wo); argmax int32 of y's shape and
@@ -716,7 +738,7 @@ def max_pool2d(
     """
     P = "max_pool2d"
     xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
-    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode)
+    g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode, dilation)
     n, c, h, w = xo.shape
     _check_plane(P, "x", h, w)
     yshape = (n, c, g.ho, g.wo)
@@ -728,12 +750,12 @@ def max_pool2d(
         if (not indices and xo.layout == ylayout == "NHWC" and c % vec == 0 and total // vec < 2**31
                 and L.address(xv) % 16 == 0 and L.address(yv) % 16 == 0):  # inference, channels-last: 16-byte lanes
             L.run(xo.dtype, "max_pool_fwd_nhwc_vec", total // vec, [
-                xv, yv, *_i32(total // vec, c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw)])
+                xv, yv, *_i32(total // vec, c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)])
             return y, None
         am, amv = L.empty(xo, yshape if indices else (1, 1, 1, 1), ylayout, "int32")  # without indices: never written
         am = am if indices else None
         L.run(xo.dtype, "max_pool_fwd", total, [
-            L.view(xo), yv, amv, *_i64(total), *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw),
+            L.view(xo), yv, amv, *_i64(total), *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw),
             *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC", bool(indices)),
         ])
     return y, am
@@ -786,15 +808,25 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
     return dx
 
 
+def _divisor(pattern: str, divisor_override: Any) -> int:
+    """``divisor_override`` as the kernels take it: a positive int, or 0 for PyTorch's own divisors."""
+    if divisor_override is None:
+        return 0
+    if isinstance(divisor_override, bool) or not isinstance(divisor_override, (int, np.integer)) or not 0 < divisor_override < 2**31:
+        raise OperandError(pattern, "divisor_override", f"expected None or a positive int, got {divisor_override!r}", what="argument")
+    return int(divisor_override)
+
+
 def avg_pool2d(
     x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, *,
-    ceil_mode: bool = False, out: Any = None,
+    ceil_mode: bool = False, out: Any = None, divisor_override: int | None = None,
 ) -> Any:
     """Average pooling of an (N, C, H, W) image, as torch.nn.functional.avg_pool2d (zero padding;
-    PyTorch's divisors, ``ceil_mode``'s extra windows included); y has x's dtype and memory layout,
-    or is ``out`` (dense NCHW or NHWC) if given."""
+    PyTorch's divisors, ``ceil_mode``'s extra windows included, or ``divisor_override``); y has x's
+    dtype and memory layout, or is ``out`` (dense NCHW or NHWC) if given."""
     P = "avg_pool2d"
     xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    div = _divisor(P, divisor_override)
     g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode)
     n, c, h, w = xo.shape
     yshape = (n, c, g.ho, g.wo)
@@ -803,7 +835,7 @@ def avg_pool2d(
         y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
         L.run(xo.dtype, "avg_pool_fwd", total, [
             L.view(xo), yv, *_i64(total),
-            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad)),
+            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad), div),
             *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC"),
         ])
     return y
@@ -811,7 +843,7 @@ def avg_pool2d(
 
 def avg_pool2d_backward(
     dy: Any, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
-    count_include_pad: bool = True, ceil_mode: bool = False,
+    count_include_pad: bool = True, ceil_mode: bool = False, divisor_override: int | None = None,
 ) -> Any:
     """Gradient of avg_pool2d with respect to its input of ``input_shape`` (N, C, H, W).
 
@@ -820,6 +852,7 @@ def avg_pool2d_backward(
     """
     P = "avg_pool2d_backward"
     d = _operand(P, "dy", dy, (4,), FLOAT_DTYPES)
+    div = _divisor(P, divisor_override)
     n, c, h, w = _input_shape(P, input_shape, d)
     g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, P, ceil_mode)
     if d.shape != (n, c, g.ho, g.wo):
@@ -829,7 +862,7 @@ def avg_pool2d_backward(
         dx, dxv = L.empty(d, (n, c, h, w), d.layout)
         L.run(d.dtype, "avg_pool_bwd", total, [
             L.view(d), dxv, *_i64(total),
-            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad)),
+            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad), div),
             *_i64(*d.strides), *_i64(*_layout_strides((n, c, h, w), d.layout)), *_i32(d.layout == "NHWC"),
         ])
     return dx
