@@ -195,6 +195,48 @@ def test_pool2d_ceil_mode(lib, dtype, layout, c, geom):
         assert rel(dx, g) < TOL[dtype]
 
 
+@pytest.mark.parametrize("geom", [(3, 1, 1, 2), (2, 2, 1, 3), ((3, 2), (2, 1), (1, 1), (2, 3))], ids=["k3s1p1d2", "k2s2p1d3", "k32s21p11d23"])
+@pytest.mark.parametrize("ceil", [False, True])
+@pytest.mark.parametrize("c", [3, 64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_dilated_max_pool2d(lib, dtype, layout, c, ceil, geom):
+    """Dilated windows (taps d apart, the first inside the input): max values and argmax exactly
+    PyTorch's, the 16-byte-lane inference kernel too (C = 64 NHWC), the backward within rounding."""
+    need(lib, dtype)
+    k, s, p, d = geom
+    shape = (2, c, *HW)
+    x = make(lib, shape, dtype, layout)
+    ref_y, ref_i = F.max_pool2d(as_torch(x), k, s, p, d, ceil_mode=ceil, return_indices=True)
+    y, am = pool.max_pool2d(x, k, s, p, ceil_mode=ceil, dilation=d)
+    check_result(y, lib, dtype, ref_y.shape, layout)
+    assert torch.equal(as_torch(y), ref_y) and torch.equal(as_torch(am).long(), ref_i)
+    assert torch.equal(as_torch(pool.max_pool2d(x, k, s, p, ceil_mode=ceil, dilation=d, indices=False)[0]), ref_y)
+    dy = make(lib, tuple(ref_y.shape), dtype, layout)
+    _, (g,) = autograd(lambda a: F.max_pool2d(a, k, s, p, d, ceil_mode=ceil), [x], dy)
+    assert rel(pool.max_pool2d_backward(dy, am, shape), g) < TOL[dtype]
+
+
+@pytest.mark.parametrize("divisor", [1, 5])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_avg_pool2d_divisor_override(lib, dtype, layout, divisor):
+    need(lib, dtype)
+    shape = (2, 64, *HW)
+    x = make(lib, shape, dtype, layout)
+    for ceil in (False, True):
+        y = pool.avg_pool2d(x, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+        dy = make(lib, tuple(as_torch(y).shape), dtype, layout)
+        ref_y, (g,) = autograd(lambda a, ceil=ceil: F.avg_pool2d(a, 3, 2, 1, ceil, True, divisor), [x], dy)
+        check_result(y, lib, dtype, ref_y.shape, layout)
+        assert rel(y, ref_y) < TOL[dtype]
+        dx = pool.avg_pool2d_backward(dy, shape, 3, 2, 1, ceil_mode=ceil, divisor_override=divisor)
+        check_result(dx, lib, dtype, shape, layout)
+        assert rel(dx, g) < TOL[dtype]
+
+
 @pytest.mark.parametrize("lib", LIBS)
 def test_pool_backward_with_argmax_and_dy_in_different_layouts(lib):
     x = make(lib, (2, 64, 9, 11), "float32", "NHWC")

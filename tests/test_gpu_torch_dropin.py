@@ -154,6 +154,36 @@ def test_pool2d_ceil_mode_matches_torch(kind, args, dtype):
     assert rel(xf.grad, xr.grad) < 2 * TOL[dtype], f"dx {rel(xf.grad, xr.grad):.2e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_module_arguments_match_torch(dtype):
+    """MaxPool2d(dilation, return_indices) and AvgPool2d(divisor_override) modules on CUDA tensors:
+    outputs and indices as torch.nn's (F.max_unpool2d takes the indices), input gradients within rounding."""
+    dt = getattr(torch, dtype)
+    x = cl(torch.randn(4, 32, 15, 13, device="cuda", dtype=dt))
+    for fk, ref in ((ft().MaxPool2d(3, 2, 1, dilation=2, return_indices=True, ceil_mode=True),
+                     torch.nn.MaxPool2d(3, 2, 1, dilation=2, return_indices=True, ceil_mode=True)),
+                    (ft().MaxPool2d(2, return_indices=True), torch.nn.MaxPool2d(2, return_indices=True))):
+        xf, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        (y, i), (yr, ir) = fk(xf), ref(xr)
+        assert torch.equal(y, yr) and i.dtype == torch.int64 and torch.equal(i, ir)
+        with torch.no_grad():
+            assert torch.equal(fk(x)[1], ir)  # inference computes the indices too when asked
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        yr.backward(dy)
+        assert rel(xf.grad, xr.grad) < TOL[dtype]
+        if ref.dilation == 1:
+            assert torch.equal(F.max_unpool2d(y, i, 2), F.max_unpool2d(yr, ir, 2))
+    fk, ref = ft().AvgPool2d(3, 2, 1, divisor_override=4), torch.nn.AvgPool2d(3, 2, 1, divisor_override=4)
+    xf, xr = x.clone().requires_grad_(True), x.double().requires_grad_(True)
+    y, yr = fk(xf), ref(xr)
+    assert rel(y, yr) < TOL[dtype]
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy.double())
+    assert rel(xf.grad, xr.grad) < TOL[dtype]
+
+
 def test_conv_transpose2d_output_size():
     torch.manual_seed(0)
     fk, ref = _pair(ft().ConvTranspose2d(16, 8, 3, stride=2, padding=1), torch.nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1), "float32")
