@@ -122,6 +122,21 @@ def test_ceil_mode_pools_lower_to_fusekit_kernels(rng):
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
 
 
+def test_dilated_max_pool_and_divisor_override_lower_to_fusekit_kernels(rng):
+    """A dilated max pool and an average pool with divisor_override lower to fusekit's pool stages
+    (no torch fallback), with PyTorch's output sizes and values (the float64 reference)."""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 1, 1, dilation=2),
+                      nn.AvgPool2d(3, 2, 1, ceil_mode=True, divisor_override=4)).eval()
+    x = rng.standard_normal((2, 3, 13, 13))
+    prog = fp.lower_model(m, x.shape)
+    pools = [(s.pattern, s.out_shape[2:]) for s in prog.stages if "pool" in s.pattern]
+    assert pools == [("max_pool2d", (11, 11)), ("avg_pool2d", (6, 6))], pools
+    assert not any(s.pattern == "torch" for s in prog.stages)
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+
+
 def test_bn_folding_conv_without_bias_and_with_bias(rng):
     for bias in (False, True):
         m = nn.Sequential(nn.Conv2d(4, 6, 3, padding=2, dilation=2, bias=bias), nn.BatchNorm2d(6)).eval()

@@ -232,6 +232,22 @@ def test_ceil_mode_pools_run_on_fusekit_kernels():
     assert float((y - want).norm() / want.norm()) < 2e-2
 
 
+def test_dilated_and_divisor_override_pools_run_on_fusekit_kernels():
+    import fusekit.pipeline as fp
+
+    nn = torch.nn
+    torch.manual_seed(6)
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 1, 1, dilation=2),  # 14 -> 12
+                      nn.AvgPool2d(3, 2, 1, divisor_override=4),  # 12 -> 6
+                      nn.Flatten(), nn.Linear(32 * 6 * 6, 8)).eval().cuda()
+    pipe = fp.compile(m, torch.zeros(2, 16, 14, 14), dtype="float16", choose=False)
+    pools = [(s.pattern, e) for s, e in zip(pipe.stages, pipe.engines) if "pool" in s.pattern]
+    assert pools == [("max_pool2d", "cupy kernel"), ("avg_pool2d", "cupy kernel")], pools
+    x = torch.randn(2, 16, 14, 14, device="cuda")
+    y, want = pipe(x).float(), m(x)
+    assert float((y - want).norm() / want.norm()) < 2e-2
+
+
 def test_input_bound_when_it_is_the_input_buffer():
     _, pipe = _compiled("resnet18", 1)
     x = torch.randn(1, 3, 224, 224, device="cuda")

@@ -140,13 +140,13 @@ def import_module(model: Any, example_input: Any) -> Program:
                 st = Stage("relu", [x.name], name, name=name)
             elif single and isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
                 st = Stage("relu", [x.name], name, attrs={"upper_clip": float(mod.max_val)}, name=name)
-            elif single and isinstance(mod, nn.MaxPool2d) and not mod.return_indices and _pairs_one(mod.dilation):
+            elif single and isinstance(mod, nn.MaxPool2d) and not mod.return_indices:
                 st = Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding),
-                                                                ceil_mode=bool(mod.ceil_mode)), name=name)
-            elif single and isinstance(mod, nn.AvgPool2d) and mod.divisor_override is None:
+                                                                ceil_mode=bool(mod.ceil_mode), dilation=_p(mod.dilation)), name=name)
+            elif single and isinstance(mod, nn.AvgPool2d):
                 st = Stage("avgpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size),
                                                                 padding=_p(mod.padding), count_include_pad=bool(mod.count_include_pad),
-                                                                ceil_mode=bool(mod.ceil_mode)), name=name)
+                                                                ceil_mode=bool(mod.ceil_mode), divisor_override=mod.divisor_override), name=name)
             elif single and isinstance(mod, nn.AdaptiveAvgPool2d) and _p(mod.output_size) == (1, 1):
                 st = Stage("gap", [x.name], name, name=name)
             elif single and isinstance(mod, nn.Flatten) and flatten_ok(node):
@@ -212,7 +212,3 @@ def _p(v: Any) -> tuple[int, int]:
     if isinstance(v, (list, tuple)):
         return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
     return (int(v), int(v)) if v is not None else (0, 0)
-
-
-def _pairs_one(v: Any) -> bool:
-    return _p(v) == (1, 1)

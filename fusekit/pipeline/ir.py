@@ -124,11 +124,21 @@ def conv_out_hw(h: int, w: int, kernel, padding, stride, dilation) -> tuple[int,
     return (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1
 
 
-def pool_out_hw(h: int, w: int, kernel, stride, padding, ceil_mode: bool = False) -> tuple[int, int]:
+def pool_out_hw(h: int, w: int, kernel, stride, padding, ceil_mode: bool = False, dilation=1) -> tuple[int, int]:
     from ..ops.pool import pool2d_geometry  # the one output-size formula (floor or PyTorch's ceil_mode)
 
-    g = pool2d_geometry((1, 1, h, w), kernel, stride, padding, "pipeline pool", ceil_mode)
+    g = pool2d_geometry((1, 1, h, w), kernel, stride, padding, "pipeline pool", ceil_mode, dilation)
     return g.ho, g.wo
+
+
+def pool_options(s: Stage) -> dict[str, Any]:
+    """A maxpool / avgpool stage's options as fusekit.pool's functions and references take them:
+    ceil_mode, and dilation (max) or count_include_pad and divisor_override (average)."""
+    a = s.attrs
+    if s.kind == "maxpool":
+        return {"ceil_mode": bool(a.get("ceil_mode")), "dilation": _pair(a.get("dilation", 1))}
+    return {"ceil_mode": bool(a.get("ceil_mode")), "count_include_pad": bool(a.get("count_include_pad", True)),
+            "divisor_override": a.get("divisor_override")}
 
 
 def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -145,7 +155,8 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
         return tuple(np.broadcast_shapes(*[tuple(i) for i in ins]))
     if k in ("maxpool", "avgpool"):
         n, c, h, w = x
-        return (n, c, *pool_out_hw(h, w, s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], bool(s.attrs.get("ceil_mode"))))
+        return (n, c, *pool_out_hw(h, w, s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], bool(s.attrs.get("ceil_mode")),
+                                   s.attrs.get("dilation", 1)))
     if k == "gap":
         return (x[0], x[1], 1, 1)
     if k == "flatten":
@@ -194,11 +205,10 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         return _relu(env[s.inputs[0]], s.attrs)
     if k == "maxpool":
         a = s.attrs
-        return F.max_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), ceil_mode=bool(a.get("ceil_mode")))
+        return F.max_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
     if k in ("avgpool", "gap"):
         a = s.attrs
-        return F.avg_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]),
-                            ceil_mode=bool(a.get("ceil_mode")), count_include_pad=bool(a.get("count_include_pad", True)))
+        return F.avg_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
     if k == "softmax":
         return torch.softmax(env[s.inputs[0]], int(s.attrs["axis"]))
     if k == "add":

@@ -60,19 +60,17 @@ def import_sequential(seq: Any, example_input: Any) -> Program:
             elif kind == "Flatten":
                 add("flatten", "flatten")
             elif kind == "MaxPool2d":
-                if _pair(getattr(layer, "dilation", 1)) != (1, 1):
-                    raise UnsupportedError(f"pipeline: fusekit.nn.MaxPool2d with dilation {layer.dilation} has no pipeline rule (dilation 1 only)")
                 k = _pair(layer.kernel_size)
                 add("maxpool", "maxpool", attrs=dict(kernel_size=k, stride=_pair(layer.stride or k), padding=_pair(layer.padding),
-                                                     ceil_mode=bool(getattr(layer, "ceil_mode", False))))
+                                                     ceil_mode=bool(getattr(layer, "ceil_mode", False)),
+                                                     dilation=_pair(getattr(layer, "dilation", 1))))
             elif kind == "AvgPool2d":
-                if getattr(layer, "divisor_override", None) is not None:
-                    raise UnsupportedError("pipeline: fusekit.nn.AvgPool2d with divisor_override has no pipeline rule")
                 ks, st, pad = layer.args
                 k = _pair(ks)
                 add("avgpool", "avgpool", attrs=dict(kernel_size=k, stride=_pair(st or k), padding=_pair(pad),
                                                      count_include_pad=bool(layer.count_include_pad),
-                                                     ceil_mode=bool(getattr(layer, "ceil_mode", False))))
+                                                     ceil_mode=bool(getattr(layer, "ceil_mode", False)),
+                                                     divisor_override=getattr(layer, "divisor_override", None)))
             elif kind == "Softmax" and not layer.log:
                 add("softmax", "softmax", attrs={"axis": int(layer.axis)})
             elif kind == "ConvTranspose2d":

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..engine import oracle
 from ..ops import pool
-from .ir import Program, Stage, run_torch_stage
+from .ir import Program, Stage, pool_options, run_torch_stage
 
 
 def _conv_attrs(s: Stage) -> dict[str, Any]:
@@ -28,10 +28,9 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
     if p in ("linear_bias", "linear_bias_relu"):
         return oracle.evaluate(p, xs[0], s.weights["w"], s.weights["b"])[0]
     if p == "max_pool2d":
-        return pool.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], bool(s.attrs.get("ceil_mode")))[0]
+        return pool.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))[0]
     if p == "avg_pool2d":
-        return pool.avg_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], s.attrs.get("count_include_pad", True),
-                                         bool(s.attrs.get("ceil_mode")))
+        return pool.avg_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))
     if p == "softmax":
         return pool.softmax_reference(xs[0], s.attrs["axis"])
     if p == "reshape":

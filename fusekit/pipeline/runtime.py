@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
 from . import reference as _reference
-from .ir import FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, run_torch_stage
+from .ir import FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, pool_options, run_torch_stage
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -182,13 +182,13 @@ class Pipeline:
             self._fused[i] = (operands, attrs)
             return lambda: f(*operands, out=y, **attrs)
         if s.pattern == "max_pool2d":
-            k, st, p, ceil = a["kernel_size"], a["stride"], a["padding"], bool(a.get("ceil_mode"))
+            k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
-            return lambda: pool.max_pool2d(x, k, st, p, ceil_mode=ceil, out=y, indices=False)
+            return lambda: pool.max_pool2d(x, k, st, p, out=y, indices=False, **kw)
         if s.pattern == "avg_pool2d":
-            k, st, p, cip, ceil = a["kernel_size"], a["stride"], a["padding"], a.get("count_include_pad", True), bool(a.get("ceil_mode"))
+            k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
-            return lambda: pool.avg_pool2d(x, k, st, p, cip, ceil_mode=ceil, out=y)
+            return lambda: pool.avg_pool2d(x, k, st, p, out=y, **kw)
         if s.pattern == "softmax":
             ax = a["axis"]
             self.engines[i] = "cupy kernel"
