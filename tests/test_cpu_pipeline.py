@@ -261,6 +261,32 @@ def test_onnx_unsupported_node_is_a_fallback(rng):
 
 
 @needs_onnx
+def test_onnx_dilated_max_pool_matches_the_onnx_reference_evaluator(rng):
+    """An ONNX MaxPool with dilations and pads lowers to fusekit's max_pool2d stage; its float64 output
+    equals ONNX's own reference evaluator. AveragePool dilations and ceil_mode stay refused by name."""
+    from onnx.reference import ReferenceEvaluator
+
+    def pool_model(op, **attrs):
+        graph = helper.make_graph(
+            [helper.make_node(op, ["x"], ["y"], **attrs)], "g",
+            [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3, 13, 11])],
+            [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    model = pool_model("MaxPool", kernel_shape=[3, 2], strides=[2, 1], pads=[1, 1, 1, 1], dilations=[2, 3])
+    prog = fp.lower_model(model, (2, 3, 13, 11))
+    assert [s.pattern for s in prog.stages] == ["max_pool2d"] and prog.stages[0].attrs["dilation"] == (2, 3)
+    x = rng.standard_normal((2, 3, 13, 11))
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x})
+    got = fp.Pipeline(prog).reference(x)
+    assert got.shape == want.shape and _rel(got, want) == 0.0
+    for op, attrs in (("AveragePool", dict(dilations=[2, 2])), ("MaxPool", dict(ceil_mode=1))):
+        with pytest.raises(UnsupportedError, match=op):
+            fp.lower_model(pool_model(op, kernel_shape=[3, 3], **attrs), (2, 3, 13, 11))
+
+
+@needs_onnx
 def test_onnx_unknown_node_raises():
     graph = helper.make_graph(
         [helper.make_node("Erf", ["x"], ["y"])], "g",

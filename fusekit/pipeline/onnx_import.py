@@ -133,12 +133,15 @@ def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
             alias[out] = lin.output
             continue
         elif op in ("MaxPool", "AveragePool"):
-            if a.get("ceil_mode", 0) or any(d != 1 for d in a.get("dilations", (1, 1))) or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-                raise UnsupportedError(f"pipeline: ONNX {op} {name}: ceil_mode, dilations and auto_pad are not supported")
+            dilated = any(d != 1 for d in a.get("dilations", (1, 1)))
+            if a.get("ceil_mode", 0) or (dilated and op == "AveragePool") or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+                raise UnsupportedError(f"pipeline: ONNX {op} {name}: ceil_mode, auto_pad and AveragePool's dilations are not supported")
             kind = "maxpool" if op == "MaxPool" else "avgpool"
             at = dict(kernel_size=tuple(a["kernel_shape"]), stride=tuple(a.get("strides", (1, 1))), padding=_sym_pads(a.get("pads"), name))
             if kind == "avgpool":
                 at["count_include_pad"] = bool(a.get("count_include_pad", 0))
+            else:
+                at["dilation"] = tuple(int(d) for d in a.get("dilations", (1, 1)))
             st = Stage(kind, [v(ins[0])], out, attrs=at, name=name)
         elif op == "GlobalAveragePool":
             st = Stage("gap", [v(ins[0])], out, name=name)
