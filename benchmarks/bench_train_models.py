@@ -294,6 +294,8 @@ def main() -> None:
     ap.add_argument("--compile-precisions", nargs="+", default=["amp-fp16"], choices=list(PRECISIONS),
                     help="precisions timed under torch.compile (each compile takes minutes)")
     ap.add_argument("--quick", action="store_true", help="ResNet-18, amp-fp16 only, 3 trials of 5 steps, no torch.compile")
+    ap.add_argument("--suffix", default="", help="appended to the result files' stem (<GPU>-train-models<suffix>): a run of other "
+                    "models beside the committed table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train_models: needs a CUDA GPU")
@@ -313,7 +315,7 @@ def main() -> None:
         "trials": args.trials, "warmup": args.warmup, "compile_limit_s": args.compile_limit,
     }
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, gpu.replace(" ", "-") + "-train-models")
+    stem = os.path.join(args.out, gpu.replace(" ", "-") + "-train-models" + args.suffix)
     recs: list[dict] = []
     for name in args.models:
         for precision in args.precisions:
