@@ -83,14 +83,15 @@ class Module:
         return self.train(False)
 
 
-def _act(activation: str | None) -> str | None:
-    if activation not in (None, "relu"):
-        raise OperandError("fusekit.nn", "activation", f"expected None or 'relu', got {activation!r}")
+def _act(activation: str | None, allowed: tuple[str, ...] = ("relu",)) -> str | None:
+    if activation is not None and activation not in allowed:
+        raise OperandError("fusekit.nn", "activation", f"expected None or {' or '.join(map(repr, allowed))}, got {activation!r}")
     return activation
 
 
 class Conv2d(Module):
-    """2-D convolution + bias (+ ReLU), one cuDNN graph forward. Weight (K, C, R, S) in the layout's order."""
+    """2-D convolution + bias (+ ReLU, or ReLU6 with ``activation="relu6"``), one cuDNN graph forward.
+    Weight (K, C, R, S) in the layout's order."""
 
     def __init__(
         self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0, dilation: int = 1,
@@ -102,11 +103,11 @@ class Conv2d(Module):
         self.weight = Parameter(nhwc(w) if layout == "NHWC" else cp.ascontiguousarray(w.transpose(0, 3, 1, 2)))
         self.bias = Parameter(_uniform((out_channels,), 1 / math.sqrt(fan_in), dtype, rng))
         self.conv = dict(padding=padding, stride=stride, dilation=dilation)
-        self.activation = _act(activation)
+        self.activation = _act(activation, ("relu", "relu6"))
         self._saved: tuple | None = None
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:
-        f = ops.conv_bias_relu if self.activation == "relu" else ops.conv_bias
+        f = {"relu": ops.conv_bias_relu, "relu6": ops.conv_bias_relu6}.get(self.activation or "", ops.conv_bias)
         y = f(x, self.weight.data, self.bias.data, **self.conv)
         self._saved = (x, y if self.activation else None)
         return y
@@ -116,8 +117,9 @@ class Conv2d(Module):
             raise OperandError("fusekit.nn.Conv2d", "dy", "backward() before forward()")
         x, y = self._saved
         dy = _as_layout(dy, x)
-        if self.activation == "relu":
-            dx, dw, db = ops.conv_bias_relu_backward(dy, x, self.weight.data, y, **self.conv)
+        if self.activation:
+            clip = 6.0 if self.activation == "relu6" else math.inf
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, self.weight.data, y, upper_clip=clip, **self.conv)
         else:
             dx, dw, db = ops.conv_bias_backward(dy, x, self.weight.data, **self.conv)
         self.weight.accumulate(dw)
@@ -195,17 +197,25 @@ class Linear(Module):
 class ReLU(Module):
     """max(x, 0) as a cuDNN pointwise graph; backward by the relu_backward graph."""
 
+    upper_clip = math.inf
+
     def __init__(self) -> None:
         self._y: cp.ndarray | None = None
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:
-        self._y = ops.call("relu", x)
+        self._y = ops.call("relu", x) if math.isinf(self.upper_clip) else ops.call("relu", x, upper_clip=self.upper_clip)
         return self._y
 
     def backward(self, dy: cp.ndarray) -> cp.ndarray:
         if self._y is None:
-            raise OperandError("fusekit.nn.ReLU", "dy", "backward() before forward()")
-        return ops.relu_backward(_as_layout(dy, self._y), self._y)
+            raise OperandError(f"fusekit.nn.{type(self).__name__}", "dy", "backward() before forward()")
+        return ops.relu_backward(_as_layout(dy, self._y), self._y, upper_clip=self.upper_clip)
+
+
+class ReLU6(ReLU):
+    """min(max(x, 0), 6) (MobileNet's); its backward passes dy where 0 < y < 6, as PyTorch's."""
+
+    upper_clip = 6.0
 
 
 class Flatten(Module):
@@ -495,7 +505,7 @@ def _fuse(layers: Sequence[Module]) -> list[Module]:
             j = i + 1
             if not layer.affine and isinstance(nxt, ChannelScaleShift) and nxt.weight is not None and nxt.bias is not None and not nxt.relu:
                 ss, j = nxt, i + 2
-            relu = j < len(layers) and isinstance(layers[j], ReLU)
+            relu = j < len(layers) and type(layers[j]) is ReLU  # (not ReLU6: the fused norm graph has the plain ReLU)
             if ss is not None or relu:
                 out.append(_FusedNorm(layer, ss, relu))
                 i = j + (1 if relu else 0)

@@ -78,3 +78,25 @@ def test_sequential_without_running_stats_or_unknown_layer_is_refused(rng):
         fp.lower_model(odd, (2, 3, 16, 16))
     with pytest.raises(TypeError, match="needs an example input"):
         fp.trace(seq)
+
+
+def test_relu6_layers_lower_to_a_clipped_conv_epilogue(rng):
+    """Conv2d(activation="relu6") lowers to one conv_bias_relu6 stage, a ReLU6 layer after a conv too,
+    and a dilated max pool keeps its dilation; values as the layers' math."""
+    w1, b1 = rng.standard_normal((8, 3, 3, 3)), rng.standard_normal(8)
+    w2, b2 = rng.standard_normal((4, 8, 1, 1)), rng.standard_normal(4)
+    conv = dict(padding=1, stride=1, dilation=1)
+    seq = _layer("Sequential", layers=[
+        _layer("Conv2d", weight=_P(w1), bias=_P(b1), conv=conv, activation="relu6"),
+        _layer("Conv2d", weight=_P(w2), bias=_P(b2), conv=dict(conv, padding=0), activation=None), _layer("ReLU6"),
+        _layer("MaxPool2d", kernel_size=3, stride=1, padding=1, dilation=2, ceil_mode=False),
+    ])
+    x = 3 * rng.standard_normal((2, 3, 10, 10))
+    prog = fp.lower_model(seq, x.shape)
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu6", "max_pool2d"]
+    (y,) = oracle.evaluate("conv_bias", x, w1, b1, padding=1)
+    y = np.clip(y, 0, 6)
+    assert (y == 6).mean() > 0.05
+    (y,) = oracle.evaluate("conv_bias", y, w2, b2)
+    want = pool.max_pool2d_reference(np.clip(y, 0, 6), 3, 1, 1, dilation=2)[0]
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() < 1e-12

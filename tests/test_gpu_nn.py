@@ -65,6 +65,36 @@ def test_layers_match_torch_gradients(ieee_float32):
         assert rel(m.bias.grad, r.bias.grad) < 5e-3
 
 
+def test_relu6_layers_match_torch_gradients(ieee_float32):
+    """Conv2d(activation="relu6") and a ReLU6 layer: loss and gradients as torch's ReLU6 model's."""
+    import fusekit.nn as fnn
+
+    model = fnn.Sequential(fnn.Conv2d(3, 8, 3, padding=1, activation="relu6", seed=4), fnn.Conv2d(8, 8, 1, seed=5), fnn.ReLU6(),
+                           fnn.Flatten(), fnn.Linear(8 * 8 * 8, 10, seed=6))
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU6(), torch.nn.Conv2d(8, 8, 1), torch.nn.ReLU6(),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 10)).cuda().double()
+    pairs = [(model[0], ref[0]), (model[1], ref[2]), (model[4], ref[5])]
+    with torch.no_grad():
+        for m, r in pairs:
+            m.weight.data *= 8  # activations well above 6: the clips matter
+            r.weight.copy_(to_torch(m.weight.data))
+            r.bias.copy_(to_torch(m.bias.data))
+    x = fusekit_nhwc_random((4, 3, 8, 8))
+    x *= 3
+    with torch.no_grad():
+        assert float((ref[:2](to_torch(x)) == 6).double().mean()) > 0.05
+    labels = cp.asarray(np.random.default_rng().integers(0, 10, 4))
+    loss_fn = fnn.CrossEntropyLoss()
+    loss = loss_fn(model(x), labels)
+    model.backward(loss_fn.backward())
+    lr_ = torch.nn.functional.cross_entropy(ref(to_torch(x)), to_torch(labels).long())
+    lr_.backward()
+    assert abs(float(loss) - float(lr_)) / float(lr_) < 5e-3
+    for m, r in pairs:
+        assert rel(m.weight.grad, r.weight.grad) < 5e-3
+        assert rel(m.bias.grad, r.bias.grad) < 5e-3
+
+
 def fusekit_nhwc_random(shape):
     import fusekit
 

@@ -47,6 +47,8 @@ def import_sequential(seq: Any, example_input: Any) -> Program:
                     attrs=dict(padding=_pair(c["padding"]), stride=_pair(c["stride"]), dilation=_pair(c["dilation"]), groups=1))
                 if layer.activation == "relu":
                     add("relu", "relu")
+                elif layer.activation == "relu6":
+                    add("relu", "relu", attrs={"upper_clip": 6.0})
             elif kind == "Linear":
                 add("linear", "linear", weights={"w": _host(layer.weight.data), "b": _host(layer.bias.data)})
                 if layer.activation == "relu":
@@ -57,6 +59,8 @@ def import_sequential(seq: Any, example_input: Any) -> Program:
                     add("relu", "relu")
             elif kind == "ReLU":
                 add("relu", "relu")
+            elif kind == "ReLU6":
+                add("relu", "relu", attrs={"upper_clip": 6.0})
             elif kind == "Flatten":
                 add("flatten", "flatten")
             elif kind == "MaxPool2d":
@@ -78,7 +82,7 @@ def import_sequential(seq: Any, example_input: Any) -> Program:
             else:
                 raise UnsupportedError(
                     f"pipeline: fusekit.nn.{kind} has no pipeline rule (supported: Conv2d, ConvTranspose2d, Linear, "
-                    "BatchNorm2d, ChannelScaleShift, ReLU, Flatten, MaxPool2d, AvgPool2d, Softmax, Sequential)"
+                    "BatchNorm2d, ChannelScaleShift, ReLU, ReLU6, Flatten, MaxPool2d, AvgPool2d, Softmax, Sequential)"
                 )
 
     def _conv_transpose(layer: Any) -> None:
