@@ -227,8 +227,10 @@ def _check_act(act: str | None, who: str = "fusekit.torch", allowed: tuple[str, 
     return act
 
 
-def _clip(act: str | None) -> float | None:
-    """The upper clip of activation ``act`` (None: no activation)."""
+def _clip(act: str | bool | None) -> float | None:
+    """The upper clip of activation ``act`` (None: no activation; the Functions' older bool: ReLU or none)."""
+    if isinstance(act, bool):
+        act = "relu" if act else None
     return None if act is None else ACTIVATIONS[act]
 
 
