@@ -18,6 +18,7 @@ cp = import_or_explain("cupy", "fusekit.nn", "fusekit[cu12] (CUDA 12) or fusekit
 
 from . import ops
 from .ops import pool
+from .ops.common import ACTIVATIONS, clip_attrs
 from .errors import OperandError
 from .tensors import nhwc
 
@@ -118,8 +119,7 @@ class Conv2d(Module):
         x, y = self._saved
         dy = _as_layout(dy, x)
         if self.activation:
-            clip = 6.0 if self.activation == "relu6" else math.inf
-            dx, dw, db = ops.conv_bias_relu_backward(dy, x, self.weight.data, y, upper_clip=clip, **self.conv)
+            dx, dw, db = ops.conv_bias_relu_backward(dy, x, self.weight.data, y, upper_clip=ACTIVATIONS[self.activation], **self.conv)
         else:
             dx, dw, db = ops.conv_bias_backward(dy, x, self.weight.data, **self.conv)
         self.weight.accumulate(dw)
@@ -203,7 +203,7 @@ class ReLU(Module):
         self._y: cp.ndarray | None = None
 
     def forward(self, x: cp.ndarray) -> cp.ndarray:
-        self._y = ops.call("relu", x) if math.isinf(self.upper_clip) else ops.call("relu", x, upper_clip=self.upper_clip)
+        self._y = ops.call("relu", x, **clip_attrs(self.upper_clip))
         return self._y
 
     def backward(self, dy: cp.ndarray) -> cp.ndarray:
@@ -215,7 +215,7 @@ class ReLU(Module):
 class ReLU6(ReLU):
     """min(max(x, 0), 6) (MobileNet's); its backward passes dy where 0 < y < 6, as PyTorch's."""
 
-    upper_clip = 6.0
+    upper_clip = ACTIVATIONS["relu6"]
 
 
 class Flatten(Module):

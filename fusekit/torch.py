@@ -44,6 +44,7 @@ torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 from . import ops
 from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning
 from .ops import pool
+from .ops.common import ACTIVATIONS, clip_attrs
 
 F = torch.nn.functional
 
@@ -215,10 +216,6 @@ def _mark_relu_done(dx: torch.Tensor, relu_out: torch.Tensor) -> torch.Tensor:
 def _relu_done(dy: Any, y: torch.Tensor | None) -> bool:
     """Whether ``dy`` already has the mask of the ReLU whose output is ``y`` applied (by the consumer's dgrad)."""
     return y is not None and _tagged(dy, _RELU_DONE) == y.data_ptr()
-
-
-#: The fused activations: name -> upper clip of the ReLU.
-ACTIVATIONS = {"relu": math.inf, "relu6": 6.0}
 
 
 def _check_act(act: str | None, who: str = "fusekit.torch", allowed: tuple[str, ...] = ("relu", "relu6")) -> str | None:
@@ -414,7 +411,7 @@ class ScaleShiftAct(torch.autograd.Function):
 class _ReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, inplace, clip):  # type: ignore[override]
-        clip_kw = {} if math.isinf(clip) else {"upper_clip": clip}
+        clip_kw = clip_attrs(clip)
         if inplace:
             ops.call("relu", x, out=x, **clip_kw)
             ctx.mark_dirty(x)
@@ -705,7 +702,7 @@ class ReLU6(_Fusekit, torch.nn.ReLU6):
     ``inplace=True`` writes into x). Its backward passes the gradient where 0 < y < 6, as PyTorch's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _relu_forward(self, x, 6.0, "ReLU6", torch.nn.ReLU6.forward)
+        return _relu_forward(self, x, ACTIVATIONS["relu6"], "ReLU6", torch.nn.ReLU6.forward)
 
 
 class ChannelScaleShift(_Fusekit, torch.nn.Module):

@@ -41,6 +41,10 @@ def _strides(a: Any) -> tuple:
     return a.stride() if s is None else s
 
 
+#: The fused activations: name -> the ReLU's upper clip (the patterns' ``upper_clip``).
+ACTIVATIONS = {"relu": math.inf, "relu6": 6.0}
+
+
 def clip_attrs(upper_clip: float) -> dict[str, float]:
     """The ``upper_clip`` attribute of the ReLU patterns: none for a plain ReLU (inf, their default),
     so plain calls keep their dispatch keys; ``{"upper_clip": 6.0}`` for ReLU6."""
