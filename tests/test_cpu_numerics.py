@@ -520,6 +520,27 @@ def test_workspace_keeps_its_buffer_when_it_cannot_grow():
     assert (ws.size, ws.ptr) == (0, 0)  # nothing left: dispatch drops the calls bound to it
 
 
+def test_workspace_releases_nothing_during_a_capture(monkeypatch):
+    """Out of memory inside a CUDA-graph capture: freeing cached device memory there would silently
+    invalidate the capture (seen as a later execute's "previous error during capture"), so nothing is
+    released and the workspace keeps its buffer."""
+    released = []
+    monkeypatch.setattr(runtime, "release_cached_memory", lambda: released.append(1))
+    ad = DevAdapter()
+    ws = runtime.Workspace(ad, 0)
+    ws.ensure(4 * MiB)
+    before = (ws.size, ws.ptr)
+    ad.room = 4 * MiB
+    monkeypatch.setattr(ad, "capturing", lambda device: True, raising=False)
+    with pytest.raises(OutOfMemoryError):
+        ws.ensure(64 * MiB)
+    assert not released and (ws.size, ws.ptr) == before
+    monkeypatch.setattr(ad, "capturing", lambda device: False)
+    with pytest.raises(OutOfMemoryError):
+        ws.ensure(64 * MiB)
+    assert released == [1]  # outside a capture the cached blocks are released before the retry
+
+
 def test_calls_bound_to_a_workspace_that_lost_its_buffer_are_dropped(world):
     world.plans = [("small", MiB, False)]
     x, w, b = conv_operands("float16")

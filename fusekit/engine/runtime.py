@@ -83,7 +83,9 @@ class Workspace:
         """Grow to at least ``nbytes``. If the device is out of memory, this workspace's own buffer
         is let go and the libraries' cached blocks are released (release_cached_memory), and it is
         tried once more; if that fails too, the buffer of the old size is taken back (``size`` is 0
-        when even that fails) and the library's out-of-memory error propagates."""
+        when even that fails) and the library's out-of-memory error propagates. During a CUDA-graph
+        capture on the device nothing is released (freeing device memory there would silently
+        invalidate the capture): the error propagates and the buffer stays as it was."""
         if nbytes <= self.size:
             return
         try:
@@ -91,7 +93,7 @@ class Workspace:
             # that still reads it runs before any reuse on the same stream.
             self._owner, self.ptr = self.adapter.bytes(nbytes, self.device)
         except Exception as e:
-            if not is_out_of_memory(e):
+            if not is_out_of_memory(e) or self.adapter.capturing(self.device):
                 raise
             old = self.size
             self._owner, self.ptr, self.size = None, 0, 0  # its memory may complete the request
