@@ -14,7 +14,7 @@ Layers, each importing only from the ones below it:
 import sys as _sys
 
 from .config import __version__
-from .dispatch import call, plan_for
+from .dispatch import call, plan_for, release
 from .engine.autotune import TuneOptions, TuneResult, autotune, autotune_shapes
 from .engine.cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
 from .engine.patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
@@ -65,7 +65,7 @@ __all__ = [
     "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
     "CacheWarning", "CaptureError", "FusionWarning", "LayoutWarning", "PatternWarning", "SettingError",
     "NumericsWarning", "WorkspaceWarning",
-    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "default_cache",
+    "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "release", "default_cache",
     "conv2d_backward", "conv_bias_backward", "conv_bias_relu_backward", "relu_backward",
     "conv_transpose_bias", "conv_transpose_bias_relu", "conv_transpose_bias_relu_backward",
     "linear_bias", "linear_bias_relu", "linear_bias_backward", "linear_bias_relu_backward",

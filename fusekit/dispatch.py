@@ -124,6 +124,29 @@ def clear_dispatch() -> None:
         _FAST.clear()
 
 
+def release() -> None:
+    """Let go of fusekit's GPU-side state in this process: resolved calls, the default cache's plans
+    in memory (its disk store stays), cuDNN workspaces and this thread's cuDNN handles. Waits for the
+    device first. Later calls rebuild or reload what they need. Runs at interpreter exit too, so
+    that the frontend's objects are gone before its extension module is torn down."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+        except Exception:  # no device, or CuPy never touched one
+            pass
+    clear_dispatch()
+    _LAST_OUT.clear()
+    from .engine import cache as cache_mod
+
+    if cache_mod._default is not None:
+        cache_mod._default.clear()
+    RUNTIME.release()
+
+
 def _resolve(
     pattern: Pattern, operands: Sequence[Any], outs_given: Sequence[Any] | None, attrs: Mapping[str, Any], cache: PlanCache
 ) -> _Call:

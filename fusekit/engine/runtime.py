@@ -142,6 +142,12 @@ class Runtime:
             cudnn.set_stream(h, stream)
         return h
 
+    def release(self) -> None:
+        """Drop every workspace and the calling thread's handles (dispatch forgets its calls first)."""
+        with self._lock:
+            self._workspaces.clear()
+        self._local.handles = {}
+
     def workspace(self, adapter: Adapter, device: int, stream: int) -> Workspace:
         key = (adapter.name, device, stream)
         ws = self._workspaces.get(key)
