@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -145,6 +146,15 @@ def release() -> None:
     if cache_mod._default is not None:
         cache_mod._default.clear()
     RUNTIME.release()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """release() at interpreter exit, where a failure (a device left in an error state) is not the user's concern."""
+    try:
+        release()
+    except Exception:
+        pass
 
 
 def _resolve(

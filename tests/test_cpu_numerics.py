@@ -520,6 +520,20 @@ def test_workspace_keeps_its_buffer_when_it_cannot_grow():
     assert (ws.size, ws.ptr) == (0, 0)  # nothing left: dispatch drops the calls bound to it
 
 
+def test_release_lets_go_of_calls_plans_and_workspaces(world):
+    """fusekit.release() (also run at exit): the resolved call, the plan in memory, the workspace
+    and the handle go; the next call builds again and runs."""
+    x, w, b = conv_operands("float16")
+    fusekit.conv_bias_relu(x, w, b, padding=1)
+    cache = fusekit.default_cache()
+    assert len(dispatch._FAST) == 1 and len(cache) == 1 and world.rt._workspaces
+    built = len(world.graphs)
+    fusekit.release()
+    assert dispatch._FAST == {} and len(cache) == 0 and not world.rt._workspaces
+    fusekit.conv_bias_relu(x, w, b, padding=1)
+    assert len(world.graphs) == built + 1 and len(dispatch._FAST) == 1
+
+
 def test_workspace_releases_nothing_during_a_capture(monkeypatch):
     """Out of memory inside a CUDA-graph capture: freeing cached device memory there would silently
     invalidate the capture (seen as a later execute's "previous error during capture"), so nothing is

@@ -1,11 +1,12 @@
 """Who holds the cuDNN frontend's nanobind objects when an example exits? (2026-12-05: realuse's
 `examples/train_resnet.py --graphed --control` printed "nanobind: leaked 520 instances" at exit.)
 
-    python benchmarks/probes/probe_exit_leaks.py EXAMPLE [ARGS...] [--release]
+    python benchmarks/probes/probe_exit_leaks.py EXAMPLE [ARGS...] [--release] [--no-exit-hook]
 
 Runs the example's main() in this process, then counts the frontend's live objects by the container
 that refers to them (walking gc-tracked containers: module dicts, instance dicts, lists, tuples,
-closures). With --release, fusekit.release() runs first, as its exit hook would. Whether nanobind
+closures). With --release, fusekit.release() runs first, as its exit hook does; --no-exit-hook
+unregisters that hook (the state before it existed). Whether nanobind
 still reports a leak is printed by the interpreter after this script's own output."""
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ def frontend_objects() -> collections.Counter:
 def main() -> None:
     args = sys.argv[1:]
     release = "--release" in args
-    args = [a for a in args if a != "--release"]
+    if "--no-exit-hook" in args:
+        import atexit
+
+        import fusekit.dispatch
+
+        atexit.unregister(fusekit.dispatch._release_at_exit)
+    args = [a for a in args if a not in ("--release", "--no-exit-hook")]
     path, rest = args[0], args[1:]
     sys.argv = [path, *rest]
     ns = runpy.run_path(path, run_name="probe")
