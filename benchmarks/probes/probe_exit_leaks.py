@@ -23,7 +23,7 @@ def frontend_objects() -> collections.Counter:
     total = 0
     for c in gc.get_objects():
         for r in gc.get_referents(c):
-            if type(r).__module__.startswith("cudnn._compiled_module"):
+            if str(getattr(type(r), "__module__", "")).startswith("cudnn._compiled_module"):
                 total += 1
                 owner = type(c).__name__
                 if isinstance(c, dict):
