@@ -10,6 +10,11 @@ set -uo pipefail
 [ -d /tmp/site/cudnn ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 FUSEKIT_CACHE_DIR=${FUSEKIT_CACHE_DIR:-/tmp/fusekit-cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# test runs report any CUDA-graph capture that gets invalidated, and the event after which it did
+# (benchmarks/probes/capture_watch.py; CAPTURE_WATCH=0 turns it off)
+if [ "${CAPTURE_WATCH:-1}" = 1 ]; then
+  export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/probes PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p capture_watch" CAPTURE_WATCH_LOG=$OUT/capture_watch.log
+fi
 for part in "$@"; do
   case $part in
     probes)
@@ -43,7 +48,8 @@ for part in "$@"; do
       # the tests that measure the whole GPU (marked alone), after the shards, in one process
       FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
         tests/ > "$OUT/gpu_tests_alone.log" 2>&1
-      for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}" alone; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done ;;
+      for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}" alone; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
+      [ -s "$OUT/capture_watch.log" ] && head -40 "$OUT/capture_watch.log" | cut -c1-300 ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
