@@ -127,12 +127,14 @@ def clear_dispatch() -> None:
 
 def release() -> None:
     """Let go of fusekit's GPU-side state in this process: resolved calls, the default cache's plans
-    in memory (its disk store stays), cuDNN workspaces and this thread's cuDNN handles. Waits for the
-    device first. Later calls rebuild or reload what they need. Runs at interpreter exit too, so
-    that the frontend's objects are gone before its extension module is torn down."""
+    in memory (its disk store stays), cuDNN workspaces and this thread's cuDNN handles. Waits for
+    torch's devices (and CuPy's current one) first. Later calls rebuild or reload what they need.
+    Runs at interpreter exit too, so that the frontend's objects are gone before its extension
+    module is torn down."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         try:
