@@ -146,6 +146,24 @@ def test_oracle_matrix_kinds():
     assert_one_line_error(invoke("oracle", "matmul", "--shape", "a=4,8", "--shape", "b=7,3"), "'b'", "expected 8 rows")
 
 
+def strict_json(text: str):
+    """json.loads that refuses Infinity / NaN, as jq and other strict parsers do."""
+    def refuse(c):
+        raise ValueError(f"non-standard JSON constant {c}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_patterns_show_json_is_strict_json():
+    """A plain ReLU's upper_clip is inf: the JSON says "inf", not the Infinity jq refuses."""
+    r = invoke("patterns", "show", "relu", "--json")
+    assert r.exit_code == 0, r.output
+    assert strict_json(r.output)["attrs"] == {"upper_clip": "inf"}
+    r = invoke("patterns", "show", "relu", "--shape", "x=2,3,4,5", "--dtype", "float16", "--json")
+    assert r.exit_code == 0, r.output
+    doc = strict_json(r.output)
+    assert doc["lowered"]["shapes"]["y"] == [2, 3, 4, 5]
+
+
 def test_patterns_show_lowers_matmul():
     r = invoke("patterns", "show", "matmul", "--shape", "a=4,8", "--shape", "b=8,3", "--dtype", "float32", "--json")
     assert r.exit_code == 0, r.output

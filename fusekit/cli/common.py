@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -435,12 +436,27 @@ def text(value: Any, style: str = "") -> Any:
     return Text(str(value), style=style)
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float as the string "inf", "-inf" or "nan" (strict JSON has no
+    Infinity / NaN, which jq and other parsers refuse) and tuples as lists."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def pretty_json(obj: Any, indent: int = 0, width: int = 120, lead: int = 0) -> str:
-    """JSON one key a line, but any object or list that fits on its line (``width`` columns) inline.
+    """Strict JSON (json_safe), one key a line, but any object or list that fits on its line
+    (``width`` columns) inline.
 
     ``lead``: columns taken on the first line before ``obj`` (its key) beyond the indentation.
     """
-    flat = json.dumps(list(obj) if isinstance(obj, tuple) else obj, default=str)
+    if indent == 0 and lead == 0:
+        obj = json_safe(obj)
+    flat = json.dumps(obj, default=str, allow_nan=False)
     if not isinstance(obj, (dict, list, tuple)) or not obj or 2 * indent + lead + len(flat) <= width:
         return flat
     pad, inner = "  " * indent, "  " * (indent + 1)
