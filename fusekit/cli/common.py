@@ -448,25 +448,26 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def pretty_json(obj: Any, indent: int = 0, width: int = 120, lead: int = 0) -> str:
+def pretty_json(obj: Any, width: int = 120) -> str:
     """Strict JSON (json_safe), one key a line, but any object or list that fits on its line
-    (``width`` columns) inline.
+    (``width`` columns) inline."""
+    return _pretty(json_safe(obj), 0, width, 0)
 
-    ``lead``: columns taken on the first line before ``obj`` (its key) beyond the indentation.
-    """
-    if indent == 0 and lead == 0:
-        obj = json_safe(obj)
+
+def _pretty(obj: Any, indent: int, width: int, lead: int) -> str:
+    """pretty_json of a json_safe ``obj`` at ``indent``; ``lead``: columns taken on the first line
+    before ``obj`` (its key) beyond the indentation."""
     flat = json.dumps(obj, default=str, allow_nan=False)
-    if not isinstance(obj, (dict, list, tuple)) or not obj or 2 * indent + lead + len(flat) <= width:
+    if not isinstance(obj, (dict, list)) or not obj or 2 * indent + lead + len(flat) <= width:
         return flat
     pad, inner = "  " * indent, "  " * (indent + 1)
     if isinstance(obj, dict):
         items = []
         for k, v in obj.items():
             head = f"{json.dumps(str(k))}: "
-            items.append(f"{inner}{head}{pretty_json(v, indent + 1, width, len(head))}")
+            items.append(f"{inner}{head}{_pretty(v, indent + 1, width, len(head))}")
         return "{\n" + ",\n".join(items) + "\n" + pad + "}"
-    return "[\n" + ",\n".join(inner + pretty_json(v, indent + 1, width) for v in obj) + "\n" + pad + "]"
+    return "[\n" + ",\n".join(inner + _pretty(v, indent + 1, width, 0) for v in obj) + "\n" + pad + "]"
 
 
 def fmt_bytes(n: Any) -> str:
