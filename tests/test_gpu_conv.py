@@ -23,6 +23,10 @@ PATTERNS = ["conv_bias_relu", "conv_bias", "conv", "conv_bias_relu6", "conv_bias
 # Normwise relative error bounds against float64 (inputs rounded to the dtype first): fp16 and bf16
 # outputs carry one rounding of 2^-11 / 2^-8; fp32 may run on TF32 tensor cores (10-bit mantissa).
 TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 2e-3}
+# Elementwise bounds, relative to the magnitude conv(|x|, |w|) + |b| + |z| of each output element (the
+# forward error bound of a dot product): for outputs too small for normwise statistics, where
+# cancellation makes ||ref|| tiny. TF32 may truncate both factors to 10 bits (2 x 2^-10 per product).
+BOUND_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 4e-3}
 
 
 def _torch():
@@ -80,7 +84,27 @@ def _check(y, ref, dtype):
     return err
 
 
-def _run_case(lib, pattern, shape, dtype, layout, rng):
+def _check_bound(y, ref, mag, dtype):
+    """Every element within BOUND_TOL of its own magnitude (garbage or a missing write fails)."""
+    yh = _host(y)
+    assert yh.shape == ref.shape
+    assert np.isfinite(yh).all(), "output has NaN/Inf: some element was not written"
+    worst = (np.abs(yh - ref) / mag).max()
+    assert worst < BOUND_TOL[dtype], f"element off by {worst:.3e} of its magnitude, over {BOUND_TOL[dtype]:.0e}"
+
+
+def _magnitude(refs, attrs):
+    """conv(|x|, |w|) (+ |b|) (+ |z|): what each output's rounding error is relative to."""
+    mag = oracle.evaluate("conv", np.abs(refs[0]), np.abs(refs[1]), **attrs)[0]
+    if len(refs) > 2:
+        mag = mag + np.abs(refs[2]).reshape(1, -1, 1, 1)
+    if len(refs) > 3:
+        mag = mag + np.abs(refs[3])
+    return mag
+
+
+def _run_case(lib, pattern, shape, dtype, layout, rng, elementwise=False):
+    """elementwise: check each element against its own error bound instead of the normwise error."""
     n, c, h, w, k, r, s, pad, st, dil = shape
     # ReLU6: x scaled up so that a good share of outputs is clipped at 6
     x, xr = _make(lib, (n, c, h, w), dtype, layout, rng, 4.0 if pattern == "conv_bias_relu6" else 1.0)
@@ -97,6 +121,13 @@ def _run_case(lib, pattern, shape, dtype, layout, rng):
         operands.append(z)
         refs.append(zr)
     (ref,) = oracle.evaluate(pattern, *refs, **attrs)
+    check = _check
+    if elementwise:
+        mag = _magnitude(refs, attrs)
+
+        def check(y, ref, dtype):
+            _check_bound(y, ref, mag, dtype)
+
     # output allocated by fusekit, in the input's layout and array type
     y = fusekit.call(pattern, *operands, **attrs)
     assert type(y) is type(x)
@@ -104,12 +135,12 @@ def _run_case(lib, pattern, shape, dtype, layout, rng):
         torch = _torch()
         want_fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
         assert y.is_contiguous(memory_format=want_fmt)
-    _check(y, ref, dtype)
+    check(y, ref, dtype)
     # into a poisoned out buffer
     out = _poisoned_like(lib, ref.shape, dtype, layout)
     y2 = fusekit.call(pattern, *operands, out=out, **attrs)
     assert y2 is out
-    _check(out, ref, dtype)
+    check(out, ref, dtype)
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
@@ -122,6 +153,9 @@ def test_pattern_torch(pattern, shape, dtype, layout, rng):
 
 #: Residual-add convolutions with a 1x1 output: on NCHW x cuDNN 9.19 built them and returned garbage
 #: (found by the fuzzer on 2026-12-04; fusekit.engine.lower.untrusted runs them on channels-last copies).
+#: Four outputs are too few for a normwise error: on the H100 a float32 TF32 engine that truncates its
+#: inputs gave 2.2e-3 and 2.9e-3 normwise (replayed exactly on the host with truncated inputs; each
+#: element within 4.3e-4 of its magnitude), so these cases check every element against its own bound.
 ONE_BY_ONE = [(2, 2, 1, 2, 2, 1, 1, 0, (1, 2), 1), (3, 8, 3, 3, 16, 3, 3, 0, 1, 1), (2, 6, 2, 2, 4, 1, 1, 0, 2, 1)]
 
 
@@ -133,7 +167,7 @@ ONE_BY_ONE = [(2, 2, 1, 2, 2, 1, 1, 0, (1, 2), 1), (3, 8, 3, 3, 16, 3, 3, 0, 1, 
 def test_residual_add_with_a_one_by_one_output(pattern, shape, dtype, layout, lib, rng):
     if lib == "cupy":
         pytest.importorskip("cupy")
-    _run_case(lib, pattern, shape, dtype, layout, rng)
+    _run_case(lib, pattern, shape, dtype, layout, rng, elementwise=True)
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
