@@ -50,6 +50,26 @@ for part in "$@"; do
         tests/ > "$OUT/gpu_tests_alone.log" 2>&1
       for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}" alone; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
       [ -s "$OUT/capture_watch.log" ] && head -40 "$OUT/capture_watch.log" | cut -c1-300 ;;
+    tests-xdist)  # the GPU suite over WORKERS pytest-xdist processes sharing the GPU, tests handed out as workers
+      # free up (--dist worksteal: the fuzzer's eight tests and the torchvision models spread too); one fuzz seed
+      # for all workers, a report per worker ($OUT/fuzz.gwN.json); the 25 slowest tests listed. Needs the
+      # pytest-xdist and execnet wheels in .whl; tests-par is the fallback.
+      python3 -c "import xdist" 2> /dev/null || { echo "tests-xdist: pytest-xdist is not importable (put its and execnet's wheels in .whl)"; continue; }
+      export FUSEKIT_FUZZ_SEED=${FUSEKIT_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**32))")}
+      FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -n "${WORKERS:-6}" \
+        --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 tests/ > "$OUT/gpu_tests_xdist.log" 2>&1
+      FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
+        tests/ > "$OUT/gpu_tests_alone.log" 2>&1
+      for k in xdist alone; do echo "$k:"; grep -E "^(FAILED|ERROR)|passed|failed|skipped in" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
+      python3 - "$OUT" <<'PY'
+import glob, json, sys
+rs = [json.load(open(p)) for p in sorted(glob.glob(f"{sys.argv[1]}/fuzz.*.json"))]
+if rs:
+    print(f"fusekit fuzz: {sum(r['cases'] for r in rs)} cases, {sum(r['failures'] for r in rs)} failures over {len(rs)} workers, "
+          f"seed {rs[0]['seed']}, longest worker {max(r['seconds'] for r in rs):.0f} s")
+PY
+      grep -A 27 "slowest 25" "$OUT/gpu_tests_xdist.log" | cut -c1-200
+      [ -s "$OUT/capture_watch.log" ] && head -40 "$OUT/capture_watch.log" | cut -c1-300 ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;

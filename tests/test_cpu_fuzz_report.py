@@ -16,8 +16,7 @@ def test_failures_reach_the_report_as_they_happen(tmp_path, monkeypatch):
 
     import test_gpu_fuzz as fz
 
-    report = tmp_path / "fuzz.json"
-    monkeypatch.setenv("FUSEKIT_FUZZ_REPORT", str(report))
+    monkeypatch.setenv("FUSEKIT_FUZZ_REPORT", str(tmp_path / "fuzz.json"))
     monkeypatch.setattr(fz, "FAILED", [])
     monkeypatch.setattr(fz, "RAN", fz.Counter())
     settings_, regressions = fz.fuzz("demo", 30)
@@ -32,7 +31,19 @@ def test_failures_reach_the_report_as_they_happen(tmp_path, monkeypatch):
 
     with pytest.raises(AssertionError, match="relative error"):
         demo()
-    r = json.loads(report.read_text())
+    r = json.loads(open(fz.report_path()).read())
     assert r["failures"] >= 1 and r["cases"] == r["per_test"]["demo"] >= r["failures"]
     assert r["last_failures"][-1]["case"] == {"n": 50}  # shrunk to the smallest failing value
     assert r["last_failures"][-1]["test"] == "demo" and "AssertionError" in r["last_failures"][-1]["problem"]
+
+
+def test_each_xdist_worker_writes_a_report_of_its_own(monkeypatch):
+    import test_gpu_fuzz as fz
+
+    monkeypatch.setenv("FUSEKIT_FUZZ_REPORT", "/out/fuzz.json")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert fz.report_path() == "/out/fuzz.json"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    assert fz.report_path() == "/out/fuzz.gw3.json"
+    monkeypatch.delenv("FUSEKIT_FUZZ_REPORT")
+    assert fz.report_path() is None

@@ -7,6 +7,7 @@ PyTorch in float64 on the same rounded inputs, with the tolerances the other GPU
     FUSEKIT_FUZZ_SEED=1234 pytest -m gpu -s tests/test_gpu_fuzz.py   # replay a run (the seed is printed)
     FUSEKIT_FUZZ_SCALE=4 ...                                        # 4x the examples per test
     FUSEKIT_FUZZ_REPORT=out.json ...                                # cases run per test, seed, seconds
+                                                                    # (out.gw0.json ... per pytest-xdist worker)
 
 One seed drives every test of a run (printed, and noted with every failure); each case also carries
 the seed of its random data. Failures found are kept in tests/regressions.py and rerun first.
@@ -50,7 +51,8 @@ SCALE = float(os.environ.get("FUSEKIT_FUZZ_SCALE") or 1.0)
 DTYPES = ("float16", "bfloat16", "float32")
 LAYOUTS = ("NCHW", "NHWC")
 # Normwise relative error allowed, as in test_gpu_backward / test_gpu_norm / test_gpu_pool. float32
-# convolutions may run TF32 (the default numerics policy, PyTorch's): about 1e-3 at worst here.
+# convolutions may run TF32 (the default numerics policy, PyTorch's), some engines truncating both
+# factors to 10 bits: 2.9e-3 normwise seen on a four-element output (H100, test_gpu_conv).
 TOL_CONV = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-3}
 TOL_NORM = {"float16": 4e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 TOL_POOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 2e-5}
@@ -86,10 +88,19 @@ FAILED: list[dict] = []  # every failing check (the last of a test is hypothesis
 T0 = time.perf_counter()
 
 
+def report_path() -> str | None:
+    """$FUSEKIT_FUZZ_REPORT, with the pytest-xdist worker's name before the suffix under xdist."""
+    path, worker = os.environ.get("FUSEKIT_FUZZ_REPORT"), os.environ.get("PYTEST_XDIST_WORKER")
+    if path and worker:
+        root, ext = os.path.splitext(path)
+        path = f"{root}.{worker}{ext}"
+    return path
+
+
 def write_report() -> None:
-    """$FUSEKIT_FUZZ_REPORT (JSON), rewritten after every case and failure: a run cut short by a time
-    limit still says how many cases ran and which ones failed."""
-    path = os.environ.get("FUSEKIT_FUZZ_REPORT")
+    """The report (JSON), rewritten after every case and failure: a run cut short by a time limit
+    still says how many cases ran and which ones failed."""
+    path = report_path()
     if path:
         with open(path + ".tmp", "w") as f:
             json.dump({"seed": SEED, "cases": sum(RAN.values()), "per_test": dict(RAN), "seconds": time.perf_counter() - T0,
