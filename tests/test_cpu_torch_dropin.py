@@ -850,6 +850,55 @@ def test_converted_torchvision_model_matches_torch(fake, name):
     assert not any(c.startswith(("batchnorm", "scale_shift")) for c in fake)  # every BN folded into its conv
 
 
+#: More torchvision architectures through convert, each for what it adds: grouped convs (ResNeXt,
+#: RegNet), pre-activation BN -> ReLU -> conv and concatenation (DenseNet), conv + ReLU without BN and
+#: ceil-mode pools (SqueezeNet), channel shuffle (non-dense inputs: ShuffleNet), BatchNorm eps 1e-3 and
+#: branches (GoogLeNet, Inception v3), SiLU / Hardswish / Sigmoid squeeze-excitation left alone
+#: (EfficientNet, MnasNet, MobileNetV3), and nothing to fuse (ConvNeXt). Input size: the smallest each takes.
+ARCHITECTURES = {"resnext50_32x4d": 32, "regnet_x_400mf": 32, "regnet_y_400mf": 32, "densenet121": 32, "squeezenet1_1": 64,
+                 "shufflenet_v2_x0_5": 32, "googlenet": 32, "inception_v3": 75, "efficientnet_b0": 32, "mnasnet0_5": 32,
+                 "mobilenet_v3_small": 32, "convnext_tiny": 32}
+
+
+def _outputs_and_grads(model, x):
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y.backward(g.to(y.dtype))
+    return [("output", y), ("input gradient", x.grad)] + [(n, p.grad) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_converted_architectures_match_torch(fake, name, mode):
+    """Converted (float64 model through the fake ops: float32 BN statistics and affine vectors, as the
+    patterns take them) against the original in float64: output, input and parameter gradients each
+    within 4x the error of the original model run in float32 (a mask flip of a near-zero ReLU input
+    moves a gradient by more than rounding: the float32 original is the yardstick for that too)."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+    ref = getattr(tv.models, name)(weights=None, num_classes=10, **extra).double()
+    _randomize_bn(ref)
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0  # training-mode outputs comparable
+    fk, report = ft.convert(copy.deepcopy(ref))
+    f32 = copy.deepcopy(ref).float()
+    for m in (ref, fk, f32):
+        m.train(mode == "train")
+    x = torch.randn(4, 3, ARCHITECTURES[name], ARCHITECTURES[name], dtype=torch.float64)
+    want, got, yardstick = _outputs_and_grads(ref, x), _outputs_and_grads(fk, x), _outputs_and_grads(f32, x.float())
+    for (what, w), (_, g), (_, y) in zip(want, got, yardstick):
+        assert g is not None and g.dtype == w.dtype, what
+        scale = float(w.norm()) + 1e-30
+        e_fk, e_f32 = float((g - w).norm()) / scale, float((y.double() - w).norm()) / scale
+        assert e_fk <= 4 * e_f32 + 1e-7, f"{name} {mode}: {what} off by {e_fk:.2e}, float32 PyTorch by {e_f32:.2e}"
+    if name != "convnext_tiny":
+        assert report.fused and (mode == "train" or any(c.startswith("conv_bias") for c in fake)), report
+    assert fake, "no fusekit op ran"
+
+
 # ----------------------------------------------------------------------------------------------
 # convert: parameters, state dicts, report
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@
 - BatchNorm2d with float16 / bfloat16 parameters and buffers, empty batches, non-dense inputs.
 - Autocast (float16, bfloat16) with float32 parameters, and GradScaler training steps.
 - convert() on torchvision ResNet-18/50, MobileNetV2, VGG-11-BN: forward in training and eval mode
-  against the unconverted model, within a few times PyTorch's own error against float64.
+  against the unconverted model, within a few times PyTorch's own error against float64; eleven more
+  architectures (ResNeXt, RegNet, DenseNet, ShuffleNet, GoogLeNet, Inception, EfficientNet, MnasNet,
+  MobileNetV3, ConvNeXt): training forward + backward and eval forward the same way.
 - The ResNet-18 training example (fp16 AMP, channels-last, SGD momentum) tracks the unconverted model.
 - A whole training step (forward, backward, optimizer step) captured in a CUDA graph replays with the
   uncaptured step's loss.
@@ -384,12 +386,13 @@ MODELS = [(m, p) for m in ("resnet18", "resnet50", "mobilenet_v2", "vgg11_bn") f
 MODELS += [("resnet18", "amp-bf16"), ("resnet18", "half")]
 
 
-def _torchvision(name):
+def _torchvision(name, size=64):
     tv = pytest.importorskip("torchvision")
     torch.manual_seed(0)
-    model = getattr(tv.models, name)(weights=None, num_classes=100)
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+    model = getattr(tv.models, name)(weights=None, num_classes=100, **extra)
     for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
+        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
             m.p = 0.0  # training-mode outputs comparable
     model = model.cuda().to(memory_format=torch.channels_last)
     with torch.no_grad():  # running statistics of real activations, so eval mode is a normalized network
@@ -398,7 +401,7 @@ def _torchvision(name):
                 m.momentum = None
         model.train()
         for _ in range(3):
-            model(cl(torch.randn(8, 3, 64, 64, device="cuda")))
+            model(cl(torch.randn(8, 3, size, size, device="cuda")))
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.momentum = 0.1
@@ -445,6 +448,46 @@ def test_converted_torchvision_model_matches_original(name, precision):
     for (n, bf), (_, bt) in zip(fk.named_buffers(), base.named_buffers()):
         if bf.is_floating_point():
             assert bf.dtype == bt.dtype and rel(bf, bt) < max(FLOOR[precision], 1e-2), n
+
+
+#: More architectures (what each adds: tests/test_cpu_torch_dropin.py ARCHITECTURES), input 64x64 (Inception v3: 80).
+ARCHITECTURES = ["resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf", "densenet121", "shufflenet_v2_x0_5", "googlenet",
+                 "inception_v3", "efficientnet_b0", "mnasnet0_5", "mobilenet_v3_small", "convnext_tiny"]
+
+
+@pytest.mark.parametrize("precision", ["amp-fp16", "fp32"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_converted_architectures_train_and_eval_like_the_original(name, precision):
+    """A training-mode forward + backward and an eval forward of the converted model vs the original,
+    both against a float64 copy: output, input gradient and every parameter's gradient within 3x the
+    original's error (or the precision's floor; 5e-2 for parameter gradients, as above)."""
+    size = 80 if name == "inception_v3" else 64
+    base = _torchvision(name, size)
+    fk, report = ft().convert(base)
+    ref64 = copy.deepcopy(base).double()
+    x = cl(torch.randn(4, 3, size, size, device="cuda"))
+    g = torch.randn(4, 100, device="cuda", dtype=torch.float64)
+    got = {}
+    for key, m in (("fusekit", fk), ("torch", base), ("float64", ref64)):
+        m.train()
+        xi = (x.double() if key == "float64" else x).detach().clone().requires_grad_(True)
+        y = m(xi) if key == "float64" else _forward(m, xi, precision)
+        (y.double() * g).sum().backward()
+        got[key] = [("output", y.detach()), ("input gradient", xi.grad)] + [(n, p.grad) for n, p in m.named_parameters()]
+    bad = []
+    for (what, f), (_, t), (_, w) in zip(got["fusekit"], got["torch"], got["float64"]):
+        e_fk, e_t = rel(f, w), rel(t, w)
+        floor = FLOOR[precision] if what in ("output", "input gradient") else 5e-2
+        if not e_fk < max(3 * e_t, floor):
+            bad.append((what, f"{e_fk:.2e}", f"{e_t:.2e}"))
+    assert not bad, f"{name} {precision} training: {bad[:8]}"
+    for m in (fk, base, ref64):
+        m.eval()
+    with torch.no_grad():
+        y64 = ref64(x.double())
+        e_fk, e_t = rel(_forward(fk, x, precision), y64), rel(_forward(base, x, precision), y64)
+    print(f"{name} {precision}: {len(report.fused)} fused; eval output error fusekit {e_fk:.2e}, torch {e_t:.2e}")
+    assert e_fk < max(3 * e_t, FLOOR[precision]), f"eval: fusekit {e_fk:.2e} vs torch {e_t:.2e}"
 
 
 def test_converted_squeezenet_runs_its_ceil_mode_pools_on_fusekit():
