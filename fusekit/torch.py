@@ -41,7 +41,7 @@ from .errors import import_or_explain
 
 torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
-from . import ops
+from . import config, ops
 from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning
 from .ops import pool
 from .ops.common import ACTIVATIONS, clip_attrs
@@ -599,7 +599,9 @@ class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
 
 class Linear(_FusekitAct, torch.nn.Linear):
     """torch.nn.Linear as a fused cuDNN matmul graph (inputs of any rank >= 1, ``bias=False`` too),
-    with an optional fused ReLU."""
+    with an optional fused ReLU. Float32 under a numerics policy that keeps matmuls IEEE (the default,
+    as PyTorch's) runs PyTorch's own linear: cuDNN 9.19 has no IEEE float32 matmul plan, and its TF32
+    one is ~3e-4 off float64 where PyTorch's is ~1e-7 (float16 / bfloat16 and autocast run cuDNN)."""
 
     def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
         self.activation = _check_act(activation, "fusekit.torch.Linear", ("relu",))
@@ -610,6 +612,8 @@ class Linear(_FusekitAct, torch.nn.Linear):
         if x.shape[-1] != self.in_features:
             raise OperandError("fusekit.torch.Linear", "x", f"expected last dim {self.in_features} (in_features), got shape {tuple(x.shape)}")
         amp = _amp_dtype()
+        if (amp or x.dtype) == torch.float32 and not config.allow_tf32().matmul:
+            return self._torch_forward(x)
         x2 = _cast(_dense(x, "Linear", rows=True), amp)
         if x2.dim() != 2:
             x2 = x2.reshape(-1, self.in_features)

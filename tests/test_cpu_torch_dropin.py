@@ -475,6 +475,27 @@ def test_linear_matches_torch(fake, shape, bias):
     compare(fk, ref, torch.randn(shape, dtype=torch.float64))
 
 
+def test_float32_linear_keeps_ieee_matmuls_through_pytorch(fake, monkeypatch):
+    """Float32 Linear under a policy that keeps matmuls IEEE (the default) runs PyTorch's linear (cuDNN
+    9.19 has only TF32 float32 matmul plans: 3e-4 off float64 on the H100, PyTorch 1e-7); allowing
+    matmul TF32 sends it to cuDNN again, and other dtypes always go there."""
+    from fusekit import config
+
+    monkeypatch.setattr(config, "_tf32_set", None)
+    monkeypatch.delenv("FUSEKIT_ALLOW_TF32", raising=False)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(12, 7)
+    fk = clone_as(ft.Linear(12, 7, activation="relu"), ref)
+    x = torch.randn(5, 12)
+    assert torch.equal(fk(x), F.relu(ref(x))) and not fake  # PyTorch's own result, bit for bit
+    monkeypatch.setenv("FUSEKIT_ALLOW_TF32", "matmul")
+    fk(x)
+    assert fake == ["linear_bias_relu"]
+    monkeypatch.delenv("FUSEKIT_ALLOW_TF32")
+    fk.double()(x.double())
+    assert fake == ["linear_bias_relu"] * 2
+
+
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_batchnorm_train_and_eval_match_torch(fake, affine, momentum):

@@ -140,6 +140,7 @@ def test_transposed_conv_to_three_channels_matches_float64(mode, lib, dtype, rou
         assert _choice(inner, mode)[0] is not None
 
 
+@pytest.mark.alone  # times the GPU: other processes' kernels would be in its figures
 def test_cupy_first_call_timing_reads_gpu_time_as_torch_does():
     """fused_or_split times both routes with Adapter.device_ms: on CuPy arrays it read the host's
     launch rate (a 22 us dgrad timed 104 us, 5x torch's figure for the same graph, device call 2 of
