@@ -460,7 +460,8 @@ ARCHITECTURES = ["resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf", "densene
 def test_converted_architectures_train_and_eval_like_the_original(name, precision):
     """A training-mode forward + backward and an eval forward of the converted model vs the original,
     both against a float64 copy: output, input gradient and every parameter's gradient within 3x the
-    original's error (or the precision's floor; 5e-2 for parameter gradients, as above)."""
+    original's error (or the precision's floor; for parameter gradients 5e-2, as above, or 3x the
+    original's error on the whole model's gradient), and the fusekit gradient as a whole within 3x too."""
     size = 80 if name == "inception_v3" else 64
     base = _torchvision(name, size)
     fk, report = ft().convert(base)
@@ -475,13 +476,19 @@ def test_converted_architectures_train_and_eval_like_the_original(name, precisio
         y = m(xi) if key == "float64" else _forward(m, xi, precision)
         (y.double() * g).sum().backward()
         got[key] = [("output", y.detach()), ("input gradient", xi.grad)] + [(n, p.grad) for n, p in m.named_parameters()]
+    # a parameter's gradient error against PyTorch's on that parameter, or on the model's gradient as a
+    # whole: DenseNet-121 at 2x2 maps (BN over 16 values) puts PyTorch's own fp16 gradients 10-30% off
+    # float64 layer by layer, and one layer's lucky 3.5e-2 is no yardstick (probes/probe_densenet_bn.py)
+    flat = {k: torch.cat([g.double().flatten() for _, g in v[2:]]) for k, v in got.items()}
+    e_model = rel(flat["torch"], flat["float64"])
     bad = []
     for (what, f), (_, t), (_, w) in zip(got["fusekit"], got["torch"], got["float64"]):
         e_fk, e_t = rel(f, w), rel(t, w)
-        floor = FLOOR[precision] if what in ("output", "input gradient") else 5e-2
+        floor = FLOOR[precision] if what in ("output", "input gradient") else max(5e-2, 3 * e_model)
         if not e_fk < max(3 * e_t, floor):
             bad.append((what, f"{e_fk:.2e}", f"{e_t:.2e}"))
     assert not bad, f"{name} {precision} training: {bad[:8]}"
+    assert rel(flat["fusekit"], flat["float64"]) < max(3 * e_model, 5e-3), (rel(flat["fusekit"], flat["float64"]), e_model)
     for m in (fk, base, ref64):
         m.eval()
     with torch.no_grad():
