@@ -974,7 +974,7 @@ def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tupl
         a = type(r).__name__
         what = {BatchNorm2d: f"BN+{a} as one graph (batch statistics in training, running statistics in eval)",
                 Conv2d: f"conv+bias+{a} as one graph", ConvTranspose2d: f"transposed conv+bias+{a} as one graph",
-                Linear: f"matmul+bias+{a} as one graph"}[type(m)]
+                Linear: f"matmul+bias+{a} as one graph (float16 / bfloat16 / autocast; float32 with IEEE matmuls: PyTorch's linear, then {a})"}[type(m)]
         groups.append(((names[id(m)], names[id(r)]), what))
     return groups
 
