@@ -417,6 +417,20 @@ def _forward(model, x, precision):
     return model(x.half() if precision == "half" else x)
 
 
+def _training_step(models: dict, x, g, precision):
+    """One training-mode forward + backward of each of ``models`` ({"fusekit", "torch", "float64"}: the
+    last in float64, the others in ``precision``) on x, loss sum(y * g): per model, [("output", y),
+    ("input gradient", dx)] followed by (name, gradient) for every parameter."""
+    got = {}
+    for key, m in models.items():
+        m.train()
+        xi = (x.double() if key == "float64" else x).detach().clone().requires_grad_(True)
+        y = m(xi) if key == "float64" else _forward(m, xi, precision)
+        (y.double() * g).sum().backward()
+        got[key] = [("output", y.detach()), ("input gradient", xi.grad)] + [(n, p.grad) for n, p in m.named_parameters()]
+    return got
+
+
 @pytest.mark.parametrize("name, precision", MODELS)
 def test_converted_torchvision_model_matches_original(name, precision):
     """Converted vs original, both against a float64 copy: the converted model's output error (eval and
@@ -469,13 +483,7 @@ def test_converted_architectures_train_and_eval_like_the_original(name, precisio
     x = cl(torch.randn(4, 3, size, size, device="cuda"))
     # a mean-reduced loss's scale: with unit gradients Inception v3's fp16 weight gradients near 65504 overflowed
     g = torch.randn(4, 100, device="cuda", dtype=torch.float64) * 1e-2
-    got = {}
-    for key, m in (("fusekit", fk), ("torch", base), ("float64", ref64)):
-        m.train()
-        xi = (x.double() if key == "float64" else x).detach().clone().requires_grad_(True)
-        y = m(xi) if key == "float64" else _forward(m, xi, precision)
-        (y.double() * g).sum().backward()
-        got[key] = [("output", y.detach()), ("input gradient", xi.grad)] + [(n, p.grad) for n, p in m.named_parameters()]
+    got = _training_step({"fusekit": fk, "torch": base, "float64": ref64}, x, g, precision)
     # a parameter's gradient error against PyTorch's on that parameter, or on the model's gradient as a
     # whole: DenseNet-121 at 2x2 maps (BN over 16 values) puts PyTorch's own fp16 gradients 10-30% off
     # float64 layer by layer, and one layer's lucky 3.5e-2 is no yardstick (probes/probe_densenet_bn.py)
@@ -508,15 +516,9 @@ def test_converted_squeezenet_runs_its_ceil_mode_pools_on_fusekit():
     ref64 = copy.deepcopy(base).double()
     x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
     g = torch.randn(4, 100, device="cuda", dtype=torch.float64)
-    got = {}
-    for key, m in (("fusekit", fk), ("torch", base), ("float64", ref64)):
-        m.train()
-        xi = (x.double() if key == "float64" else x).detach().clone().requires_grad_(True)
-        y = m(xi) if key == "float64" else _forward(m, xi, "amp-fp16")
-        (y.double() * g).sum().backward()
-        got[key] = (y.detach(), xi.grad)
+    got = _training_step({"fusekit": fk, "torch": base, "float64": ref64}, x, g, "amp-fp16")
     for i, what in enumerate(("output", "dx")):
-        e_fk, e_t = rel(got["fusekit"][i], got["float64"][i]), rel(got["torch"][i], got["float64"][i])
+        e_fk, e_t = rel(got["fusekit"][i][1], got["float64"][i][1]), rel(got["torch"][i][1], got["float64"][i][1])
         assert e_fk < max(3 * e_t, FLOOR["amp-fp16"]), f"{what}: fusekit {e_fk:.2e} vs torch {e_t:.2e}"
 
 

@@ -19,13 +19,7 @@ def errors(name, precision, size, gscale):
     ref64 = copy.deepcopy(base).double()
     x = G.cl(torch.randn(4, 3, size, size, device="cuda"))
     g = torch.randn(4, 100, device="cuda", dtype=torch.float64) * gscale
-    got = {}
-    for key, m in (("fusekit", fk), ("torch", base), ("float64", ref64)):
-        m.train()
-        xi = (x.double() if key == "float64" else x).detach().clone().requires_grad_(True)
-        y = m(xi) if key == "float64" else G._forward(m, xi, precision)
-        (y.double() * g).sum().backward()
-        got[key] = [("output", y.detach()), ("dx", xi.grad)] + [(n, p.grad) for n, p in m.named_parameters()]
+    got = G._training_step({"fusekit": fk, "torch": base, "float64": ref64}, x, g, precision)
 
     def rel(a, w):
         a, w = a.detach().double(), w.detach().double()
