@@ -53,14 +53,14 @@ for part in "$@"; do
     tests-xdist)  # the GPU suite over WORKERS pytest-xdist processes sharing the GPU, tests handed out as workers
       # free up (--dist worksteal: the fuzzer's eight tests and the torchvision models spread too); one fuzz seed
       # for all workers, a report per worker ($OUT/fuzz.gwN.json); the 25 slowest tests listed. Needs the
-      # pytest-xdist and execnet wheels in .whl; tests-par is the fallback. At TESTS_TIMEOUT pytest gets SIGINT, so the
+      # pytest-xdist and execnet wheels in .whl; tests-par is the fallback. TEST_FILES narrows it. At TESTS_TIMEOUT pytest gets SIGINT, so the
       # summary of what ran (passed, failed) is still printed.
       python3 -c "import xdist" 2> /dev/null || { echo "tests-xdist: pytest-xdist is not importable (put its and execnet's wheels in .whl)"; continue; }
       export FUSEKIT_FUZZ_SEED=${FUSEKIT_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**32))")}
       FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout -s INT -k 30 ${TESTS_TIMEOUT:-400} python3 -m pytest -n "${WORKERS:-6}" \
-        --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 tests/ > "$OUT/gpu_tests_xdist.log" 2>&1
+        --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
       FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
-        tests/ > "$OUT/gpu_tests_alone.log" 2>&1
+        ${TEST_FILES:-tests/} > "$OUT/gpu_tests_alone.log" 2>&1
       for k in xdist alone; do echo "$k:"; grep -E "^(FAILED|ERROR)|passed|failed|skipped in" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
       python3 - "$OUT" <<'PY'
 import glob, json, sys
