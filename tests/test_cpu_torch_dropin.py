@@ -864,7 +864,12 @@ def test_converted_torchvision_model_matches_torch(fake, name):
             m.p = 0.0  # same outputs in training
     fk, _ = ft.convert(ref)
     x = torch.randn(3, 3, 64, 64, dtype=torch.float64)
+    fake.clear()
     compare(fk, ref, x, tol=2e-5)  # float32 BN affine vectors and folds in a float64 model, over 20-50 layers
+    if name == "mobilenet_v2":  # training: each ReLU6 inside its BN's graph forward, inside the next conv's dgrad backward
+        relu6 = sum(isinstance(m, torch.nn.ReLU6) for m in ref.modules())
+        assert fake.count("batchnorm_relu6") == relu6 and not any(c.startswith("relu") for c in fake)
+        assert fake.count("dgrad_drelu6") + fake.count("batchnorm_relu_backward") == relu6
     fk.eval(), ref.eval()
     fake.clear()
     compare(fk, ref, x, tol=2e-5)
