@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -95,6 +96,28 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e6 / calls
+
+
+def profile_kernels(run: Callable[[], object], calls: int, skip: tuple[str, ...] = ("Memcpy HtoD", "Memset")
+                    ) -> tuple[dict[str, list[float]], float]:
+    """``calls`` calls of ``run`` under torch.profiler's CUDA activity: (kernel name -> [launches, device
+    us], both summed over the calls; wall ms of the calls, CUDA events around them). Kernels named in
+    ``skip`` are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(calls):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name not in skip:
+            out[ev.name][0] += 1
+            out[ev.name][1] += ev.device_time
+    return dict(out), start.elapsed_time(end)
 
 
 def host_ms(fn: Callable[[], object]) -> float:

@@ -10,16 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_train import graph_step
-from common import autotuned_autoencoder
+from common import autotuned_autoencoder, profile_kernels
 
 
 def kernels(model, x, steps: int = 20) -> list[tuple[str, float, int]]:
@@ -32,17 +30,8 @@ def kernels(model, x, steps: int = 20) -> list[tuple[str, float, int]]:
     for _ in range(5):
         run()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            count[e.name] += 1
-    return sorted(((k, v / steps, count[k] // steps) for k, v in total.items()), key=lambda r: -r[1])
+    ks, _ = profile_kernels(run, steps, skip=())
+    return sorted(((k, us / steps, int(n) // steps) for k, (n, us) in ks.items()), key=lambda r: -r[1])
 
 
 def main() -> None:

@@ -18,10 +18,9 @@ import sys
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import converted  # noqa: E402
+from common import converted, profile_kernels  # noqa: E402
 
 
 def kernels(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int) -> dict[str, tuple[float, float]]:
@@ -36,16 +35,8 @@ def kernels(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: in
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name not in ("Memcpy HtoD", "Memset"):
-            out[ev.name][0] += 1 / iters
-            out[ev.name][1] += ev.device_time / iters
-    return {k: (c, us) for k, (c, us) in out.items()}
+    ks, _ = profile_kernels(run, iters)
+    return {k: (n / iters, us / iters) for k, (n, us) in ks.items()}
 
 
 def main() -> None:

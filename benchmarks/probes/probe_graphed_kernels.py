@@ -18,13 +18,11 @@ import argparse
 import os
 import re
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import converted  # noqa: E402  (puts benchmarks/ on sys.path)
+from common import converted, profile_kernels  # noqa: E402  (puts benchmarks/ on sys.path)
 
 from bench_train_models import PRECISIONS, make_step  # noqa: E402
 from fusekit.pipeline.bench import capture  # noqa: E402
@@ -57,21 +55,9 @@ def kernel_times(step, refill, steps: int) -> tuple[dict[str, float], int, float
         refill()
         step()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for _ in range(steps):
-            refill()
-            step()
-        end.record()
-        torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    count = 0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name not in ("Memcpy HtoD", "Memset"):
-            out[ev.name] += ev.device_time / steps
-            count += 1
-    return out, count // steps, start.elapsed_time(end) / steps
+    ks, wall = profile_kernels(lambda: (refill(), step()), steps)
+    out = {k: us / steps for k, (_, us) in ks.items()}
+    return out, int(sum(n for n, _ in ks.values())) // steps, wall / steps
 
 
 def graphed_model(model: torch.nn.Module, side: str, x: torch.Tensor, dtype) -> torch.nn.Module:
