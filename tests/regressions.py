@@ -38,5 +38,13 @@ REGRESSIONS: dict[str, list[dict]] = {
     ],
     "layernorm": [],
     "pooling": [],
-    "softmax": [],
+    "softmax": [
+        # 2026-12-06 (H100, seed 3865930464): softmax_backward 3.8e-5 (1, 7, 1, 1), shrunk to 1.3e-2 on two
+        # elements, over the 2e-5 normwise bound. Not a kernel defect: dx = y * (dy - sum(dy * y)) cancels,
+        # and float32 evaluated as written misses 2e-5 in 9% of two-element draws. Fixed in the test: the
+        # error is taken relative to the magnitudes of the terms (check's ``terms``)
+        {"shape": (2, 1, 1, 1), "layout": "NCHW", "axis": 0, "log": False, "dtype": "float32", "data_seed": 1},
+        {"shape": (1, 2, 1, 1), "layout": "NCHW", "axis": 1, "log": False, "dtype": "float32", "data_seed": 1},
+        {"shape": (1, 7, 1, 1), "layout": "NCHW", "axis": 1, "log": False, "dtype": "float32", "data_seed": 1},
+    ],
 }

@@ -112,7 +112,12 @@ def test_few_channel_bias_gradients(c, dtype, lib):
         assert dz.is_contiguous(memory_format=torch.channels_last)
     assert dz.shape == dy.shape and db.shape == db_only.shape == (c,)
     assert rel(dz, want) == 0.0
-    assert rel(db, want.sum((0, 2, 3))) < 1e-5 and rel(db_only, dy.double().sum((0, 2, 3))) < 1e-5
+    # each channel sums 65,536 terms that largely cancel (C = 1, float32, H100: 3.0e-5 relative to a sum
+    # of 1.77, about 2e-9 of the terms' magnitudes): the error is bounded against the sum of |terms|, which
+    # one term dropped or counted twice (~1 of ~3e4) would still exceed 30-fold
+    for got, terms in ((db, want), (db_only, dy.double())):
+        err = (got.double() - terms.sum((0, 2, 3))).abs() / terms.abs().sum((0, 2, 3))
+        assert float(err.max()) < 1e-6
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=IDS[:3])

@@ -24,6 +24,7 @@ import random
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis", reason="the GPU fuzzer needs hypothesis (pip install hypothesis)")
@@ -139,7 +140,10 @@ def leaf(t):
     return float64_nchw(t).requires_grad_(True)
 
 
-def check(name: str, got, ref, tol: float, case: dict) -> None:
+def check(name: str, got, ref, tol: float, case: dict, terms=None) -> None:
+    """Normwise relative error of ``got`` against ``ref`` under ``tol``. ``terms``: the magnitudes of the
+    terms each element of ``ref`` sums (same shape), where ``ref`` may cancel to far less than them: the
+    error is then relative to their norm, the most a correct float32 evaluation can promise."""
     if got is None:
         problem = "no result"
     elif tuple(got.shape) != tuple(ref.shape):
@@ -148,7 +152,8 @@ def check(name: str, got, ref, tol: float, case: dict) -> None:
         problem = "non-finite values"
     else:
         a, r = got.detach().double(), ref.detach().double().to(got.device)
-        err = float((a - r).norm() / r.norm().clamp_min(1e-30))
+        scale = r if terms is None else terms.detach().double().to(got.device)
+        err = float((a - r).norm() / scale.norm().clamp_min(1e-30))
         problem = None if err < tol else f"relative error {err:.3e} over {tol:.0e}"
     if problem is not None:
         raise AssertionError(f"{name}: {problem}; case {case}")
@@ -490,5 +495,13 @@ def test_softmax(case):
     y = fwd(x, axis)
     check(fwd.__name__, y, tfn(float64_nchw(x), dim=axis), tol, case)
     dy = rnd(g, case["shape"], dt, case["layout"])
-    ref = bwd_ref(float64_nchw(dy).cpu().numpy(), float64_nchw(y).cpu().numpy(), axis % len(case["shape"]))
-    check(bwd.__name__, bwd(dy, y, axis), torch.from_numpy(ref), tol, case)
+    dy64, y64, ax = float64_nchw(dy).cpu().numpy(), float64_nchw(y).cpu().numpy(), axis % len(case["shape"])
+    ref = bwd_ref(dy64, y64, ax)
+    # dx = y * (dy - sum(dy * y)) (log: dy - exp(y) * sum(dy)) cancels where dy is near that sum: two
+    # classes of float32 draws exceeded 2e-5 normwise in 9% of cases even evaluated exactly as written
+    # (H100 fuzz, seed 3865930464: 1.3e-2 on two elements), while within 1.4e-7 of the terms' magnitudes
+    if case["log"]:
+        terms = np.abs(dy64) + np.exp(y64) * np.abs(dy64.sum(axis=ax, keepdims=True))
+    else:
+        terms = np.abs(y64) * (np.abs(dy64) + np.abs((dy64 * y64).sum(axis=ax, keepdims=True)))
+    check(bwd.__name__, bwd(dy, y, axis), torch.from_numpy(ref), tol, case, terms=torch.from_numpy(terms))
