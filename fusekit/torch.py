@@ -32,6 +32,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import operator
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -362,9 +364,9 @@ class BatchNormAct(torch.autograd.Function):
     of any dtype are updated in place (computed in float32, written back in their own dtype)."""
 
     @staticmethod
-    def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, act):  # type: ignore[override]
+    def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, act, residual=None):  # type: ignore[override]
         clip = _clip(act)
-        relu = dict(relu=clip is not None, upper_clip=math.inf if clip is None else clip)
+        relu = dict(relu=clip is not None, upper_clip=math.inf if clip is None else clip, residual=residual)
         if running_mean is not None:
             y, mean, inv, rm, rv = ops.batchnorm(
                 x, gamma, beta, _f32(running_mean), _f32(running_var), epsilon=eps, momentum=momentum, **relu
@@ -373,16 +375,37 @@ class BatchNormAct(torch.autograd.Function):
         else:
             y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=eps, **relu)
         ctx.save_for_backward(x, gamma, mean, inv, y if clip is not None else None)
-        ctx.clip = relu["upper_clip"]
+        ctx.clip, ctx.residual = relu["upper_clip"], residual is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, dy):  # type: ignore[override]
         x, gamma, mean, inv, y = ctx.saved_tensors
+        dy, needs = _like(dy, x), ctx.needs_input_grad[:3]
         if _relu_done(dy, y):  # the consuming conv's dgrad applied the ReLU's mask
             y = None
-        dx, dg, db = ops.batchnorm_backward(_like(dy, x), x, gamma, mean, inv, y=y, needs=ctx.needs_input_grad[:3], upper_clip=ctx.clip)
-        return dx, dg, db, None, None, None, None, None
+        if ctx.residual and y is not None:  # relu(bn(x) + residual): dReLU, the residual's gradient and the BN backward in one graph
+            dx, dg, db, dz = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, residual=True)
+        else:
+            dx, dg, db = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, upper_clip=ctx.clip)
+            dz = dy if ctx.residual else None
+        return dx, dg, db, None, None, None, None, None, dz
+
+
+class _AddReLU(torch.autograd.Function):
+    """relu(a + b) as one pointwise graph; both get the gradient dy * (y > 0)."""
+
+    @staticmethod
+    def forward(ctx: Any, a, b):  # type: ignore[override]
+        y = ops.call("add_relu", a, _like(b, a))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        dz = dy if _relu_done(dy, y) else ops.relu_backward(_like(dy, y), y)
+        return dz, dz
 
 
 class ScaleShiftAct(torch.autograd.Function):
@@ -653,13 +676,24 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
         shift = -_f32(self.running_mean) * scale
         return scale, (shift + _f32(self.bias) if self.affine else shift)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if _already_done(x, self):
-            return x
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """bn(x) [+ the fused ReLU]; with ``residual`` (how :func:`convert` rewrites a residual block's
+        end), relu(bn(x) + residual): training runs BN + add + ReLU as one graph."""
+        if residual is not None:
+            if self._fk_act() is not None:
+                raise OperandError("fusekit.torch.BatchNorm2d", "residual", "is added before a ReLU of its own: this module's activation must be None",
+                                   what="argument")
+            if not (_on_graphs(x, "BatchNorm2d") and _on_graphs(residual, "BatchNorm2d")):
+                return F.relu(self._torch_forward(x) + residual)
+            residual = _dense(residual, "BatchNorm2d")
+        if _already_done(x, self):  # eval: folded into the conv before
+            return x if residual is None else _mark_relu_output(_AddReLU.apply(x, _cast(residual, x.dtype)))
         if not _on_graphs(x, "BatchNorm2d"):
             return self._torch_forward(x)
         x = _dense(x, "BatchNorm2d")
-        after, act = self._fk_relu, self._fk_act()
+        after, act = self._fk_relu, ("relu" if residual is not None else self._fk_act())
+        if residual is not None:
+            residual = _cast(residual, x.dtype)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -672,13 +706,16 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
             track = self.training and self.track_running_stats and self.running_mean is not None
             gamma, beta = self._affine(x)
             y = BatchNormAct.apply(
-                x, gamma, beta, self.running_mean if track else None, self.running_var if track else None, self.eps, factor, act
+                x, gamma, beta, self.running_mean if track else None, self.running_var if track else None, self.eps, factor, act, residual
             )
-            if act is not None:
-                _mark_relu_output(y, ACTIVATIONS[act])
         else:
             scale, shift = self._scale_shift()
-            y = ScaleShiftAct.apply(x, scale, shift, act)
+            if residual is None:
+                y = ScaleShiftAct.apply(x, scale, shift, act)
+            else:
+                y = _AddReLU.apply(ScaleShiftAct.apply(x, scale, shift, None), residual)
+        if act is not None and (batch_stats or residual is not None):
+            _mark_relu_output(y, ACTIVATIONS[act])
         return _hand_on(y, (after,) if after is not None else ())
 
 
@@ -979,6 +1016,98 @@ def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tupl
     return groups
 
 
+class _ChildrenAsLeaves(torch.fx.Tracer):
+    """Traces one module's own forward: every submodule it calls is a ``call_module`` node."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:  # type: ignore[override]
+        return True
+
+
+_ADDS = {operator.add, operator.iadd, torch.add}
+
+
+def _is_add(n: Any) -> bool:
+    return len(n.args) == 2 and not n.kwargs and (
+        (n.op == "call_function" and n.target in _ADDS) or (n.op == "call_method" and n.target in ("add", "add_")))
+
+
+def _is_plain_relu(block: torch.nn.Module, n: Any) -> bool:
+    """Whether fx node ``n`` is a plain ReLU of its one argument: a fusekit ReLU module, F.relu / torch.relu, or .relu()."""
+    if len(n.args) != 1:
+        return False
+    if n.op == "call_module":
+        return type(block.get_submodule(n.target)) is ReLU and not n.kwargs
+    if n.op == "call_function":
+        return n.target in (F.relu, torch.relu) and set(n.kwargs) <= {"inplace"}
+    return n.op == "call_method" and n.target in ("relu", "relu_") and not n.kwargs
+
+
+def _residual_ends(block: torch.nn.Module, graph: Any) -> list[tuple[Any, Any, Any]]:
+    """(bn, add, relu) nodes of ``graph`` (``block``'s forward) computing relu(bn(x) + r): a fusekit
+    BatchNorm2d without an activation of its own, its output used by the add alone, the sum by the ReLU alone."""
+    found = []
+    for add in graph.nodes:
+        if not _is_add(add) or len(add.users) != 1:
+            continue
+        relu = next(iter(add.users))
+        if not _is_plain_relu(block, relu):
+            continue
+        for i, bn in enumerate(add.args):
+            other = add.args[1 - i]
+            if (isinstance(bn, torch.fx.Node) and isinstance(other, torch.fx.Node) and other is not bn and bn.op == "call_module"
+                    and len(bn.args) == 1 and not bn.kwargs and len(bn.users) == 1):
+                m = block.get_submodule(bn.target)
+                if type(m) is BatchNorm2d and m._fk_act() is None:
+                    found.append((bn, add, relu))
+                    break
+    return found
+
+
+def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: ConvertReport) -> None:
+    """Rewrite the forward of every module that ends a residual block as relu(bn(x) + r) (torchvision's
+    BasicBlock / Bottleneck: ``out = bn3(...); out += identity; out = relu(out)``) into one call
+    ``bn3(x, r)``: training runs BN + add + ReLU as one graph, its backward dReLU + BN backward as one
+    graph with the residual's gradient. The module's forward becomes the rewritten trace (an instance
+    attribute; the class, parameters and state-dict keys stay). A forward traced differently in training
+    and eval mode, or not traceable, stays as it is."""
+    for m in list(model.modules()):
+        if isinstance(m, _Fusekit) or next(m.children(), None) is None or "forward" in m.__dict__:
+            continue
+        if type(m).forward is torch.nn.Sequential.forward:
+            continue
+        mode = m.training
+        try:
+            traces = []
+            for training in (True, False):
+                m.train(training)
+                traces.append(_ChildrenAsLeaves().trace(m))
+        except Exception:  # noqa: BLE001 - not traceable: left as it is
+            continue
+        finally:
+            m.train(mode)
+        graph = traces[0]
+        if str(graph) != str(traces[1]):
+            continue
+        ends = _residual_ends(m, graph)
+        if not ends:
+            continue
+        for bn, add, relu in ends:
+            x, r = bn.args[0], add.args[1] if add.args[0] is bn else add.args[0]
+            with graph.inserting_before(add):
+                fused = graph.call_module(bn.target, (x, r))
+            relu.replace_all_uses_with(fused)
+            for n in (relu, add, bn):
+                graph.erase_node(n)
+            prefix = "" if m is model else names[id(m)] + "."
+            after = prefix + str(relu.target) if relu.op == "call_module" else "relu"
+            report.fused.append(((prefix + str(bn.target), f"+ {r.name}", after),
+                                 "training: BN + residual add + ReLU as one graph (backward: dReLU + BN backward as one graph, "
+                                 "with the residual's gradient); eval: add + ReLU as one graph"))
+        graph.lint()
+        code = torch.fx.GraphModule(m, graph)
+        m.forward = types.MethodType(type(code).forward, m)
+
+
 def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True) -> tuple[torch.nn.Module, ConvertReport]:
     """Move ``module`` onto fusekit: every ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear``,
     ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.ReLU6``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.Softmax``
@@ -1047,6 +1176,8 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
         if p in converted and c in converted:
             _link(converted[p], converted[c])
     report.fused = _describe_groups(model, names)
+    if fuse:
+        _fuse_residual_ends(model, names, report)
     for i, relu in relu_fed.items():
         if isinstance(converted.get(i), Conv2d):
             converted[i].__dict__["_fk_drelu"] = True

@@ -79,6 +79,28 @@ def test_batchnorm_backward_oracle_matches_finite_differences(relu, rng):
     assert np.allclose(db, _fd(lambda bb: loss(x, g, bb), b.copy()), atol=1e-5)
 
 
+def test_batchnorm_add_relu_oracle_matches_finite_differences(rng):
+    """relu(bn(x) + z) and its one-graph backward: dx, dgamma, dbeta and the residual's gradient dz."""
+    c = 3
+    x, z = rng.standard_normal((2, c, 3, 3)), rng.standard_normal((2, c, 3, 3))
+    g, b = rng.random(c) + 0.5, rng.standard_normal(c)
+    dy = rng.standard_normal(x.shape)
+    rm, rv = np.zeros(c), np.ones(c)
+
+    def loss(xx, gg=g, bb=b, zz=z):
+        return float((oracle.evaluate("batchnorm_add_relu", xx, gg, bb, rm, rv, zz)[0] * dy).sum())
+
+    y, mean, inv, _, _ = oracle.evaluate("batchnorm_add_relu", x, g, b, rm, rv, z)
+    bn = oracle.evaluate("batchnorm", x, g, b, rm, rv)[0]
+    assert np.array_equal(y, np.maximum(bn + z, 0))
+    dx, dz, dg, db = oracle.evaluate("batchnorm_add_relu_backward", dy, y, x, g, mean, inv)
+    assert np.array_equal(dz, dy * (y > 0))
+    assert np.allclose(dx, _fd(loss, x.copy()), atol=1e-5)
+    assert np.allclose(dz, _fd(lambda zz: loss(x, g, b, zz), z.copy()), atol=1e-5)
+    assert np.allclose(dg, _fd(lambda gg: loss(x, gg, b), g.copy()), atol=1e-5)
+    assert np.allclose(db, _fd(lambda bb: loss(x, g, bb), b.copy()), atol=1e-5)
+
+
 def test_scale_shift_and_genstats_oracle(rng):
     x = rng.standard_normal((2, 4, 3, 3))
     g, b = rng.standard_normal(4), rng.standard_normal(4)

@@ -169,8 +169,12 @@ class FakeOps:
         return torch.ones(c), torch.zeros(c), (torch.empty(c), torch.empty(c))
 
     def batchnorm(self, x, gamma, beta, running_mean=None, running_var=None, *, epsilon=1e-5, momentum=0.1, relu=False,
-                  upper_clip=INF):
-        self.calls.append(("batchnorm_relu" + ("6" if upper_clip == 6 else "")) if relu else "batchnorm")
+                  upper_clip=INF, residual=None):
+        if residual is not None:
+            assert relu and upper_clip == INF
+            _image(residual)
+            _same_dtype(x, residual)
+        self.calls.append("batchnorm_add_relu" if residual is not None else ("batchnorm_relu" + ("6" if upper_clip == 6 else "")) if relu else "batchnorm")
         _image(x)
         for v, n in ((gamma, "gamma"), (beta, "beta")) + (((running_mean, "running_mean"), (running_var, "running_var"))
                                                           if running_mean is not None else ()):
@@ -179,6 +183,8 @@ class FakeOps:
         mean, var = xd.mean((0, 2, 3)), xd.var((0, 2, 3), unbiased=False)
         inv = (var + epsilon).rsqrt()
         y = (xd - mean.view(1, -1, 1, 1)) * (inv * gamma.double()).view(1, -1, 1, 1) + beta.double().view(1, -1, 1, 1)
+        if residual is not None:  # as the graph: BN output and residual summed in float32, rounded once
+            y = y + residual.double()
         y = _like_layout(_act(y, relu, upper_clip).to(x.dtype), x)
         sd = torch.float64 if x.dtype == torch.float64 else F32  # float32 statistics, as the patterns (float64 runs stay exact)
         if running_mean is None:
@@ -188,12 +194,14 @@ class FakeOps:
         new_rv = running_var.double() * (1 - momentum) + var * (m / (m - 1)) * momentum
         return y, mean.to(sd), inv.to(sd), new_rm.to(sd), new_rv.to(sd)
 
-    def batchnorm_backward(self, dy, x, gamma, mean, inv_var, *, y=None, needs=(True, True, True), upper_clip=INF):
-        self.calls.append("batchnorm_relu_backward" if y is not None else "batchnorm_backward")
+    def batchnorm_backward(self, dy, x, gamma, mean, inv_var, *, y=None, needs=(True, True, True), upper_clip=INF, residual=False):
+        self.calls.append("batchnorm_add_relu_backward" if residual else "batchnorm_relu_backward" if y is not None else "batchnorm_backward")
         _image(dy, x)
         _channel(gamma, "gamma")
         if y is not None:
             dy = dy * _mask(y, upper_clip)
+        if residual:
+            return self.batchnorm_backward(dy, x, gamma, mean, inv_var, needs=needs)[:3] + (dy,)
         m = x.shape[0] * x.shape[2] * x.shape[3]
         d, xd = dy.double(), x.double()
         mu, inv, g = (v.double().view(1, -1, 1, 1) for v in (mean, inv_var, gamma))
@@ -222,6 +230,11 @@ class FakeOps:
 
     # pointwise
     def call(self, name, *operands, out=None, **attrs):
+        if name == "add_relu":
+            a, b = operands
+            _image(a, b)
+            self.calls.append("add_relu")
+            return _like_layout((a.double() + b.double()).clamp(0).to(a.dtype), a)
         assert name == "relu" and set(attrs) <= {"upper_clip"}, name
         clip = attrs.get("upper_clip", INF)
         self.calls.append("relu" if clip == INF else f"relu{clip:g}")
@@ -870,10 +883,14 @@ def test_converted_torchvision_model_matches_torch(fake, name):
         relu6 = sum(isinstance(m, torch.nn.ReLU6) for m in ref.modules())
         assert fake.count("batchnorm_relu6") == relu6 and not any(c.startswith("relu") for c in fake)
         assert fake.count("dgrad_drelu6") + fake.count("batchnorm_relu_backward") == relu6
+    blocks = sum(type(m).__name__ == "BasicBlock" for m in ref.modules())
+    if name == "resnet18":  # training: each block ends in one BN + add + ReLU graph, backward one graph too
+        assert fake.count("batchnorm_add_relu") == fake.count("batchnorm_add_relu_backward") == blocks == 8, fake
     fk.eval(), ref.eval()
     fake.clear()
     compare(fk, ref, x, tol=2e-5)
     assert not any(c.startswith(("batchnorm", "scale_shift")) for c in fake)  # every BN folded into its conv
+    assert fake.count("add_relu") == blocks  # eval: the residual add and its ReLU as one graph
 
 
 #: More torchvision architectures through convert, each for what it adds: grouped convs (ResNeXt,
@@ -1045,9 +1062,10 @@ def test_fx_finds_functional_relu_and_shared_modules():
 
 
 TORCHVISION = {
-    # model: (replaced counts, fused groups (with the convs whose dgrad takes a ReLU's backward), left-alone types)
-    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 28, {"AdaptiveAvgPool2d"}),
-    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 85, {"AdaptiveAvgPool2d"}),
+    # model: (replaced counts, fused groups (with the convs whose dgrad takes a ReLU's backward and the
+    # blocks' BN + residual add + ReLU ends), left-alone types)
+    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 28 + 8, {"AdaptiveAvgPool2d"}),
+    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 85 + 16, {"AdaptiveAvgPool2d"}),
     "mobilenet_v2": ({"Conv2d": 52, "BatchNorm2d": 52, "ReLU6": 35, "Linear": 1}, 86, {"Dropout"}),
     "vgg11_bn": ({"Conv2d": 8, "BatchNorm2d": 8, "ReLU": 10, "MaxPool2d": 5, "Linear": 3}, 13, {"AdaptiveAvgPool2d", "Dropout"}),
 }
@@ -1073,6 +1091,10 @@ def test_convert_torchvision_models(name):
         blocks = [m for m in fk.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]
         assert all(b.bn1._fk_relu is b.relu and b.bn2._fk_relu is (b.relu if hasattr(b, "bn3") else None) for b in blocks)
         assert all(getattr(b, "bn3", b.bn2)._fk_relu is None for b in blocks)  # the last BN feeds the residual add
+        # ... and each block's forward is rewritten so that it takes the residual: relu(bn(x) + identity) in one call
+        assert all("forward" in b.__dict__ for b in blocks) and "forward" not in fk.__dict__
+        ends = [names for names, what in report.fused if "residual add" in what]
+        assert len(ends) == len(blocks) and all(n[0].endswith(("bn2", "bn3")) for n in ends), ends
     print(report)
 
 
@@ -1311,3 +1333,75 @@ def test_graphed_replays_give_autograd_the_uncaptured_gradients(monkeypatch):
     model(xs[1])  # a replay whose output is dropped unused: its node dies, the next call replays
     model(xs[2]).sum().backward()
     assert calls == [1] and torch.allclose(model.p.grad, xs[2].sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Residual block ends: relu(bn(x) + r) rewritten into one BatchNorm2d call
+# ----------------------------------------------------------------------------------------------
+class _Block(torch.nn.Module):
+    """conv -> BN, plus the input, then ReLU: as a ResNet block ends (``how``: which add and ReLU)."""
+
+    def __init__(self, how="module", c=4):
+        super().__init__()
+        self.how = how
+        self.conv, self.bn, self.relu = torch.nn.Conv2d(c, c, 3, padding=1, bias=False), torch.nn.BatchNorm2d(c), torch.nn.ReLU()
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        if self.how == "module":
+            out += x
+            return self.relu(out)
+        if self.how == "functional":
+            return F.relu(x + out)
+        if self.how == "mode":  # another graph in eval: not rewritten
+            return self.relu(out + x) if self.training else self.relu(out) + x
+        if self.how == "reused":  # the BN output used twice: not rewritten
+            return self.relu(out + x) + out
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize("how, fused", [("module", True), ("functional", True), ("mode", False), ("reused", False)])
+def test_residual_end_rewritten_into_one_bn_call(fake, how, fused):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_Block(how), _Block(how)).double()
+    _randomize_bn(ref)
+    fk, report = ft.convert(ref)
+    assert [("forward" in b.__dict__) for b in fk] == [fused, fused]
+    assert sum("residual add" in what for _, what in report.fused) == (2 if fused else 0), report
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    for mode in (True, False):
+        fk.train(mode), ref.train(mode)
+        fake.clear()
+        compare(fk, ref, x, tol=1e-6)
+        if fused:
+            assert fake.count("batchnorm_add_relu" if mode else "add_relu") == 2, fake
+            assert fake.count("batchnorm_add_relu_backward") == (2 if mode else 0), fake
+        else:
+            assert "batchnorm_add_relu" not in fake and "add_relu" not in fake
+
+
+def test_residual_rewrite_survives_copies_and_pickles(fake):
+    import pickle
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_Block(), _Block()).double()
+    _randomize_bn(ref)
+    fk, _ = ft.convert(ref)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    want = fk(x)
+    dup = copy.deepcopy(fk)
+    assert dup[0].forward.__self__ is dup[0]  # bound to the copy, not to the original
+    fake.clear()
+    assert torch.equal(dup(x), want) and fake.count("batchnorm_add_relu") == 2
+    back = pickle.loads(pickle.dumps(fk))  # the rewrite may not come back, the model's function does
+    assert torch.allclose(back(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_batchnorm_residual_needs_no_activation_of_its_own(fake):
+    bn = ft.BatchNorm2d(4, activation="relu").double()
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64)
+    with pytest.raises(OperandError, match="residual"):
+        bn(x, x)
+    plain = ft.BatchNorm2d(4).double()
+    ref = torch.nn.BatchNorm2d(4).double()
+    assert torch.allclose(plain(x, x), torch.relu(ref(x) + x), atol=1e-6)

@@ -57,6 +57,36 @@ def test_batchnorm_training_forward_backward(c, dtype, layout, relu):
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("c", CHANNELS)
+def test_batchnorm_add_relu_forward_backward(c, dtype, layout):
+    """y = relu(bn(x) + z) (a ResNet block's end) and its backward with the residual's gradient, against
+    float64 autograd; C = 1, 3, 257 run split (reductions, pointwise graphs), as plain batch norm does."""
+    x, z = img(4, c, 9, 7, dtype, layout), img(4, c, 9, 7, dtype, layout) - 0.5
+    gamma, beta = vec(c), torch.randn(c, device="cuda")
+    rm, rv = torch.randn(c, device="cuda"), vec(c)
+    y, mean, inv, nrm, nrv = ops.batchnorm(x, gamma, beta, rm, rv, epsilon=1e-5, momentum=0.1, relu=True, residual=z)
+    xr, zr = x.double().requires_grad_(True), z.double().requires_grad_(True)
+    gr, br = gamma.double().requires_grad_(True), beta.double().requires_grad_(True)
+    rmr, rvr = rm.double().clone(), rv.double().clone()
+    yr = torch.relu(F.batch_norm(xr, rmr, rvr, gr, br, True, 0.1, 1e-5) + zr)
+    assert y.shape == x.shape and y.dtype == x.dtype and rel(y, yr) < TOL[dtype]
+    assert rel(nrm, rmr) < STAT_TOL and rel(nrv, rvr) < STAT_TOL
+    assert rel(inv, 1 / torch.sqrt(x.double().var((0, 2, 3), unbiased=False) + 1e-5)) < STAT_TOL
+    dy = torch.randn_like(y)
+    yr.backward(dy.double())
+    dx, dg, db, dz = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, residual=True)
+    assert dz.shape == z.shape and dz.dtype == dy.dtype and dx.dtype == x.dtype
+    # dz is dy where fusekit's y > 0, exactly; in 16 bits a few masks flip against float64 where y ~ 0
+    assert torch.equal(dz, dy * (y > 0))
+    if dtype == "float32":
+        assert rel(dz, zr.grad) < TOL[dtype]
+    assert rel(dx, xr.grad) < TOL[dtype] * 2 and rel(dg, gr.grad) < TOL[dtype] * 2 and rel(db, br.grad) < TOL[dtype] * 2
+    with pytest.raises(fusekit.OperandError, match="residual"):
+        ops.batchnorm(x, gamma, beta, rm, rv, residual=z)  # relu=False
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("c", CHANNELS)
 def test_normalize_alone(c, dtype, layout):

@@ -63,10 +63,14 @@ def _empty_like(x: Any, op: str = "fusekit", name: str = "x") -> Any:
 
 def batchnorm(
     x: Any, gamma: Any, beta: Any, running_mean: Any = None, running_var: Any = None, *,
-    epsilon: float = 1e-5, momentum: float = 0.1, relu: bool = False, upper_clip: float = math.inf,
+    epsilon: float = 1e-5, momentum: float = 0.1, relu: bool = False, upper_clip: float = math.inf, residual: Any = None,
 ) -> tuple[Any, ...]:
     """Training batch norm (normalize, scale, shift fused; + ReLU with ``relu``, clipped above at
-    ``upper_clip``: 6 for ReLU6): (y, mean, inv_var [, new_running_mean, new_running_var])."""
+    ``upper_clip``: 6 for ReLU6): (y, mean, inv_var [, new_running_mean, new_running_var]).
+    ``residual``: an array like x added before a plain ReLU, y = relu(bn(x) + residual) in one graph
+    (a ResNet block's end; its backward: :func:`batchnorm_backward` with ``residual=True``)."""
+    if residual is not None and (not relu or not math.isinf(upper_clip)):
+        raise OperandError("batchnorm", "residual", "a residual is added in front of a plain ReLU: pass relu=True (upper_clip inf)", what="argument")
     stats_only = running_mean is None
     if stats_only:  # the frontend's batchnorm node cannot drop its running-stat ports: feed it (0, 1), momentum 0
         ones, zeros, _ = affine_identity(x, "batchnorm")
@@ -74,13 +78,29 @@ def batchnorm(
     kw = dict(epsilon=epsilon, momentum=momentum)
     res = fused_or_split(
         tag("batchnorm_node", x),
-        lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw, upper_clip),
-        lambda: _bn_split_forward(x, gamma, beta, running_mean, running_var, relu, epsilon, momentum, upper_clip),
+        lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw, upper_clip, residual),
+        lambda: _add_relu(
+            _bn_split_forward(x, gamma, beta, running_mean, running_var, relu and residual is None, epsilon, momentum, upper_clip), residual
+        ),
     )
     return tuple(res[:3]) if stats_only else tuple(res)
 
 
-def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, kw: dict, upper_clip: float) -> tuple:
+def _add_relu(res: tuple, residual: Any) -> tuple:
+    """A batch norm's results with relu(y + residual) in place of its output y (none: as they are)."""
+    if residual is None:
+        return res
+    return (call("add_relu", res[0], residual, out=res[0]),) + tuple(res[1:])
+
+
+def _bn_node_forward(x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, kw: dict, upper_clip: float, residual: Any = None) -> tuple:
+    if residual is not None:
+        return fused_or_split(
+            tag("batchnorm_add_relu", x, residual),
+            lambda: call("batchnorm_add_relu", x, gamma, beta, rm, rv, residual, **kw),
+            lambda: _add_relu(call("batchnorm", x, gamma, beta, rm, rv, **kw), residual),
+            like=x,  # side-effect free: the running statistics come back as new arrays
+        )
     if not relu:
         return call("batchnorm", x, gamma, beta, rm, rv, **kw)
     clip = clip_attrs(upper_clip)
@@ -129,10 +149,16 @@ def _bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tupl
 
 def batchnorm_backward(
     dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any, *, y: Any = None, needs: Sequence[bool] = (True, True, True),
-    upper_clip: float = math.inf,
-) -> tuple[Any, Any, Any]:
+    upper_clip: float = math.inf, residual: bool = False,
+) -> tuple[Any, ...]:
     """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True),
-    clipped at ``upper_clip``) the ReLU backward is fused in front (the dReLU + BN backward graph)."""
+    clipped at ``upper_clip``) the ReLU backward is fused in front (the dReLU + BN backward graph).
+    ``residual``: y came from batchnorm(residual=...): (dx, dgamma, dbeta, dresidual), where
+    dresidual = dy * (y > 0), also what the BN backward reads, comes out of the same graph."""
+    if residual:
+        if y is None or not math.isinf(upper_clip):
+            raise OperandError("batchnorm_backward", "y", "residual=True needs y, the output of batchnorm(relu=True, residual=...)", what="argument")
+        return _bn_add_relu_backward(dy, x, gamma, mean, inv_var, y, needs)
     clip = clip_attrs(upper_clip)
 
     def node() -> tuple:
@@ -150,6 +176,20 @@ def batchnorm_backward(
         lambda: _bn_split_backward(dy if y is None else call("relu_backward", dy, y, **clip), x, gamma, mean, inv_var),
     )
     return tuple(r if n else None for r, n in zip(res, needs))  # type: ignore[return-value]
+
+
+def _bn_add_relu_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv_var: Any, y: Any, needs: Sequence[bool]) -> tuple[Any, ...]:
+    """batchnorm_backward(residual=True): one graph, else the masked gradient first and the BN backward on it."""
+    def split() -> tuple:
+        dz = call("relu_backward", dy, y)
+        return batchnorm_backward(dz, x, gamma, mean, inv_var) + (dz,)
+
+    def node() -> tuple:
+        dx, dz, dg, db = call("batchnorm_add_relu_backward", dy, y, x, gamma, mean, inv_var)
+        return dx, dg, db, dz
+
+    res = fused_or_split(tag("batchnorm_add_relu_backward", dy, x), node, split, like=dy)
+    return tuple(r if n else None for r, n in zip(res, tuple(needs) + (True,)))
 
 
 def inv_std(running_var: Any, epsilon: float = 1e-5) -> Any:
