@@ -693,7 +693,7 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
         x = _dense(x, "BatchNorm2d")
         after, act = self._fk_relu, ("relu" if residual is not None else self._fk_act())
         if residual is not None:
-            residual = _cast(residual, x.dtype)
+            residual = _like(_cast(residual, x.dtype), x)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
