@@ -191,7 +191,8 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     rec: dict = {"model": name, "batch": args.batch, "size": args.size, "precision": precision, "layout": "channels_last"}
     torch.manual_seed(0)
     initial = getattr(torchvision.models, name)(weights=None).to(memory_format=torch.channels_last)  # CPU copy of the start
-    fused, report = ft.convert(initial)
+    fused, report = ft.convert(initial, fuse_residual=args.fuse_residual)
+    rec["fuse_residual"] = args.fuse_residual
     rec["replaced"], rec["fused_groups"] = len(report.replaced), len(report.fused)
     rec["left_alone"] = sorted({t for _, t, _ in report.left_alone})
     data = Data(args.batch, args.size)
@@ -209,7 +210,7 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     _free()
 
     for timer, kind, what in ((time_graph, "graph", "captured step"), (time_graphed, "graphed", "graphed forward/backward")):
-        for side, model in (("fusekit", ft.convert(initial)[0]), ("torch", copy.deepcopy(initial))):
+        for side, model in (("fusekit", ft.convert(initial, fuse_residual=args.fuse_residual)[0]), ("torch", copy.deepcopy(initial))):
             ms, loss, note = timer(model.cuda(), data, precision, args, side)
             rec[f"{side}_{kind}_ms"], rec[f"{side}_{kind}_loss"] = ms, loss
             if note:
@@ -293,6 +294,7 @@ def main() -> None:
                     help="seconds allowed for torch.compile's first step (0: skip; default 300, 0 with --quick)")
     ap.add_argument("--compile-precisions", nargs="+", default=["amp-fp16"], choices=list(PRECISIONS),
                     help="precisions timed under torch.compile (each compile takes minutes)")
+    ap.add_argument("--fuse-residual", action="store_true", help="convert with fuse_residual (residual block ends as BN + add + ReLU graphs)")
     ap.add_argument("--quick", action="store_true", help="ResNet-18, amp-fp16 only, 3 trials of 5 steps, no torch.compile")
     ap.add_argument("--suffix", default="", help="appended to the result files' stem (<GPU>-train-models<suffix>): a run of other "
                     "models beside the committed table")

@@ -431,13 +431,15 @@ def _training_step(models: dict, x, g, precision):
     return got
 
 
-@pytest.mark.parametrize("name, precision", MODELS)
+@pytest.mark.parametrize("name, precision", MODELS + [("resnet50-residual", "amp-fp16"), ("resnet18-residual", "fp32")])
 def test_converted_torchvision_model_matches_original(name, precision):
     """Converted vs original, both against a float64 copy: the converted model's output error (eval and
     training mode) within 3x the original's, or a floor for the precision; the same running stats
-    after a training-mode forward; in eval every conv -> BN pair ran as one folded graph."""
+    after a training-mode forward; in eval every conv -> BN pair ran as one folded graph.
+    "-residual": converted with fuse_residual."""
+    name, residual = name.removesuffix("-residual"), name.endswith("-residual")
     base = _torchvision(name)
-    fk, report = ft().convert(base)
+    fk, report = ft().convert(base, fuse_residual=residual)
     if precision == "half":
         base, fk = base.half(), fk.half()
     ref64 = copy.deepcopy(base).double()
@@ -527,14 +529,18 @@ def test_converted_squeezenet_runs_its_ceil_mode_pools_on_fusekit():
         assert e_fk < max(3 * e_t, FLOOR["amp-fp16"]), f"{what}: fusekit {e_fk:.2e} vs torch {e_t:.2e}"
 
 
-@pytest.mark.parametrize("name, precision", [
-    ("resnet18", "amp-fp16"), ("resnet50", "amp-fp16"), ("resnet50", "fp32"), ("mobilenet_v2", "amp-fp16"), ("mobilenet_v2", "fp32"),
+@pytest.mark.parametrize("name, precision, residual", [
+    ("resnet18", "amp-fp16", False), ("resnet50", "amp-fp16", False), ("resnet50", "fp32", False), ("mobilenet_v2", "amp-fp16", False),
+    ("mobilenet_v2", "fp32", False), ("resnet18", "amp-fp16", True), ("resnet50", "amp-fp16", True), ("resnet50", "fp32", True),
 ])
-def test_converted_model_gradients_match_original(name, precision):
+def test_converted_model_gradients_match_original(name, precision, residual):
     """One training-mode backward (AMP fp16, or float32) of the converted model vs the original, both
-    against a float64 copy: every parameter's gradient error within 3x the original's (or 5e-2)."""
+    against a float64 copy: every parameter's gradient error within 3x the original's (or 5e-2).
+    ``residual``: converted with fuse_residual (each block ends in BN + add + ReLU graphs)."""
     base = _torchvision(name)
-    fk, _ = ft().convert(base)
+    fk, report = ft().convert(base, fuse_residual=residual)
+    assert sum("residual add" in what for _, what in report.fused) == (sum(type(m).__name__ in ("BasicBlock", "Bottleneck")
+                                                                           for m in base.modules()) if residual else 0)
     ref64 = copy.deepcopy(base).double()
     x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
     g = torch.randn(4, 100, device="cuda")
