@@ -1,6 +1,8 @@
 """fusekit.pipeline on the CPU: fx tracing and ONNX import, the rewrites (BN folding, fused
 epilogues, fallbacks), the float64 reference against the original model, and buffer planning."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -462,3 +464,38 @@ def test_check_needs_a_built_pipeline(small):
 
     with pytest.raises(FusekitError, match="pipeline.check needs a built pipeline"):
         fp.Pipeline(fp.lower_model(small, (2, 3, 20, 20))).check()
+
+
+@pytest.mark.parametrize("fuse_residual", [False, True])
+def test_converted_model_imports_like_the_original(fuse_residual, rng):
+    """A model converted with fusekit.torch.convert (its modules traced whole, as torch.nn's; BN called
+    with the residual under fuse_residual) lowers to the original's fused program and values."""
+    tv = pytest.importorskip("torchvision")
+    ft = pytest.importorskip("fusekit.torch")
+    torch.manual_seed(0)
+    m = tv.models.resnet18(num_classes=10).eval()
+    _randomize_bn(m, torch.Generator().manual_seed(3))
+    x = rng.standard_normal((1, 3, 64, 64))
+    want = fp.lower_model(m, x.shape)
+    fk, _ = ft.convert(m, fuse_residual=fuse_residual)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said while importing (fusekit modules run PyTorch's code on the CPU values)
+        got = fp.lower_model(fk.eval(), x.shape)
+    assert [s.pattern for s in got.stages] == [s.pattern for s in want.stages]
+    assert sum(s.pattern == "conv_bias_add_relu" for s in got.stages) == 8  # every block's end: conv + BN + add + ReLU
+    ref = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    assert _rel(fp.reference.evaluate(got, x), ref) < 1e-10
+
+
+def test_fusekit_modules_with_their_own_activation_import_with_it(rng):
+    ft = pytest.importorskip("fusekit.torch")
+    torch.manual_seed(0)
+    m = nn.Sequential(ft.Conv2d(3, 8, 3, padding=1, activation="relu6"), ft.Conv2d(8, 8, 3, padding=1, bias=False),
+                      ft.BatchNorm2d(8, activation="relu")).eval()
+    _randomize_bn(m, torch.Generator().manual_seed(4))
+    x = rng.standard_normal((2, 3, 10, 10)) * 4
+    prog = fp.lower_model(m, x.shape)
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu"], str(prog)
+    ref = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert _rel(fp.reference.evaluate(prog, x), ref) < 1e-10

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import warnings
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,10 @@ def _record_values(gm: Any, example: Any) -> dict[str, Any]:
             values[n.name] = v
             return v
 
-    with torch.no_grad():
+    from ..errors import TorchFallbackWarning
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", TorchFallbackWarning)  # fusekit.torch modules on these CPU values run PyTorch's code
         Rec(gm).run(example)
     return values
 
@@ -48,9 +52,11 @@ def import_module(model: Any, example_input: Any) -> Program:
     import torch.nn.functional as F
 
     shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
+    from ..torch import FxTracer, _Fusekit
+
     m = copy.deepcopy(model).cpu().float().eval()
-    try:
-        gm = torch.fx.symbolic_trace(m)
+    try:  # fusekit.torch modules (a converted model) stay whole, as torch.nn's do
+        gm = torch.fx.GraphModule(m, FxTracer().trace(m))
     except Exception as e:  # noqa: BLE001
         raise UnsupportedError(f"pipeline: torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from None
     gen = torch.Generator().manual_seed(0)
@@ -123,10 +129,18 @@ def import_module(model: Any, example_input: Any) -> Program:
         tensor_nodes.add(node.name)
         name = node.name
         st: Stage | None = None
+        tail: list[Stage] = []  # what a fusekit.torch module does after its layer: its own ReLU / ReLU6, a residual add + ReLU
         if node.op == "call_module":
             mod = gm.get_submodule(node.target)
             x = node.args[0] if node.args else None
             single = len(node.args) == 1 and not node.kwargs and is_t(x)
+            if isinstance(mod, _Fusekit):
+                act = getattr(mod, "activation", None)
+                if act is not None:
+                    tail.append(Stage("relu", [], name, attrs={"upper_clip": 6.0} if act == "relu6" else {}, name=f"{name}.{act}"))
+                if isinstance(mod, nn.BatchNorm2d) and len(node.args) == 2 and not node.kwargs and is_t(x) and is_t(node.args[1]):
+                    single = True  # bn(x, residual) (convert's fuse_residual): relu(bn(x) + residual)
+                    tail += [Stage("add", [node.args[1].name], name, name=f"{name}.add"), Stage("relu", [], name, name=f"{name}.relu")]
             if single and isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
                 st = Stage("conv", [x.name], name, weights={"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {}),
                            attrs=dict(padding=tuple(mod.padding), stride=tuple(mod.stride), dilation=tuple(mod.dilation), groups=mod.groups), name=name)
@@ -188,6 +202,14 @@ def import_module(model: Any, example_input: Any) -> Program:
                 st = fallback(node, fn, node.args, node.kwargs, f"{getattr(t, '__name__', t)} has no fusekit rule")
         else:
             raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
+        if tail and not st.fallback and st.kind != "torch":  # a fallback runs the whole module, tail included
+            prev = st.output = f"{name}.pre"
+            stages.append(st)
+            for i, t in enumerate(tail):
+                t.inputs = [prev] + t.inputs
+                t.output = prev = name if i == len(tail) - 1 else f"{name}.t{i}"
+                stages.append(t)
+            continue
         stages.append(st)
     if input_name is None or output is None:
         raise UnsupportedError("pipeline: traced graph has no input or no output")
