@@ -52,7 +52,7 @@ def import_module(model: Any, example_input: Any) -> Program:
     import torch.nn.functional as F
 
     shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
-    from ..torch import FxTracer, _Fusekit
+    from ..torch import FxTracer
 
     m = copy.deepcopy(model).cpu().float().eval()
     try:  # fusekit.torch modules (a converted model) stay whole, as torch.nn's do
@@ -134,13 +134,12 @@ def import_module(model: Any, example_input: Any) -> Program:
             mod = gm.get_submodule(node.target)
             x = node.args[0] if node.args else None
             single = len(node.args) == 1 and not node.kwargs and is_t(x)
-            if isinstance(mod, _Fusekit):
-                act = getattr(mod, "activation", None)
-                if act is not None:
-                    tail.append(Stage("relu", [], name, attrs={"upper_clip": 6.0} if act == "relu6" else {}, name=f"{name}.{act}"))
-                if isinstance(mod, nn.BatchNorm2d) and len(node.args) == 2 and not node.kwargs and is_t(x) and is_t(node.args[1]):
-                    single = True  # bn(x, residual) (convert's fuse_residual): relu(bn(x) + residual)
-                    tail += [Stage("add", [node.args[1].name], name, name=f"{name}.add"), Stage("relu", [], name, name=f"{name}.relu")]
+            act = getattr(mod, "activation", None)  # a fusekit.torch layer's own ReLU / ReLU6
+            if isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm2d)) and act in ("relu", "relu6"):
+                tail.append(Stage("relu", [], name, attrs={"upper_clip": 6.0} if act == "relu6" else {}, name=f"{name}.{act}"))
+            if isinstance(mod, nn.BatchNorm2d) and len(node.args) == 2 and not node.kwargs and is_t(x) and is_t(node.args[1]):
+                single = True  # fusekit.torch's bn(x, residual) (convert's fuse_residual): relu(bn(x) + residual)
+                tail += [Stage("add", [node.args[1].name], name, name=f"{name}.add"), Stage("relu", [], name, name=f"{name}.relu")]
             if single and isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
                 st = Stage("conv", [x.name], name, weights={"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {}),
                            attrs=dict(padding=tuple(mod.padding), stride=tuple(mod.stride), dilation=tuple(mod.dilation), groups=mod.groups), name=name)
