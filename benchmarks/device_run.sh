@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh probes tests bench-conv bench-autotune bench-train bench-norm
 # Everything under $OUT is packed into $OUT/run.tgz at the end (KEEP_FILES=1: left as is).
 # realuse: the README's CLI jobs and examples/ as a new user runs them.
-# BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) narrows the `tests` part; tests-NAME runs tests/test_gpu_NAME.py alone.
+# BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) and TEST_K (a pytest -k expression) narrow the test parts; tests-NAME runs tests/test_gpu_NAME.py alone.
 set -uo pipefail
 # once per machine: a second call of this script in the same command finds the wheels installed
 [ -d /tmp/site/cudnn ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -25,42 +25,19 @@ for part in "$@"; do
       timeout ${PROBE_TIMEOUT:-120} python3 "benchmarks/probes/${part//-/_}.py" > "$OUT/${part}.log" 2>&1
       cut -c1-1200 "$OUT/${part}.log" | tail -20 ;;
     tests)
-      timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TEST_FILES:-tests/} > "$OUT/gpu_tests.log" 2>&1
+      timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -45 ;;
-    tests-par)  # the GPU suite in SHARDS processes sharing the GPU (files dealt largest first), each with its own cache;
-      # the fuzzer (the longest file, ~270 s alone; its report in $OUT/fuzz.json) and the SOLO files (the torchvision
-      # models of test_gpu_torch_dropin, ~200 s) each in a process of its own
-      solo=(${SOLO:-test_gpu_torch_dropin.py})
-      mapfile -t files < <(ls -S tests/test_*.py | grep -v -e test_gpu_fuzz.py $(printf -- '-e %s ' "${solo[@]}"))
-      n=${SHARDS:-5}; pids=()  # 4 shards overran 330 s on an H100 (2026-12-05): 5, and TESTS_TIMEOUT 400 there
-      FUSEKIT_FUZZ_REPORT=${FUSEKIT_FUZZ_REPORT:-$OUT/fuzz.json} FUSEKIT_CACHE_DIR=/tmp/fk-cache-fuzz timeout ${TESTS_TIMEOUT:-330} \
-        python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short -s tests/test_gpu_fuzz.py > "$OUT/gpu_tests_fuzz.log" 2>&1 & pids+=($!)
-      for f in "${solo[@]}"; do
-        FUSEKIT_CACHE_DIR=/tmp/fk-cache-${f%.py} timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short \
-          "tests/$f" > "$OUT/gpu_tests_${f%.py}.log" 2>&1 & pids+=($!)
-      done
-      for ((k = 0; k < n; k++)); do
-        shard=(); for ((j = k; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
-        FUSEKIT_CACHE_DIR=/tmp/fk-cache-$k timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short "${shard[@]}" \
-          > "$OUT/gpu_tests_$k.log" 2>&1 & pids+=($!)
-      done
-      wait "${pids[@]}"
-      # the tests that measure the whole GPU (marked alone), after the shards, in one process
-      FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
-        tests/ > "$OUT/gpu_tests_alone.log" 2>&1
-      for k in $(seq 0 $((n - 1))) fuzz "${solo[@]%.py}" alone; do echo "shard $k:"; grep -E "^(FAILED|ERROR)|passed|failed|fusekit fuzz:" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
-      [ -s "$OUT/capture_watch.log" ] && head -40 "$OUT/capture_watch.log" | cut -c1-300 ;;
     tests-xdist)  # the GPU suite over WORKERS pytest-xdist processes sharing the GPU, tests handed out as workers
       # free up (--dist worksteal: the fuzzer's eight tests and the torchvision models spread too); one fuzz seed
       # for all workers, a report per worker ($OUT/fuzz.gwN.json); the 25 slowest tests listed. Needs the
-      # pytest-xdist and execnet wheels in .whl; tests-par is the fallback. TEST_FILES narrows it. At TESTS_TIMEOUT pytest gets SIGINT, so the
+      # pytest-xdist and execnet wheels in .whl (else run `tests`, one process). TEST_FILES narrows it. At TESTS_TIMEOUT pytest gets SIGINT, so the
       # summary of what ran (passed, failed) is still printed.
       python3 -c "import xdist" 2> /dev/null || { echo "tests-xdist: pytest-xdist is not importable (put its and execnet's wheels in .whl)"; continue; }
       export FUSEKIT_FUZZ_SEED=${FUSEKIT_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**32))")}
       FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout -s INT -k 30 ${TESTS_TIMEOUT:-400} python3 -m pytest -n "${WORKERS:-6}" \
-        --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
+        --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
       FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
-        ${TEST_FILES:-tests/} > "$OUT/gpu_tests_alone.log" 2>&1
+        ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_alone.log" 2>&1
       for k in xdist alone; do echo "$k:"; grep -E "^(FAILED|ERROR)|passed|failed|skipped in" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
       python3 - "$OUT" <<'PY'
 import glob, json, sys

@@ -34,7 +34,7 @@ def _gpu_status() -> str | None:
 GPU_SKIP_REASON = _gpu_status()
 
 # Under pytest-xdist (benchmarks/device_run.sh tests-xdist) each worker keeps its own plan cache
-# directory, as each shard of tests-par does: no worker's tests see another's plans.
+# directory, as device_run.sh's separate runs do: no worker's tests see another's plans.
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("FUSEKIT_CACHE_DIR", "").startswith("/"):
     os.environ["FUSEKIT_CACHE_DIR"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
