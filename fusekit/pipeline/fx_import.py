@@ -201,7 +201,7 @@ def import_module(model: Any, example_input: Any) -> Program:
                 st = fallback(node, fn, node.args, node.kwargs, f"{getattr(t, '__name__', t)} has no fusekit rule")
         else:
             raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
-        if tail and not st.fallback and st.kind != "torch":  # a fallback runs the whole module, tail included
+        if tail and st.kind != "torch":  # a fallback runs the whole module, tail included
             prev = st.output = f"{name}.pre"
             stages.append(st)
             for i, t in enumerate(tail):
