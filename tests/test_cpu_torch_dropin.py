@@ -1410,3 +1410,32 @@ def test_batchnorm_residual_needs_no_activation_of_its_own(fake):
     plain = ft.BatchNorm2d(4).double()
     ref = torch.nn.BatchNorm2d(4).double()
     assert torch.allclose(plain(x, x), torch.relu(ref(x) + x), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_fuse_residual_changes_nothing_but_the_block_ends(fake, name):
+    """convert(fuse_residual=True) against the default conversion of the same model (fake ops: the fused
+    end computes bn(x) + r before rounding, as the graph does; in float64 both round alike): identical
+    outputs and input gradients in training and eval; only ResNeXt's Bottlenecks have ends to rewrite."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+    ref = getattr(tv.models, name)(weights=None, num_classes=10, **extra).double()
+    _randomize_bn(ref)
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+    plain, _ = ft.convert(copy.deepcopy(ref))
+    fused, report = ft.convert(copy.deepcopy(ref), fuse_residual=True)
+    ends = sum("residual add" in what for _, what in report.fused)
+    assert ends == (16 if name == "resnext50_32x4d" else 0), report
+    x = torch.randn(2, 3, ARCHITECTURES[name], ARCHITECTURES[name], dtype=torch.float64)
+    for mode in (True, False):
+        outs = []
+        for m in (plain, fused):
+            m.train(mode)
+            xi = x.clone().requires_grad_(True)
+            y = m(xi)
+            y.backward(torch.ones_like(y))
+            outs.append((y.detach(), xi.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (name, mode)
