@@ -903,6 +903,20 @@ ARCHITECTURES = {"resnext50_32x4d": 32, "regnet_x_400mf": 32, "regnet_y_400mf": 
                  "mobilenet_v3_small": 32, "convnext_tiny": 32}
 
 
+def _architecture(name):
+    """torchvision ``name`` (random weights, 10 classes) in float64, BN statistics randomized, dropout
+    and stochastic depth off (training-mode outputs comparable)."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+    ref = getattr(tv.models, name)(weights=None, num_classes=10, **extra).double()
+    _randomize_bn(ref)
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+    return ref
+
+
 def _outputs_and_grads(model, x):
     x = x.detach().clone().requires_grad_(True)
     y = model(x)
@@ -918,14 +932,7 @@ def test_converted_architectures_match_torch(fake, name, mode):
     patterns take them) against the original in float64: output, input and parameter gradients each
     within 4x the error of the original model run in float32 (a mask flip of a near-zero ReLU input
     moves a gradient by more than rounding: the float32 original is the yardstick for that too)."""
-    tv = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
-    ref = getattr(tv.models, name)(weights=None, num_classes=10, **extra).double()
-    _randomize_bn(ref)
-    for m in ref.modules():
-        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
-            m.p = 0.0  # training-mode outputs comparable
+    ref = _architecture(name)
     fk, report = ft.convert(copy.deepcopy(ref))
     f32 = copy.deepcopy(ref).float()
     for m in (ref, fk, f32):
@@ -1417,14 +1424,7 @@ def test_fuse_residual_changes_nothing_but_the_block_ends(fake, name):
     """convert(fuse_residual=True) against the default conversion of the same model (fake ops: the fused
     end computes bn(x) + r before rounding, as the graph does; in float64 both round alike): identical
     outputs and input gradients in training and eval; only ResNeXt's Bottlenecks have ends to rewrite."""
-    tv = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
-    ref = getattr(tv.models, name)(weights=None, num_classes=10, **extra).double()
-    _randomize_bn(ref)
-    for m in ref.modules():
-        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
-            m.p = 0.0
+    ref = _architecture(name)
     plain, _ = ft.convert(copy.deepcopy(ref))
     fused, report = ft.convert(copy.deepcopy(ref), fuse_residual=True)
     ends = sum("residual add" in what for _, what in report.fused)
