@@ -159,6 +159,13 @@ def test_norm_errors():
         fusekit.ops.channel_scale_shift(x, np.ones(4), None, relu=True)
     with pytest.raises(fusekit.OperandError, match="'gamma'.*give gamma, beta or both"):
         fusekit.ops.channel_scale_shift(x)
+    # a residual is added in front of a plain ReLU only; its backward needs that ReLU's output
+    c = np.ones(4)
+    for kw in ({}, {"relu": True, "upper_clip": 6.0}):
+        with pytest.raises(fusekit.OperandError, match="argument 'residual'.*relu=True"):
+            fusekit.ops.batchnorm(x, c, c, c, c, residual=x, **kw)
+    with pytest.raises(fusekit.OperandError, match="'y'.*residual=True needs y"):
+        fusekit.ops.batchnorm_backward(x, x, c, c, c, residual=True)
 
 
 @pytest.mark.parametrize("relu", [False, True])
