@@ -294,7 +294,8 @@ def main() -> None:
                     help="seconds allowed for torch.compile's first step (0: skip; default 300, 0 with --quick)")
     ap.add_argument("--compile-precisions", nargs="+", default=["amp-fp16"], choices=list(PRECISIONS),
                     help="precisions timed under torch.compile (each compile takes minutes)")
-    ap.add_argument("--fuse-residual", action="store_true", help="convert with fuse_residual (residual block ends as BN + add + ReLU graphs)")
+    ap.add_argument("--fuse-residual", action=argparse.BooleanOptionalAction, default=True,
+                    help="convert with fuse_residual (residual block ends as BN + add + ReLU graphs; the default)")
     ap.add_argument("--quick", action="store_true", help="ResNet-18, amp-fp16 only, 3 trials of 5 steps, no torch.compile")
     ap.add_argument("--suffix", default="", help="appended to the result files' stem (<GPU>-train-models<suffix>): a run of other "
                     "models beside the committed table")

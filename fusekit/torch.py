@@ -1108,7 +1108,7 @@ def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: C
         m.forward = types.MethodType(type(code).forward, m)
 
 
-def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True, fuse_residual: bool = False
+def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True, fuse_residual: bool = True
             ) -> tuple[torch.nn.Module, ConvertReport]:
     """Move ``module`` onto fusekit: every ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear``,
     ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.ReLU6``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.Softmax``
@@ -1123,11 +1123,12 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
     producer on its own returns the fused result (as torch.ao.quantization.fuse_modules does). A conv
     whose input is a ReLU or ReLU6 module's output that nothing else uses runs that ReLU's backward in
     its dgrad (training).
-    ``fuse_residual`` (experimental, off by default): also rewrite each module whose forward ends a
-    residual block as relu(bn(x) + r) (torchvision's BasicBlock / Bottleneck) into one
+    With ``fuse_residual`` (and ``fuse``), each module whose forward ends a residual block as
+    relu(bn(x) + r) (torchvision's BasicBlock / Bottleneck) is rewritten to end in one
     ``BatchNorm2d(x, r)`` call: BN + add + ReLU as one graph in training (backward: one graph with the
     residual's gradient), add + ReLU as one graph in eval. That module's forward becomes its rewritten
-    ``torch.fx`` trace (an instance attribute; class, parameters and state-dict keys stay).
+    ``torch.fx`` trace (an instance attribute; class, parameters and state-dict keys stay);
+    ``fuse_residual=False`` leaves every forward as it is.
     The links are plain attributes (not submodules, not in the state dict; deepcopy keeps them
     within the copy); nn.DataParallel's replicas would share the original's, so use
     DistributedDataParallel or ``fuse=False``.

@@ -875,7 +875,7 @@ def test_converted_torchvision_model_matches_torch(fake, name):
     for m in ref.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0  # same outputs in training
-    fk, _ = ft.convert(ref, fuse_residual=True)
+    fk, _ = ft.convert(ref)
     x = torch.randn(3, 3, 64, 64, dtype=torch.float64)
     fake.clear()
     compare(fk, ref, x, tol=2e-5)  # float32 BN affine vectors and folds in a float64 model, over 20-50 layers
@@ -1069,9 +1069,9 @@ def test_fx_finds_functional_relu_and_shared_modules():
 
 
 TORCHVISION = {
-    # model: (replaced counts, fused groups (with the convs whose dgrad takes a ReLU's backward), left-alone types)
-    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 28, {"AdaptiveAvgPool2d"}),
-    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 85, {"AdaptiveAvgPool2d"}),
+    # model: (replaced counts, fused groups (with the convs whose dgrad takes a ReLU's backward and the residual ends), left-alone types)
+    "resnet18": ({"Conv2d": 20, "BatchNorm2d": 20, "ReLU": 9, "MaxPool2d": 1, "Linear": 1}, 36, {"AdaptiveAvgPool2d"}),
+    "resnet50": ({"Conv2d": 53, "BatchNorm2d": 53, "ReLU": 17, "MaxPool2d": 1, "Linear": 1}, 101, {"AdaptiveAvgPool2d"}),
     "mobilenet_v2": ({"Conv2d": 52, "BatchNorm2d": 52, "ReLU6": 35, "Linear": 1}, 86, {"Dropout"}),
     "vgg11_bn": ({"Conv2d": 8, "BatchNorm2d": 8, "ReLU": 10, "MaxPool2d": 5, "Linear": 3}, 13, {"AdaptiveAvgPool2d", "Dropout"}),
 }
@@ -1097,15 +1097,14 @@ def test_convert_torchvision_models(name):
         blocks = [m for m in fk.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]
         assert all(b.bn1._fk_relu is b.relu and b.bn2._fk_relu is (b.relu if hasattr(b, "bn3") else None) for b in blocks)
         assert all(getattr(b, "bn3", b.bn2)._fk_relu is None for b in blocks)  # the last BN feeds the residual add
-        assert not any("forward" in b.__dict__ for b in blocks)
-        # fuse_residual: each block's forward is rewritten so that it takes the residual: relu(bn(x) + identity) in one call
-        fr, report = ft.convert(model, fuse_residual=True)
-        blocks = [m for m in fr.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]
-        assert all("forward" in b.__dict__ for b in blocks) and "forward" not in fr.__dict__
+        # fuse_residual (the default): each block's forward is rewritten so that it takes the residual: relu(bn(x) + identity) in one call
+        assert all("forward" in b.__dict__ for b in blocks) and "forward" not in fk.__dict__
         ends = [names for names, what in report.fused if "residual add" in what]
-        assert len(ends) == len(blocks) and len(report.fused) == fused + len(blocks), ends
+        assert len(ends) == len(blocks), ends
         assert all(n[0].endswith(("bn2", "bn3")) and n[2].endswith("relu") for n in ends), ends
-        assert list(fr.state_dict()) == list(model.state_dict())
+        plain, plain_report = ft.convert(model, fuse_residual=False)
+        assert not any("forward" in m.__dict__ for m in plain.modules())
+        assert len(plain_report.fused) == fused - len(blocks) and list(plain.state_dict()) == list(model.state_dict())
     print(report)
 
 
@@ -1376,8 +1375,8 @@ def test_residual_end_rewritten_into_one_bn_call(fake, how, fused):
     torch.manual_seed(0)
     ref = torch.nn.Sequential(_Block(how), _Block(how)).double()
     _randomize_bn(ref)
-    assert not any("forward" in b.__dict__ for b in ft.convert(ref)[0])  # off by default
-    fk, report = ft.convert(ref, fuse_residual=True)
+    assert not any("forward" in b.__dict__ for b in ft.convert(ref, fuse_residual=False)[0])
+    fk, report = ft.convert(ref)  # on by default
     assert [("forward" in b.__dict__) for b in fk] == [fused, fused]
     assert sum("residual add" in what for _, what in report.fused) == (2 if fused else 0), report
     x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
@@ -1398,7 +1397,7 @@ def test_residual_rewrite_survives_copies_and_pickles(fake):
     torch.manual_seed(0)
     ref = torch.nn.Sequential(_Block(), _Block()).double()
     _randomize_bn(ref)
-    fk, _ = ft.convert(ref, fuse_residual=True)
+    fk, _ = ft.convert(ref)
     x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
     want = fk(x)
     dup = copy.deepcopy(fk)
@@ -1421,12 +1420,12 @@ def test_batchnorm_residual_needs_no_activation_of_its_own(fake):
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_fuse_residual_changes_nothing_but_the_block_ends(fake, name):
-    """convert(fuse_residual=True) against the default conversion of the same model (fake ops: the fused
+    """convert (fuse_residual on, the default) against convert(fuse_residual=False) of the same model (fake ops: the fused
     end computes bn(x) + r before rounding, as the graph does; in float64 both round alike): identical
     outputs and input gradients in training and eval; only ResNeXt's Bottlenecks have ends to rewrite."""
     ref = _architecture(name)
-    plain, _ = ft.convert(copy.deepcopy(ref))
-    fused, report = ft.convert(copy.deepcopy(ref), fuse_residual=True)
+    plain, _ = ft.convert(copy.deepcopy(ref), fuse_residual=False)
+    fused, report = ft.convert(copy.deepcopy(ref))
     ends = sum("residual add" in what for _, what in report.fused)
     assert ends == (16 if name == "resnext50_32x4d" else 0), report
     x = torch.randn(2, 3, ARCHITECTURES[name], ARCHITECTURES[name], dtype=torch.float64)
