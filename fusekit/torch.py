@@ -1101,8 +1101,8 @@ def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: C
             prefix = "" if m is model else names[id(m)] + "."
             after = prefix + str(relu.target) if relu.op == "call_module" else "relu"
             report.fused.append(((prefix + str(bn.target), f"+ {r.name}", after),
-                                 "training: BN + residual add + ReLU as one graph (backward: dReLU + BN backward as one graph, "
-                                 "with the residual's gradient); eval: add + ReLU as one graph"))
+                                 "training: BN + residual add + ReLU as one graph (backward: the residual's gradient and the BN "
+                                 "backward, one graph where cuDNN has an engine); eval: add + ReLU as one graph"))
         graph.lint()
         code = torch.fx.GraphModule(m, graph)
         m.forward = types.MethodType(type(code).forward, m)
