@@ -174,6 +174,7 @@ def _tagged(t: Any, name: str) -> Any:
 # its output with them; each follower, given exactly that tensor (same object, unmodified), passes
 # it on instead of computing again. Any other input is computed as usual.
 _DONE = "_fusekit_done"
+_ADDED = "_fusekit_added"  # a conv's output that already holds relu(. + residual): id(residual)
 
 
 def _hand_on(y: torch.Tensor, followers: tuple) -> torch.Tensor:
@@ -573,14 +574,23 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
             shift = shift + _f32(bn.bias)
         return w, shift.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The output shape of this conv on (padded) ``x``."""
+        hw = [(int(x.shape[2 + i]) + 2 * self._fk_pad[i] - self.dilation[i] * (self.kernel_size[i] - 1) - 1) // self.stride[i] + 1 for i in (0, 1)]
+        return (int(x.shape[0]), self.out_channels, *hw)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """conv(x) [+ the fused BN / ReLU work]. ``residual``: what :func:`convert`'s rewrite of a
+        residual block end passes when this conv's BN is then called as bn(y, residual); in eval
+        without autograd the conv, the folded BN, the add and the ReLU run as one graph (else unused)."""
         if not _on_graphs(x, "Conv2d"):
             return self._torch_forward(x)
         amp = _amp_dtype()
         x = _cast(_dense(x, "Conv2d"), amp)
         act, done = self._fk_act(), ()
         bn = self._fk_bn
-        if bn is not None and not bn.training and bn.running_mean is not None and bn.running_var is not None:
+        folded = bn is not None and not bn.training and bn.running_mean is not None and bn.running_var is not None
+        if folded:
             w, b = self._folded(bn, x.dtype)  # eval: BN folded into this conv's weights and bias
             act = bn._fk_act()
             done = (bn,) + ((bn._fk_relu,) if bn._fk_relu is not None else ())
@@ -590,6 +600,11 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
                 done = (self._fk_relu,)
         if self._fk_extra is not None:
             x = _padded(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
+        if folded and act is None and residual is not None and _on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x) and not (
+                torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, b, residual))):
+            z = _like(_cast(_dense(residual, "Conv2d"), x.dtype), x)
+            y = ops.conv_bias_add_relu(x, w, b, z, padding=self._fk_pad, stride=self.stride, dilation=self.dilation, groups=self.groups)
+            return _hand_on(_tag(_mark_relu_output(y), _ADDED, id(residual)), done)
         input_clip = _relu_output_clip(x) if self._fk_drelu else None
         y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, act, input_clip)
         return _hand_on(y if act is None else _mark_relu_output(y, ACTIVATIONS[act]), done)
@@ -683,6 +698,10 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
             if self._fk_act() is not None:
                 raise OperandError("fusekit.torch.BatchNorm2d", "residual", "is added before a ReLU of its own: this module's activation must be None",
                                    what="argument")
+            if _tagged(x, _ADDED) == id(residual) and _already_done(x, self):  # eval: the conv before did BN, add and ReLU
+                return x
+            if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:  # broadcast or not a tensor: as written
+                return F.relu(self.forward(x) + residual)
             if not (_on_graphs(x, "BatchNorm2d") and _on_graphs(residual, "BatchNorm2d")):
                 return F.relu(self._torch_forward(x) + residual)
             residual = _dense(residual, "BatchNorm2d")
@@ -1063,11 +1082,19 @@ def _residual_ends(block: torch.nn.Module, graph: Any) -> list[tuple[Any, Any, A
     return found
 
 
+def _feeds_only(block: torch.nn.Module, x: Any, bn: Any) -> bool:
+    """Whether fx node ``x`` is a call of a fusekit Conv2d on one tensor whose only user is ``bn``, the BN it folds into in eval."""
+    return (x.op == "call_module" and len(x.args) == 1 and not x.kwargs and len(x.users) == 1
+            and type(block.get_submodule(x.target)) is Conv2d and block.get_submodule(x.target)._fk_bn is block.get_submodule(bn.target))
+
+
 def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: ConvertReport) -> None:
     """Rewrite the forward of every module that ends a residual block as relu(bn(x) + r) (torchvision's
     BasicBlock / Bottleneck: ``out = bn3(...); out += identity; out = relu(out)``) into one call
     ``bn3(x, r)``: training runs BN + add + ReLU as one graph, its backward dReLU + BN backward as one
-    graph with the residual's gradient. The module's forward becomes the rewritten trace (an instance
+    graph with the residual's gradient. The conv before bn3, when it folds bn3 in eval, is handed r
+    too (``conv3(h, r)``, called where r is ready): eval without autograd runs one conv + bias + add +
+    ReLU graph. The module's forward becomes the rewritten trace (an instance
     attribute; the class, parameters and state-dict keys stay). A forward traced differently in training
     and eval mode, or not traceable, stays as it is."""
     for m in list(model.modules()):
@@ -1093,16 +1120,21 @@ def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: C
             continue
         for bn, add, relu in ends:
             x, r = bn.args[0], add.args[1] if add.args[0] is bn else add.args[0]
-            with graph.inserting_before(add):
+            conv = x if _feeds_only(m, x, bn) else None
+            with graph.inserting_before(add):  # after r's producer: a conv handed r is called there
+                if conv is not None:
+                    x = graph.call_module(conv.target, (conv.args[0], r))
                 fused = graph.call_module(bn.target, (x, r))
             relu.replace_all_uses_with(fused)
-            for n in (relu, add, bn):
+            for n in (relu, add, bn) + ((conv,) if conv is not None else ()):
                 graph.erase_node(n)
             prefix = "" if m is model else names[id(m)] + "."
             after = prefix + str(relu.target) if relu.op == "call_module" else "relu"
             report.fused.append(((prefix + str(bn.target), f"+ {r.name}", after),
                                  "training: BN + residual add + ReLU as one graph (backward: the residual's gradient and the BN "
-                                 "backward, one graph where cuDNN has an engine); eval: add + ReLU as one graph"))
+                                 "backward, one graph where cuDNN has an engine); eval: "
+                                 + ("conv + folded BN + add + ReLU as one graph without autograd, " if conv is not None else "")
+                                 + "add + ReLU as one graph"))
         graph.lint()
         code = torch.fx.GraphModule(m, graph)
         m.forward = types.MethodType(type(code).forward, m)

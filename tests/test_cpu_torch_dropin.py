@@ -96,6 +96,15 @@ class FakeOps:
     def conv_bias_relu6(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
         return self._conv("conv_bias_relu6", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, True, 6.0)
 
+    def conv_bias_add_relu(self, x, w, b, z, *, padding=0, stride=1, dilation=1, groups=1):
+        self.calls.append("conv_bias_add_relu")
+        _image(x, w, z)
+        _same_dtype(x, w, b, z)
+        nhwc = not x.is_contiguous()
+        assert z.shape[1] == w.shape[0] and z.is_contiguous(memory_format=torch.channels_last if nhwc else torch.contiguous_format), "z: x's layout"
+        y = F.conv2d(x, w, b, stride, padding, dilation, groups) + z
+        return _like_layout(torch.relu(y), x)
+
     def _conv_grads(self, dz, x, w, needs, kw):
         _image(dz, x, w)
         _same_dtype(dz, x, w)
@@ -891,6 +900,10 @@ def test_converted_torchvision_model_matches_torch(fake, name):
     compare(fk, ref, x, tol=2e-5)
     assert not any(c.startswith(("batchnorm", "scale_shift")) for c in fake)  # every BN folded into its conv
     assert fake.count("add_relu") == blocks  # eval: the residual add and its ReLU as one graph
+    fake.clear()
+    with torch.no_grad():  # inference: each block's last conv, its folded BN, the add and the ReLU as one graph
+        assert rel(fk(x), ref(x)) < 2e-5
+    assert fake.count("conv_bias_add_relu") == blocks and "add_relu" not in fake, fake
 
 
 #: More torchvision architectures through convert, each for what it adds: grouped convs (ResNeXt,
@@ -1389,6 +1402,41 @@ def test_residual_end_rewritten_into_one_bn_call(fake, how, fused):
             assert fake.count("batchnorm_add_relu_backward") == (2 if mode else 0), fake
         else:
             assert "batchnorm_add_relu" not in fake and "add_relu" not in fake
+    # inference (eval, no autograd): each block end is one conv + folded BN + add + ReLU graph
+    for channels_last in (False, True):
+        xi = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+        fake.clear()
+        with torch.no_grad():
+            got, want = fk(xi), ref(xi)
+        assert rel(got, want) < 1e-6
+        assert fake == (["conv_bias_add_relu"] * 2 if fused else ["conv_bias", "relu"] * 2), fake
+
+
+def test_residual_end_falls_back_where_the_residual_broadcasts(fake):
+    """A residual that broadcasts (here one value per channel) runs as written: bn, then PyTorch's add and ReLU."""
+
+    class Bcast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.relu = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU()
+            self.r = torch.nn.Parameter(torch.randn(1, 4, 1, 1))
+
+        def forward(self, x):
+            return self.relu(self.bn(self.conv(x)) + self.r)
+
+    torch.manual_seed(0)
+    ref = Bcast().double()
+    _randomize_bn(ref)
+    fk, report = ft.convert(ref)
+    assert "forward" in fk.__dict__  # rewritten: whether r broadcasts shows only at run time
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    for mode in (True, False):
+        fk.train(mode), ref.train(mode)
+        fake.clear()
+        compare(fk, ref, x, tol=1e-6)
+        assert not any("add_relu" in c for c in fake), fake
+        with torch.no_grad():
+            assert rel(fk(x), ref(x)) < 1e-6
 
 
 def test_residual_rewrite_survives_copies_and_pickles(fake):
@@ -1438,3 +1486,7 @@ def test_fuse_residual_changes_nothing_but_the_block_ends(fake, name):
             y.backward(torch.ones_like(y))
             outs.append((y.detach(), xi.grad))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (name, mode)
+    fake.clear()
+    with torch.no_grad():  # inference: the block ends' convs add the residual in their graph
+        assert torch.equal(plain(x), fused(x)), name
+    assert fake.count("conv_bias_add_relu") == ends, fake

@@ -444,18 +444,19 @@ def test_converted_torchvision_model_matches_original(name, precision):
         base, fk = base.half(), fk.half()
     ref64 = copy.deepcopy(base).double()
     x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
-    passed = []  # per BN call: whether its input came from a conv that did its work (folded; a residual end then adds and ReLUs)
+    passed, added = [], []  # per BN call: whether its input came from a conv that did its work (folded), and the residual's add + ReLU too
 
     def handed_on(m, i, s=passed):
         ids = ft()._tagged(i[0], ft()._DONE)
         s.append(ids is not None and ids[0] == id(m))
+        added.append(len(i) == 2 and ft()._tagged(i[0], ft()._ADDED) == id(i[1]))
 
     for bn in (m for m in fk.modules() if isinstance(m, ft().BatchNorm2d)):
         bn.register_forward_pre_hook(handed_on)
     for mode in ("eval", "train"):
         for m in (fk, base, ref64):
             m.train(mode == "train")
-        passed.clear()
+        passed.clear(), added.clear()
         with torch.no_grad():
             y64 = ref64(x.double())
             yf, yt = _forward(fk, x, precision), _forward(base, x, precision)
@@ -466,6 +467,8 @@ def test_converted_torchvision_model_matches_original(name, precision):
         if mode == "eval":  # every BN that follows a conv was folded into it (the BN passed its input on)
             folded = sum(what.startswith("training: conv") for _, what in report.fused)
             assert folded > 0 and sum(passed) == folded, (sum(passed), folded, len(passed))
+            ends = sum("residual add" in what for _, what in report.fused)  # no autograd: conv + BN + add + ReLU in one graph
+            assert sum(added) == ends and (ends > 0) == residual, (sum(added), ends)
     for (n, bf), (_, bt) in zip(fk.named_buffers(), base.named_buffers()):
         if bf.is_floating_point():
             assert bf.dtype == bt.dtype and rel(bf, bt) < max(FLOOR[precision], 1e-2), n

@@ -137,7 +137,10 @@ def import_module(model: Any, example_input: Any) -> Program:
             act = getattr(mod, "activation", None)  # a fusekit.torch layer's own ReLU / ReLU6
             if isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm2d)) and act in ("relu", "relu6"):
                 tail.append(Stage("relu", [], name, attrs={"upper_clip": 6.0} if act == "relu6" else {}, name=f"{name}.{act}"))
-            if isinstance(mod, nn.BatchNorm2d) and len(node.args) == 2 and not node.kwargs and is_t(x) and is_t(node.args[1]):
+            residual = len(node.args) == 2 and not node.kwargs and is_t(x) and is_t(node.args[1])
+            if residual and isinstance(mod, nn.Conv2d):
+                single = True  # fusekit.torch's conv(x, residual) (convert's fuse_residual): the BN after it adds the residual
+            if residual and isinstance(mod, nn.BatchNorm2d):
                 single = True  # fusekit.torch's bn(x, residual) (convert's fuse_residual): relu(bn(x) + residual)
                 tail += [Stage("add", [node.args[1].name], name, name=f"{name}.add"), Stage("relu", [], name, name=f"{name}.relu")]
             if single and isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
