@@ -1091,8 +1091,8 @@ def _feeds_only(block: torch.nn.Module, x: Any, bn: Any) -> bool:
 def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: ConvertReport) -> None:
     """Rewrite the forward of every module that ends a residual block as relu(bn(x) + r) (torchvision's
     BasicBlock / Bottleneck: ``out = bn3(...); out += identity; out = relu(out)``) into one call
-    ``bn3(x, r)``: training runs BN + add + ReLU as one graph, its backward dReLU + BN backward as one
-    graph with the residual's gradient. The conv before bn3, when it folds bn3 in eval, is handed r
+    ``bn3(x, r)``: training runs BN + add + ReLU as one graph, its backward the residual's gradient and
+    the BN backward (one graph where cuDNN has an engine). The conv before bn3, when it folds bn3 in eval, is handed r
     too (``conv3(h, r)``, called where r is ready): eval without autograd runs one conv + bias + add +
     ReLU graph. The module's forward becomes the rewritten trace (an instance
     attribute; the class, parameters and state-dict keys stay). A forward traced differently in training
@@ -1157,8 +1157,10 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
     its dgrad (training).
     With ``fuse_residual`` (and ``fuse``), each module whose forward ends a residual block as
     relu(bn(x) + r) (torchvision's BasicBlock / Bottleneck) is rewritten to end in one
-    ``BatchNorm2d(x, r)`` call: BN + add + ReLU as one graph in training (backward: one graph with the
-    residual's gradient), add + ReLU as one graph in eval. That module's forward becomes its rewritten
+    ``BatchNorm2d(x, r)`` call: BN + add + ReLU as one graph in training (backward: the residual's
+    gradient with the BN backward, one graph where cuDNN has an engine); in eval without autograd the
+    conv before it, its folded BN, the add and the ReLU as one graph (with autograd: the folded conv,
+    then add + ReLU as one graph). That module's forward becomes its rewritten
     ``torch.fx`` trace (an instance attribute; class, parameters and state-dict keys stay);
     ``fuse_residual=False`` leaves every forward as it is.
     The links are plain attributes (not submodules, not in the state dict; deepcopy keeps them
