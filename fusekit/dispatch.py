@@ -524,7 +524,8 @@ def _split_wins(t: tuple[float, float]) -> bool:
 def fused_or_split(
     tag: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any = None, instead: str = "as separate graphs"
 ) -> Any:
-    """Run ``fused``; if cuDNN refuses it, warn once for this tag and run ``split`` from then on.
+    """Run ``fused``; if cuDNN refuses it, run ``split`` for this tag from then on (a warning the first
+    time cuDNN refuses a tag of this kind, ``tag[0]``).
     With ``like`` (an operand; only for side-effect-free ops) the first call of a tag outside a
     capture, in each plan mode, times both on the GPU (or reads an earlier process's timings from the
     disk store) and keeps the faster (:data:`FUSION_TIMES`). ``instead``: how the warning says
@@ -542,12 +543,15 @@ def fused_or_split(
             return _time_both(timed, fused, split, like)
         return fused()
     except UnsupportedError as e:
+        said = any(t[0] == tag[0] for t in _SPLIT)  # once per graph kind: a model refused it at every shape says so once
         _SPLIT.add(tag)
-        warnings.warn(
-            f"fusekit: cuDNN has no engine for {tag[0]} with {_describe_tag(tag)}; running it {instead} ({_first_line(e)})",
-            FusionWarning,
-            stacklevel=3,
-        )
+        if not said:
+            warnings.warn(
+                f"fusekit: cuDNN has no engine for {tag[0]} with {_describe_tag(tag)}; running it {instead} ({_first_line(e)}); "
+                f"other shapes of {tag[0]} that cuDNN refuses run so too, unsaid",
+                FusionWarning,
+                stacklevel=3,
+            )
         return split()
 
 

@@ -96,9 +96,10 @@ def test_a_single_value_has_no_one_channel_redescription():
     assert all(copies for _, copies in dispatch.alternatives(pat, specs))  # at most the layout copy
 
 
-def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeypatch):
-    """A refused fused graph runs split from then on, said once per tag in one line: cuDNN's refusal
-    carries its multi-line engine log, the warning keeps the sentence naming what was refused."""
+def test_fused_or_split_warns_once_per_kind_with_the_refusal_s_first_line(monkeypatch):
+    """A refused fused graph runs split from then on, said once per kind of graph (a model's every
+    shape of it is refused alike) in one line: cuDNN's refusal carries its multi-line engine log,
+    the warning keeps the sentence naming what was refused."""
     monkeypatch.setattr(dispatch, "_SPLIT", set())
     log = "cuDNN cannot run bn_relu_bwd(dy=float16[4, 8, 2, 2]) on GPU: no engine\n{\"engineId\":0}\nWarning: CUDNN_STATUS_NOT_SUPPORTED"
     ran = []
@@ -118,6 +119,13 @@ def test_fused_or_split_warns_once_per_tag_with_the_refusal_s_first_line(monkeyp
         warnings.simplefilter("error")
         assert dispatch.fused_or_split(tag, fused, lambda: "split") == "split"  # no second warning, no second try
     assert ran == ["fused"]
+    other = (tag[0], (), ((8, 8, 2, 2), "float16", (32, 4, 2, 1)))  # the same kind at another shape: refused, runs split, unsaid
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.fused_or_split(other, fused, lambda: "split") == "split"
+    assert ran == ["fused", "fused"] and other in dispatch._SPLIT
+    with pytest.warns(fusekit.FusionWarning, match="no engine for conv_relu_bwd"):  # another kind is said
+        dispatch.fused_or_split(("conv_relu_bwd",) + tag[1:], fused, lambda: "split")
     assert dispatch._first_line(ValueError("x" * 500)).endswith("…") and len(dispatch._first_line(ValueError("x" * 500))) == 300
 
 
