@@ -576,7 +576,9 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
 
     def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The output shape of this conv on (padded) ``x``."""
-        hw = [(int(x.shape[2 + i]) + 2 * self._fk_pad[i] - self.dilation[i] * (self.kernel_size[i] - 1) - 1) // self.stride[i] + 1 for i in (0, 1)]
+        from .pipeline.ir import conv_out_hw
+
+        hw = conv_out_hw(int(x.shape[2]), int(x.shape[3]), self.kernel_size, self._fk_pad, self.stride, self.dilation)
         return (int(x.shape[0]), self.out_channels, *hw)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -700,10 +702,9 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
                                    what="argument")
             if _tagged(x, _ADDED) == id(residual) and _already_done(x, self):  # eval: the conv before did BN, add and ReLU
                 return x
-            if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:  # broadcast or not a tensor: as written
-                return F.relu(self.forward(x) + residual)
-            if not (_on_graphs(x, "BatchNorm2d") and _on_graphs(residual, "BatchNorm2d")):
-                return F.relu(self._torch_forward(x) + residual)
+            if not (isinstance(residual, torch.Tensor) and residual.shape == x.shape  # else: a broadcast, or off cuDNN's graphs
+                    and _on_graphs(x, "BatchNorm2d") and _on_graphs(residual, "BatchNorm2d")):
+                return F.relu(self.forward(x) + residual)  # as written (bn(x) passes a folded conv's output on)
             residual = _dense(residual, "BatchNorm2d")
         if _already_done(x, self):  # eval: folded into the conv before
             return x if residual is None else _mark_relu_output(_AddReLU.apply(x, _cast(residual, x.dtype)))

@@ -1412,6 +1412,20 @@ def test_residual_end_rewritten_into_one_bn_call(fake, how, fused):
         assert fake == (["conv_bias_add_relu"] * 2 if fused else ["conv_bias", "relu"] * 2), fake
 
 
+def test_residual_end_off_the_graphs_keeps_the_eval_fold(fake):
+    """A residual cuDNN cannot take (here integers) after a conv that folded the BN in eval: the BN
+    passes the folded output on and the add + ReLU run as written, the BN is not applied twice."""
+    torch.manual_seed(0)
+    ref = _Block().double().eval()
+    _randomize_bn(ref)
+    fk, _ = ft.convert(ref)
+    x, r = torch.randn(2, 4, 6, 6, dtype=torch.float64), torch.randint(-2, 3, (2, 4, 6, 6))
+    with torch.no_grad():
+        got = fk.bn(fk.conv(x, r), r)
+        want = torch.relu(ref.bn(ref.conv(x)) + r)
+    assert rel(got, want) < 1e-6 and "conv_bias_add_relu" not in fake
+
+
 def test_residual_end_falls_back_where_the_residual_broadcasts(fake):
     """A residual that broadcasts (here one value per channel) runs as written: bn, then PyTorch's add and ReLU."""
 

@@ -154,7 +154,8 @@ def batchnorm_backward(
     """(dx, dgamma, dbeta) of training batch norm; with ``y`` (the ReLU output of batchnorm(relu=True),
     clipped at ``upper_clip``) the ReLU backward is fused in front (the dReLU + BN backward graph).
     ``residual``: y came from batchnorm(residual=...): (dx, dgamma, dbeta, dresidual), where
-    dresidual = dy * (y > 0), also what the BN backward reads, comes out of the same graph."""
+    dresidual = dy * (y > 0), also what the BN backward reads, comes out of the same graph where cuDNN
+    has an engine for it (else the dReLU graph first, then the BN backward)."""
     if residual:
         if y is None or not math.isinf(upper_clip):
             raise OperandError("batchnorm_backward", "y", "residual=True needs y, the output of batchnorm(relu=True, residual=...)", what="argument")
