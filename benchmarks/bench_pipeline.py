@@ -1,6 +1,7 @@
-"""Whole-network inference: fusekit.pipeline (one CUDA graph of fused cuDNN calls) vs PyTorch eager,
-PyTorch eager captured in a CUDA graph, and torch.compile, on torchvision models in float16
-channels-last (random weights, eval mode).
+"""Whole-network inference: fusekit.pipeline (one CUDA graph of fused cuDNN calls) and the drop-in
+route (``fusekit.torch.convert`` in eval, uncaptured and captured) vs PyTorch eager, PyTorch eager
+captured in a CUDA graph, and torch.compile, on torchvision models in float16 channels-last (random
+weights, eval mode).
 
     python benchmarks/bench_pipeline.py --out benchmarks/results [--quick]
 
@@ -19,6 +20,7 @@ import platform
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fusekit  # noqa: E402
 import fusekit.pipeline as fp  # noqa: E402
+import fusekit.torch as ft  # noqa: E402
 from fusekit.pipeline.bench import capture, cuda_time_ms  # noqa: E402
 from report import grouped_bars, write_results  # noqa: E402
 
@@ -130,6 +133,21 @@ def bench_case(
     g = None  # noqa: F841
     log(f"{name} b{batch}: torch eager in a CUDA graph {rec['torch_graph_ms']:.3f} ms")
 
+    # the drop-in route: the same model converted (folded conv+BN+ReLU, residual ends as one graph);
+    # no_grad, not inference_mode (fusekit.torch tags its outputs, which inference tensors refuse)
+    dropin, report = ft.convert(model)
+    rec["dropin_fused_groups"] = len(report.fused)
+    with torch.no_grad():
+        rec["fusekit_torch_ms"] = cuda_time_ms(lambda: dropin(x), iters=iters, trials=trials, before_trial=lambda: x.normal_())
+        g = capture(lambda: dropin(x))
+        rec["fusekit_torch_graph_ms"] = cuda_time_ms(g.replay, iters=iters, trials=trials, before_trial=lambda: x.normal_())
+        g = None  # noqa: F841
+        if name.startswith("resnet"):  # random-weight MobileNetV2's outputs (~1e-9) are below float16's range
+            rec.update(dropin_error(dropin, model, shape, tdt))
+    log(f"{name} b{batch}: fusekit.torch convert {rec['fusekit_torch_ms']:.3f} ms, in a CUDA graph {rec['fusekit_torch_graph_ms']:.3f} ms; "
+        f"error against float32 {rec.get('dropin_rel_err_vs_fp32')} (eager float16 {rec.get('eager_rel_err_vs_fp32')})")
+    dropin = None  # noqa: F841
+
     # torch.compile (skipped with null if it fails or takes longer than the limit)
     rec["torch_compile_ms"] = None
     rec["torch_compile_mode"] = compile_mode
@@ -164,9 +182,22 @@ def bench_case(
     for k in ("torch_eager_ms", "torch_graph_ms", "torch_compile_ms"):
         v = rec.get(k)
         rec[k.replace("_ms", "_over_fusekit")] = None if v is None else round(v / rec["fusekit_best_ms"], 3)
+    for k in ("torch_eager_ms", "torch_graph_ms"):
+        rec[k.replace("_ms", "_over_dropin")] = round(rec[k] / rec["fusekit_torch_ms"], 3)
+    rec["torch_graph_over_dropin_graph"] = round(rec["torch_graph_ms"] / rec["fusekit_torch_graph_ms"], 3)
     model = None  # noqa: F841
     _reset_mem()
     return rec
+
+
+def dropin_error(dropin: torch.nn.Module, model: torch.nn.Module, shape: tuple, tdt: Any) -> dict:
+    """Relative error of the converted model and of float16 eager, both against float32 eager with the
+    same weights, on one fresh random input."""
+    ref = copy.deepcopy(model).float()  # the float16-rounded weights both run with
+    x = torch.randn(shape, device="cuda").contiguous(memory_format=torch.channels_last)
+    want = ref(x).double()
+    err = lambda got: float((got.double() - want).norm() / want.norm())  # noqa: E731
+    return {"dropin_rel_err_vs_fp32": err(dropin(x.to(tdt))), "eager_rel_err_vs_fp32": err(model(x.to(tdt)))}
 
 
 def agreement(pipe: "fp.Pipeline", cpu_model: torch.nn.Module, shape: tuple, inputs: int) -> dict:
@@ -209,6 +240,22 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
             f"{f(r.get('top1_agreement'), '{:.3f}')} |"
         )
     lines += [
+        "", "## The drop-in route: fusekit.torch.convert, eval",
+        "The same model converted with `fusekit.torch.convert` (convolutions with their BN folded and ReLU fused, "
+        "residual block ends as one conv+bias+add+ReLU graph), run under no_grad, uncaptured and captured in a CUDA "
+        "graph; timed as above. Error: relative L2 against float32 eager with the same weights on one random input, "
+        "with float16 eager's beside it (ResNets; random-weight MobileNetV2's outputs, ~1e-9, are below float16's "
+        "range in both). ratio = PyTorch time / drop-in time.", "",
+        "| model | batch | drop-in ms | drop-in graph ms | eager ms | eager graph ms | eager/drop-in | graph/drop-in graph | fused groups | error drop-in | error eager fp16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in recs:
+        if "fusekit_torch_ms" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_torch_ms']:.3f} | {r['fusekit_torch_graph_ms']:.3f} | "
+                         f"{r['torch_eager_ms']:.3f} | {r['torch_graph_ms']:.3f} | {r['torch_eager_over_dropin']:.2f} | "
+                         f"{r['torch_graph_over_dropin_graph']:.2f} | {r['dropin_fused_groups']} | "
+                         f"{f(r.get('dropin_rel_err_vs_fp32'), '{:.1e}')} | {f(r.get('eager_rel_err_vs_fp32'), '{:.1e}')} |")
+    lines += [
         "", "## What bounds each model",
         "Per stage: its GPU time (the stage alone captured in a CUDA graph, median of 10 replays) against its roofline "
         "floor max(flops / peak, bytes / bandwidth), peaks measured in the same process (fp16 8192^3 matmul, 256 MiB "
@@ -250,7 +297,8 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of time per forward (log scale) for each model and batch: fusekit and the PyTorch variants."""
-    variants = [("fusekit_best_ms", "fusekit pipeline"), ("torch_eager_ms", "PyTorch eager"),
+    variants = [("fusekit_best_ms", "fusekit pipeline"), ("fusekit_torch_ms", "fusekit.torch convert"),
+                ("fusekit_torch_graph_ms", "fusekit.torch convert, CUDA graph"), ("torch_eager_ms", "PyTorch eager"),
                 ("torch_graph_ms", "PyTorch eager, CUDA graph"), ("torch_compile_ms", "torch.compile")]
     grouped_bars(path, [f"{r['model']}\nbatch {r['batch']}" for r in recs], [(label, [r.get(k) for r in recs]) for k, label in variants],
                  "ms per forward (median, log scale)", f"Whole-network inference, float16 channels-last, {gpu}", log=True)

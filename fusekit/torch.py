@@ -158,16 +158,22 @@ def _zero_bias(n: int, like: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor (``torch.inference_mode``), which has none."""
+    return None if t.is_inference() else t._version
+
+
 def _tag(t: torch.Tensor, name: str, value: Any) -> torch.Tensor:
-    """Attach ``value`` to ``t`` under ``name``, valid while ``t`` is unmodified (its version)."""
-    setattr(t, name, (value, t._version))
+    """Attach ``value`` to ``t`` under ``name``, valid while ``t`` is unmodified (its version; an
+    inference tensor's modifications cannot be seen, and its tag is trusted)."""
+    setattr(t, name, (value, _version(t)))
     return t
 
 
 def _tagged(t: Any, name: str) -> Any:
     """The value :func:`_tag` attached to ``t`` under ``name``, or None (no tag, or ``t`` modified since)."""
     tag = getattr(t, name, None) if isinstance(t, torch.Tensor) else None
-    return tag[0] if tag is not None and tag[1] == t._version else None
+    return tag[0] if tag is not None and tag[1] == _version(t) else None
 
 
 # Fusion across modules (set up by convert): a producer computes its followers' work too and tags
@@ -513,6 +519,27 @@ class _Fusekit:
     def _fk_setup(self) -> None:
         """Check the torch attributes and set fusekit's (also run on a torch module :func:`convert` re-classes)."""
 
+    def train(self, mode: bool = True) -> Any:
+        self.__dict__.pop("_fk_memo", None)  # .train() / .eval() recompute what eval reuses (see _memo)
+        return super().train(mode)  # type: ignore[misc]
+
+    def _memo(self, fn: Any, tensors: tuple, extra: tuple = ()) -> Any:
+        """``fn()``, a value computed from ``tensors`` (eval's folded weights): every call when autograd
+        needs it or a CUDA graph is being captured (each replay computes it again from the tensors as they
+        are then); else once, reused while ``tensors`` are the same objects at the same addresses and
+        versions. An in-place write through ``.data`` (which PyTorch's version counters do not count)
+        is seen after the next ``.train()`` / ``.eval()``."""
+        if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or torch.cuda.is_current_stream_capturing():
+            return fn()
+        key = (extra, tuple(None if t is None else (t.data_ptr(), _version(t)) for t in tensors))
+        memo = self.__dict__.get("_fk_memo")
+        if memo is not None and memo[0] == key and all(a is b for a, b in zip(memo[1], tensors)):
+            return memo[2]
+        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable outside inference_mode too
+            value = fn()
+        self.__dict__["_fk_memo"] = (key, tensors, value)
+        return value
+
     def _fk_followers(self) -> str:
         chain = [m for m in (self._fk_bn, self._fk_bn._fk_relu if self._fk_bn is not None else None, self._fk_relu) if m is not None]
         return ", fused with " + " -> ".join(type(m).__name__ for m in chain) if chain else ""
@@ -563,16 +590,20 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
 
     def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
-        computed in float32 at every call (a few small kernels; differentiable, so gradients reach the
-        conv's and BN's parameters as in PyTorch; never stale, whatever changed the weights)."""
-        inv = torch.rsqrt(_f32(bn.running_var) + bn.eps)
-        scale = _f32(bn.weight) * inv if bn.affine else inv
-        w = (_f32(self.weight) * scale.reshape(-1, 1, 1, 1)).to(dtype)
-        mean = _f32(bn.running_mean)
-        shift = (-mean if self.bias is None else _f32(self.bias) - mean) * scale
-        if bn.affine:
-            shift = shift + _f32(bn.bias)
-        return w, shift.to(dtype)
+        computed in float32: differentiable at every call when autograd needs it (gradients reach the
+        conv's and BN's parameters as in PyTorch), else once while the tensors are unchanged (_memo)."""
+
+        def fold() -> tuple[torch.Tensor, torch.Tensor]:
+            inv = torch.rsqrt(_f32(bn.running_var) + bn.eps)
+            scale = _f32(bn.weight) * inv if bn.affine else inv
+            w = (_f32(self.weight) * scale.reshape(-1, 1, 1, 1)).to(dtype)
+            mean = _f32(bn.running_mean)
+            shift = (-mean if self.bias is None else _f32(self.bias) - mean) * scale
+            if bn.affine:
+                shift = shift + _f32(bn.bias)
+            return w, shift.to(dtype)
+
+        return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn))
 
     def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The output shape of this conv on (padded) ``x``."""
@@ -687,11 +718,15 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
 
     def _scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval mode: float32 (scale, shift) with bn(x) = x * scale + shift, from the running statistics
-        (computed at every call, differentiable in weight and bias)."""
-        inv = torch.rsqrt(_f32(self.running_var) + self.eps)
-        scale = _f32(self.weight) * inv if self.affine else inv
-        shift = -_f32(self.running_mean) * scale
-        return scale, (shift + _f32(self.bias) if self.affine else shift)
+        (differentiable in weight and bias at every call when autograd needs it, else reused: _memo)."""
+
+        def fold() -> tuple[torch.Tensor, torch.Tensor]:
+            inv = torch.rsqrt(_f32(self.running_var) + self.eps)
+            scale = _f32(self.weight) * inv if self.affine else inv
+            shift = -_f32(self.running_mean) * scale
+            return scale, (shift + _f32(self.bias) if self.affine else shift)
+
+        return self._memo(fold, (self.weight, self.bias, self.running_mean, self.running_var), (self.eps,))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         """bn(x) [+ the fused ReLU]; with ``residual`` (how :func:`convert` rewrites a residual block's

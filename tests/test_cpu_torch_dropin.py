@@ -811,9 +811,86 @@ def test_converted_small_cnn_train_and_eval_match_torch(fake):
         fk[1].running_var.mul_(3)  # in-place changes reach the folded weights
         ref[1].running_var.mul_(3)
         assert rel(fk(x), ref(x)) < 1e-6
-        fk[0].weight.data.mul_(0.5)  # even through .data (no version bump): the fold is never cached
-        ref[0].weight.data.mul_(0.5)
+    fk[0].weight.data.mul_(0.5)  # through .data (no version bump): seen after the next .eval()
+    ref[0].weight.data.mul_(0.5)
+    fk.eval()
+    with torch.no_grad():
         assert rel(fk(x), ref(x)) < 1e-6
+
+
+def _folds(fk):
+    """The (w', b') each conv of ``fk`` that folds a BN holds from its last fold without autograd (None: none held)."""
+    return [m.__dict__.get("_fk_memo", (None, None, None))[2] for m in fk if isinstance(m, ft.Conv2d) and m._fk_bn is not None]
+
+
+def test_eval_folds_are_computed_once_and_follow_every_change(fake):
+    """Eval without autograd folds each BN into its conv once and reuses it while the conv's and BN's
+    tensors are unchanged; an optimizer step, load_state_dict, a replaced parameter, a changed eps and
+    (after .eval()) a write through .data are all seen. With autograd the fold is computed at every call."""
+    ref = small_cnn().double()
+    _randomize_bn(ref)
+    fk, _ = ft.convert(ref)
+    fk.eval(), ref.eval()
+    x = torch.randn(3, 3, 12, 12, dtype=torch.float64)
+
+    def check():
+        with torch.no_grad():
+            assert rel(fk(x), ref(x)) < 1e-6
+
+    check()
+    first = _folds(fk)
+    assert all(f is not None for f in first)
+    check()
+    assert all(a is b for a, b in zip(first, _folds(fk)))  # reused, not recomputed
+    for m in (fk, ref):  # an optimizer step on the parameters
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.3)
+        opt.step()
+    check()
+    assert all(a is not b for a, b in zip(first, _folds(fk)))
+    state = small_cnn().double().state_dict()
+    fk.load_state_dict(state), ref.load_state_dict(state)
+    check()
+    w = torch.randn_like(ref[0].weight)
+    fk[0].weight, ref[0].weight = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    check()
+    fk[1].eps = ref[1].eps = 0.5
+    check()
+    with torch.no_grad():
+        fk[7].weight.data.add_(1.0), ref[7].weight.data.add_(1.0)
+    fk.eval()
+    check()
+    with torch.inference_mode():  # the standard inference context: inference tensors have no version counter
+        assert rel(fk(x), ref(x)) < 1e-6
+    # autograd: the fold at every call, gradients reach the BN's parameters (compare checks them)
+    fk.eval()
+    compare(fk, ref, x, tol=1e-6)
+    assert _folds(fk) == [None] * 2
+    # a frozen model under autograd (an input gradient only): the held fold serves, gradients flow to x
+    for m in (fk, ref):
+        m.requires_grad_(False)
+    compare(fk, ref, x, tol=1e-6)
+    assert all(f is not None for f in _folds(fk))
+
+
+def test_converted_models_run_under_inference_mode(fake):
+    """torch.inference_mode (whose tensors have no version counter) runs converted models, fused
+    hand-offs and residual ends included, as no_grad does."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    for ref, size in ((small_cnn().double(), 12), (tv.models.resnet18(num_classes=10).double(), 32)):
+        _randomize_bn(ref)
+        fk, _ = ft.convert(ref)
+        fk.eval(), ref.eval()
+        x = torch.randn(2, 3, size, size, dtype=torch.float64)
+        with torch.no_grad():
+            want = fk(x)
+        fake.clear()
+        with torch.inference_mode():
+            got = fk(x)
+        assert got.is_inference() and torch.equal(got, want)
+        assert not any(c.startswith(("batchnorm", "scale_shift")) for c in fake), fake  # still folded
 
 
 def test_relu_backward_moves_into_the_consuming_convs_dgrad(fake):

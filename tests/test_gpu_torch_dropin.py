@@ -469,6 +469,12 @@ def test_converted_torchvision_model_matches_original(name, precision):
             assert folded > 0 and sum(passed) == folded, (sum(passed), folded, len(passed))
             ends = sum("residual add" in what for _, what in report.fused)  # no autograd: conv + BN + add + ReLU in one graph
             assert sum(added) == ends and (ends > 0) == residual, (sum(added), ends)
+            counts = (sum(passed), sum(added))
+            passed.clear(), added.clear()
+            with torch.inference_mode():  # the same graphs on inference tensors, with the folds held since the no_grad call
+                yi = _forward(fk, x, precision)
+            assert yi.is_inference() and (sum(passed), sum(added)) == counts
+            assert rel(yi, yf) < 1e-3, rel(yi, yf)
     for (n, bf), (_, bt) in zip(fk.named_buffers(), base.named_buffers()):
         if bf.is_floating_point():
             assert bf.dtype == bt.dtype and rel(bf, bt) < max(FLOOR[precision], 1e-2), n
@@ -918,3 +924,32 @@ def test_graphed_captures_each_signature_and_runs_eval_uncaptured():
     model.half()
     assert model(cl(torch.randn(4, 3, 16, 16, device="cuda", dtype=torch.float16))).dtype == torch.float16
     assert not model.forward.graphs, "the graphs of the float32 model were kept"
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_captured_eval_forward_sees_weight_changes_on_replay(residual):
+    """A converted model's eval forward captured in a CUDA graph computes its BN folds inside the graph:
+    a replay after the weights or running statistics changed in place gives the changed model's output
+    (uncaptured calls reuse their folds while nothing changed, and see the change too)."""
+    from fusekit.pipeline.bench import capture
+
+    base = _torchvision("resnet18")
+    fk, _ = ft().convert(base, fuse_residual=residual)
+    fk.eval(), base.eval()
+    x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
+    with torch.no_grad():
+        want = base(x)
+        assert rel(fk(x), want) < 3e-3  # uncaptured: the folds are computed and held
+        y = [None]
+        g2 = capture(lambda: y.__setitem__(0, fk(x)))
+        g2.replay()
+        assert rel(y[0], want) < 3e-3
+        for m in (fk, base):  # in place, as an optimizer step or an EMA update writes
+            m.layer1[0].bn1.running_var.mul_(4.0)
+            m.layer2[1].conv2.weight.mul_(-0.5)
+            m.bn1.bias.add_(0.3)
+        want2 = base(x)
+        assert rel(want2, want) > 1e-2  # the change matters
+        g2.replay()
+        assert rel(y[0], want2) < 3e-3, "a replay used folds from before the change"
+        assert rel(fk(x), want2) < 3e-3, "an uncaptured call used folds from before the change"
