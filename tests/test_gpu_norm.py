@@ -245,3 +245,50 @@ def test_batchnorm_plan_loaded_from_disk_keeps_its_scalars(tmp_path):
     assert rel(again[2], 1 / torch.sqrt(var + 1e-3)) < STAT_TOL
     n = x.numel() // 64
     assert rel(again[4], 0.7 * rv.double() + 0.3 * var * n / (n - 1)) < STAT_TOL
+
+
+@pytest.mark.parametrize("w_dtype, bn_dtype, out", [("float16", "float32", None), ("float32", "float32", "float16"),
+                                                    ("float32", "float32", "bfloat16"), ("bfloat16", "bfloat16", None),
+                                                    ("float16", "float16", None), ("float32", "float32", None)])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("bias, affine", [(True, True), (False, True), (False, False)])
+def test_fold_batchnorm_kernel_matches_float64(w_dtype, bn_dtype, out, layout, bias, affine):
+    """ops.fold_batchnorm (one kernel, float32 arithmetic) against the fold in float64: w' within one
+    rounding of the output dtype, b' too; w' keeps w's memory layout; torch and CuPy alike."""
+    k, c = 24, 5
+    dt = lambda n: getattr(torch, n)  # noqa: E731
+    w = (torch.randn(k, c, 3, 3, device="cuda") / 4).to(dt(w_dtype))
+    w = w.contiguous(memory_format=torch.channels_last) if layout == "NHWC" else w
+    b = torch.randn(k, device="cuda").to(dt(w_dtype)) if bias else None
+    mean, var = torch.randn(k, device="cuda").to(dt(bn_dtype)), torch.rand(k, device="cuda").add(0.3).to(dt(bn_dtype))
+    gamma, beta = (torch.randn(k, device="cuda").to(dt(bn_dtype)), torch.randn(k, device="cuda").to(dt(bn_dtype))) if affine else (None, None)
+    w2, b2 = ops.fold_batchnorm(w, b, mean, var, gamma, beta, 1e-3, dtype=out)
+    want_dtype = dt(out or w_dtype)
+    assert w2.dtype == b2.dtype == want_dtype and w2.shape == w.shape and b2.shape == (k,)
+    assert w2.stride() == w.stride()
+    d = lambda t: t.double()  # noqa: E731
+    s = torch.rsqrt(d(var) + 1e-3) * (d(gamma) if affine else 1.0)
+    w_ref = d(w) * s.reshape(-1, 1, 1, 1)
+    b_ref = ((d(b) if bias else 0.0) - d(mean)) * s + (d(beta) if affine else 0.0)
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[want_dtype]
+    assert rel(w2, w_ref) < tol and rel(b2, b_ref) < tol, (rel(w2, w_ref), rel(b2, b_ref))
+    if w_dtype != "bfloat16" and bn_dtype != "bfloat16" and out is None:  # CuPy arrays (no bfloat16 there): the same kernel
+        cp = pytest.importorskip("cupy")
+        w3, b3 = ops.fold_batchnorm(cp.from_dlpack(w), None if b is None else cp.from_dlpack(b), cp.from_dlpack(mean), cp.from_dlpack(var),
+                                    None if gamma is None else cp.from_dlpack(gamma), None if beta is None else cp.from_dlpack(beta), 1e-3)
+        assert isinstance(w3, cp.ndarray) and torch.equal(torch.from_dlpack(w3), w2) and torch.equal(torch.from_dlpack(b3), b2)
+
+
+def test_fold_batchnorm_names_bad_operands():
+    from fusekit.errors import OperandError
+
+    w = torch.randn(8, 4, 3, 3, device="cuda")
+    v = torch.rand(8, device="cuda")
+    with pytest.raises(OperandError, match="'var': expected shape \\(8,\\)"):
+        ops.fold_batchnorm(w, None, v, v[:4])
+    with pytest.raises(OperandError, match="'gamma': expected dtype float32 like 'var'"):
+        ops.fold_batchnorm(w, None, v, v, v.half(), v.half())
+    with pytest.raises(OperandError, match="'beta': expected gamma and beta both"):
+        ops.fold_batchnorm(w, None, v, v, v, None)
+    with pytest.raises(OperandError, match="'w': .*strides"):
+        ops.fold_batchnorm(w[:, :, :2], None, v, v)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..dispatch import call, fused_or_split
 from ..errors import OperandError
 from ..tensors import TensorSpec, adapter_for, make_spec
@@ -245,16 +247,77 @@ def channel_scale_shift_backward(
     return dx, dg, db
 
 
-def fold_batchnorm(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: float = 1e-5) -> tuple[Any, Any]:
+_FOLD_BODY = r"""
+extern "C" __global__ void fold_batchnorm(
+    const T_w* w, const T_b* b, const T_p* gamma, const T_p* beta, const T_p* mean, const T_p* var, float eps,
+    long long per, long long n, int has_b, int affine, T_o* w_out, T_o* b_out) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)blockDim.x * gridDim.x) {
+        long long k = i / per;  // the output channel: the outermost dim of KCRS and KRSC alike
+        float s = rsqrtf(ld_p(var, k) + eps);
+        if (affine) s = ld_p(gamma, k) * s;
+        st_o(w_out, i, ld_w(w, i) * s);
+        if (i == k * per) {
+            float shift = ((has_b ? ld_b(b, k) : 0.0f) - ld_p(mean, k)) * s;
+            if (affine) shift += ld_p(beta, k);
+            st_o(b_out, k, shift);
+        }
+    }
+}
+"""
+_FOLD_MODULES: dict[tuple[str, str, str], Any] = {}
+
+
+def fold_batchnorm(
+    w: Any, b: Any, mean: Any, var: Any, gamma: Any = None, beta: Any = None, epsilon: float = 1e-5, *, dtype: str | None = None,
+) -> tuple[Any, Any]:
     """Fold inference batch norm into the convolution before it: conv(x, w') + b' = BN(conv(x, w) + b).
-    Returns (w', b') in w's dtype (w' in w's memory layout); run them with :func:`conv_bias_relu`."""
-    scale = gamma * (var + epsilon) ** -0.5  # float32, one per output channel
-    w2 = _empty_like(w, "fold_batchnorm", "w")
-    w2[...] = w * scale.reshape(-1, 1, 1, 1)  # computed in float32, stored in w's dtype and layout
-    ad, k = adapter_for(w), int(w.shape[0])
-    _, _, dtype, device = ad.describe(w)
-    b2 = ad.empty(TensorSpec.build((1, k, 1, 1), dtype, device, "NCHW", view=(k,)))
-    b2[...] = beta - mean * scale if b is None else (b - mean) * scale + beta
+
+    One kernel: scale = gamma / sqrt(var + epsilon), w' = w * scale, b' = (b - mean) * scale + beta,
+    computed in float32 and stored in ``dtype`` (default w's): w' in w's memory layout (KCRS or
+    KRSC), b' of shape (K,). ``b`` None: no conv bias; ``gamma`` and ``beta`` None: BN without
+    affine. The BN vectors share one float dtype (float32, or float16 / bfloat16 for a half model);
+    w and b may each have any of the three.
+    Run the result with :func:`conv_bias_relu` (or conv_bias, conv_bias_add_relu)."""
+    from .pool import FLOAT_DTYPES, _Launch, _operand, _same_place, dtype_prelude
+
+    P = "fold_batchnorm"
+    wo = _operand(P, "w", w, (4,), FLOAT_DTYPES)
+    k = wo.shape[0]
+    if (gamma is None) != (beta is None):
+        raise OperandError(P, "gamma" if gamma is None else "beta", "expected gamma and beta both given (affine BN) or both None")
+    vecs = {n: _operand(P, n, a, (1,), FLOAT_DTYPES) for n, a in (("var", var), ("mean", mean), ("gamma", gamma), ("beta", beta)) if a is not None}
+    for n, v in vecs.items():
+        if v.shape != (k,):
+            raise OperandError(P, n, f"expected shape ({k},) (one per output channel of w {wo.shape}), got {v.shape}")
+        _same_place(P, ("var", vecs["var"]), (n, v))
+        _same_place(P, ("w", wo), (n, v), dtype=False)
+    bo = None
+    if b is not None:
+        bo = _operand(P, "b", b, (1,), FLOAT_DTYPES)
+        if bo.shape != (k,):
+            raise OperandError(P, "b", f"expected shape ({k},) (one per output channel of w {wo.shape}), got {bo.shape}")
+        _same_place(P, ("w", wo), ("b", bo), dtype=False)
+    out = dtype or wo.dtype
+    if out not in FLOAT_DTYPES:
+        raise OperandError(P, "dtype", f"expected one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}", what="argument")
+    if not epsilon >= 0:
+        raise OperandError(P, "epsilon", f"expected a number >= 0, got {epsilon!r}", what="argument")
+    pd = vecs["var"].dtype
+    key = (wo.dtype, bo.dtype if bo is not None else wo.dtype, pd, out)
+    with _Launch(P, wo) as L:
+        mod = _FOLD_MODULES.get(key)
+        if mod is None:
+            src = "".join(dtype_prelude(d, s) for d, s in zip(key, ("_w", "_b", "_p", "_o"))) + _FOLD_BODY
+            mod = _FOLD_MODULES[key] = L.cp.RawModule(code=src)
+        w2, w2v = L.empty(wo, wo.shape, wo.layout, out)
+        b2, b2v = L.empty(vecs["var"], (k,), "ROW", out)
+        v = {n: L.view(o) for n, o in vecs.items()}
+        affine = gamma is not None
+        n = wo.shape[0] * wo.shape[1] * wo.shape[2] * wo.shape[3]
+        blocks = max(1, min(-(-n // 256), 1 << 20))
+        mod.get_function(P)((blocks,), (256,), (
+            L.view(wo), L.view(bo) if bo is not None else v["var"], v["gamma"] if affine else v["var"], v["beta"] if affine else v["var"],
+            v["mean"], v["var"], np.float32(epsilon), np.int64(n // k), np.int64(n), np.int32(bo is not None), np.int32(affine), w2v, b2v))
     return w2, b2
 
 

@@ -11,6 +11,7 @@ Every user error is an OperandError raised before anything is launched.
 
 from __future__ import annotations
 
+import string
 import threading
 import warnings
 from contextlib import ExitStack
@@ -243,35 +244,44 @@ def log_softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1)
 # CUDA source: one module per storage dtype. Values are loaded to float32 and stored rounded to
 # nearest even; float16 converts with PTX cvt, bfloat16 with bit operations (no headers needed).
 # ----------------------------------------------------------------------------------------------
-_PRELUDE = {
+_PRELUDE_TEMPLATE = {
     "float32": r"""
-typedef float T;
-__device__ __forceinline__ float ld(const T* p, long long i) { return p[i]; }
-__device__ __forceinline__ void st(T* p, long long i, float v) { p[i] = v; }
+typedef float T$s;
+__device__ __forceinline__ float ld$s(const T$s* p, long long i) { return p[i]; }
+__device__ __forceinline__ void st$s(T$s* p, long long i, float v) { p[i] = v; }
 """,
     "float16": r"""
-typedef unsigned short T;
-__device__ __forceinline__ float ld(const T* p, long long i) {
+typedef unsigned short T$s;
+__device__ __forceinline__ float ld$s(const T$s* p, long long i) {
     float f; unsigned short h = p[i];
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
-__device__ __forceinline__ void st(T* p, long long i, float v) {
+__device__ __forceinline__ void st$s(T$s* p, long long i, float v) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
     p[i] = h;
 }
 """,
     "bfloat16": r"""
-typedef unsigned short T;
-__device__ __forceinline__ float ld(const T* p, long long i) { return __uint_as_float(((unsigned int)p[i]) << 16); }
-__device__ __forceinline__ void st(T* p, long long i, float v) {
+typedef unsigned short T$s;
+__device__ __forceinline__ float ld$s(const T$s* p, long long i) { return __uint_as_float(((unsigned int)p[i]) << 16); }
+__device__ __forceinline__ void st$s(T$s* p, long long i, float v) {
     unsigned int u = __float_as_uint(v);
     if ((u & 0x7fffffffu) > 0x7f800000u) p[i] = (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
     else p[i] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 """,
 }
+
+
+def dtype_prelude(dtype: str, suffix: str = "") -> str:
+    """CUDA source of storage type ``T<suffix>`` for ``dtype`` with ``ld<suffix>`` (to float32) and
+    ``st<suffix>`` (from float32, rounded to nearest even): kernels over several dtypes use several suffixes."""
+    return string.Template(_PRELUDE_TEMPLATE[dtype]).substitute(s=suffix)
+
+
+_PRELUDE = {d: dtype_prelude(d) for d in _PRELUDE_TEMPLATE}
 
 _BODY = r"""
 #define GRID_LOOP(i, total) \
