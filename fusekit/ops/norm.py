@@ -267,21 +267,6 @@ extern "C" __global__ void fold_batchnorm(
 _FOLD_MODULES: dict[tuple[str, str, str], Any] = {}
 
 
-def _empty_strided_like(L: Any, op: Any, dtype: str) -> tuple[Any, Any]:
-    """(array, CuPy view) of ``op``'s shape and exact strides in ``dtype``. A filter whose layout its
-    strides leave open (1x1, or one input channel) keeps the strides it came with: a conv's plans are
-    keyed on them."""
-    a = op.array
-    if op.lib == "torch":
-        import torch
-
-        t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=getattr(torch, dtype), device=a.device)
-        return t, L._from_torch(t)
-    out = L.cp.ndarray(a.shape, dtype=L.cp.dtype(dtype), memptr=L.cp.empty(a.size, dtype=L.cp.dtype(dtype)).data,
-                       strides=tuple(s // a.itemsize * L.cp.dtype(dtype).itemsize for s in a.strides))
-    return out, out
-
-
 def fold_batchnorm(
     w: Any, b: Any, mean: Any, var: Any, gamma: Any = None, beta: Any = None, epsilon: float = 1e-5, *, dtype: str | None = None,
 ) -> tuple[Any, Any]:
@@ -324,7 +309,7 @@ def fold_batchnorm(
         if mod is None:
             src = "".join(dtype_prelude(d, s) for d, s in zip(key, ("_w", "_b", "_p", "_o"))) + _FOLD_BODY
             mod = _FOLD_MODULES[key] = L.cp.RawModule(code=src)
-        w2, w2v = _empty_strided_like(L, wo, out)
+        w2, w2v = L.empty(wo, wo.shape, wo.layout, out)
         b2, b2v = L.empty(vecs["var"], (k,), "ROW", out)
         v = {n: L.view(o) for n, o in vecs.items()}
         affine = gamma is not None
