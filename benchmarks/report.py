@@ -44,13 +44,15 @@ def grouped_bars(
     path: str, groups: Sequence[str], series: Sequence[tuple[str, Sequence[float | None]]], ylabel: str, title: str,
     log: bool = False,
 ) -> None:
-    """One bar per (group, series) value, series side by side within a group; None values leave a gap."""
+    """One bar per (group, series) value, series side by side within a group; None values leave a gap
+    (a series of None only is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    series = [(label, values) for label, values in series if any(values)]  # a peer not run (all None) takes no slot
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(series)
     for j, (label, values) in enumerate(series):

@@ -523,23 +523,22 @@ class _Fusekit:
         self.__dict__.pop("_fk_memo", None)  # .train() / .eval() recompute what eval reuses (see _memo)
         return super().train(mode)  # type: ignore[misc]
 
-    def _memo(self, fn: Any, tensors: tuple, extra: tuple = (), fast: Any = None) -> Any:
-        """A value computed from ``tensors`` (eval's folds): ``fn()`` (differentiable) at every call when
-        autograd needs it; ``fast()`` (default ``fn``; no autograd) inside a CUDA-graph capture, so that
-        each replay computes it from the tensors as they are then; else ``fast()`` once, reused while
-        ``tensors`` are the same objects at the same addresses and versions. An in-place write through
-        ``.data`` (which PyTorch's version counters do not count) is seen after the next ``.train()`` / ``.eval()``."""
+    def _memo(self, fn: Any, tensors: tuple, extra: tuple = ()) -> Any:
+        """``fn()``, a value computed from ``tensors`` (eval's folded weights): every call when autograd
+        needs it or a CUDA graph is being captured (each replay computes it again from the tensors as they
+        are then); else once, reused while ``tensors`` are the same objects at the same addresses and
+        versions. An in-place write through ``.data`` (which PyTorch's version counters do not count)
+        is seen after the next ``.train()`` / ``.eval()``."""
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
             return fn()
-        fast = fast or fn
-        if tensors[-1].is_cuda and torch.cuda.is_current_stream_capturing():  # (the last: a tensor, not None)
-            return fast()
+        if tensors[-1].is_cuda and torch.cuda.is_current_stream_capturing():  # (the last: a tensor, never None)
+            return fn()
         key = (extra, tuple(None if t is None else (t.data_ptr(), _version(t)) for t in tensors))
         memo = self.__dict__.get("_fk_memo")
         if memo is not None and memo[0] == key and all(a is b for a, b in zip(memo[1], tensors)):
             return memo[2]
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable outside inference_mode too
-            value = fast()
+            value = fn()
         self.__dict__["_fk_memo"] = (key, tensors, value)
         return value
 
@@ -594,8 +593,8 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
     def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
         computed in float32: differentiable at every call when autograd needs it (gradients reach the
-        conv's and BN's parameters as in PyTorch), else by ops.fold_batchnorm (one kernel) inside a
-        capture or once while the tensors are unchanged (_memo)."""
+        conv's and BN's parameters as in PyTorch) or inside a CUDA-graph capture, else once while the
+        tensors are unchanged (_memo)."""
 
         def fold() -> tuple[torch.Tensor, torch.Tensor]:
             inv = torch.rsqrt(_f32(bn.running_var) + bn.eps)
@@ -607,12 +606,7 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
                 shift = shift + _f32(bn.bias)
             return w, shift.to(dtype)
 
-        def kernel() -> tuple[torch.Tensor, torch.Tensor]:  # the same float32 arithmetic in one kernel
-            gamma, beta = (bn.weight, bn.bias) if bn.affine else (None, None)
-            return ops.fold_batchnorm(self.weight, self.bias, bn.running_mean, bn.running_var, gamma, beta, bn.eps,
-                                      dtype=str(dtype).removeprefix("torch."))
-
-        return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn), kernel)
+        return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn))
 
     def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The output shape of this conv on (padded) ``x``."""
