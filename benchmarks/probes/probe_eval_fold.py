@@ -1,0 +1,102 @@
+"""Converted models in eval: the BN fold by PyTorch ops (fusekit.torch today) against
+ops.fold_batchnorm's one kernel, in one process. Device run 4 of 2026-12-06 (H100) ran the kernel
+route: converted ResNets' captured eval forward 1.5-1.7x PyTorch's CUDA graph, but MobileNetV2 16.9
+ms uncaptured and captured against 5.8 / 2.8 with PyTorch ops, and the ResNets' uncaptured forward
+~2x slower (as if the held folds missed every call). Per model and route: uncaptured and captured ms,
+how often a fold was computed, the folded filters' strides where the routes differ, and the top
+kernels of one uncaptured forward (torch.profiler).
+
+    python benchmarks/probes/probe_eval_fold.py [--models mobilenet_v2 resnet50] [--batch 32]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import fusekit.torch as ft
+from fusekit import ops
+from fusekit.pipeline.bench import capture, cuda_time_ms
+
+COMPUTED: Counter = Counter()
+
+
+def kernel_fold(self, bn, dtype):
+    """Conv2d._folded with ops.fold_batchnorm as the no-autograd value (device run 4's route)."""
+    tensors = (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+
+    def kernel():
+        gamma, beta = (bn.weight, bn.bias) if bn.affine else (None, None)
+        return ops.fold_batchnorm(self.weight, self.bias, bn.running_mean, bn.running_var, gamma, beta, bn.eps,
+                                  dtype=str(dtype).removeprefix("torch."))
+
+    return self._memo(kernel, tensors, (dtype, bn.eps, bn))
+
+
+def counting(memo):
+    """_Fusekit._memo counting the values it computes (a held fold reused counts nothing)."""
+    def wrapped(self, fn, tensors, extra=()):
+        def fn_counted():
+            COMPUTED["computed"] += 1
+            return fn()
+        return memo(self, fn_counted, tensors, extra)
+    return wrapped
+
+
+def run(name: str, batch: int, route: str) -> dict:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None).eval().cuda().half().to(memory_format=torch.channels_last)
+    orig, orig_memo = ft.Conv2d._folded, ft._Fusekit._memo
+    ft.Conv2d._folded = kernel_fold if route == "kernel" else orig
+    ft._Fusekit._memo = counting(orig_memo)
+    try:
+        fk, _ = ft.convert(model)
+        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            fk(x)
+            COMPUTED.clear()
+            unc = cuda_time_ms(lambda: fk(x), iters=20, trials=10, before_trial=lambda: x.normal_())
+            computed_uncaptured = dict(COMPUTED)
+            g = capture(lambda: fk(x))
+            cap = cuda_time_ms(g.replay, iters=20, trials=10, before_trial=lambda: x.normal_())
+            strides = [(n, tuple(m._fk_memo[2][0].stride()), tuple(m.weight.stride())) for n, m in fk.named_modules()
+                       if isinstance(m, ft.Conv2d) and "_fk_memo" in m.__dict__]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fk(x)
+                torch.cuda.synchronize()
+        top = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages()), key=lambda t: -t[1])[:8]
+        return {"uncaptured_ms": unc, "captured_ms": cap, "computed": computed_uncaptured, "strides": strides, "top": top}
+    finally:
+        ft.Conv2d._folded, ft._Fusekit._memo = orig, orig_memo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["mobilenet_v2", "resnet50"])
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), f"batch {args.batch}, float16 channels-last, eval, no_grad")
+    for name in args.models:
+        res = {"torch": run(name, args.batch, "torch"), "kernel": run(name, args.batch, "kernel"),
+               "torch, again": run(name, args.batch, "torch")}  # the machine's drift
+        for route, r in res.items():
+            print(f"{name} {route}: uncaptured {r['uncaptured_ms']:.3f} ms, captured {r['captured_ms']:.3f} ms; "
+                  f"folds computed over the timed uncaptured calls: {r['computed'].get('computed', 0)}")
+            for k, us, n in r["top"]:
+                print(f"    {us / 1e3:9.3f} ms  x{n:<4d} {k[:110]}")
+        a, b = res["torch"]["strides"], res["kernel"]["strides"]
+        diff = [(n, sa, sb, w) for (n, sa, w), (_, sb, _) in zip(a, b) if sa != sb]
+        print(f"{name}: folded filters whose strides differ between the routes: {len(diff)} of {len(a)}")
+        for n, sa, sb, w in diff[:8]:
+            print(f"    {n}: torch {sa}, kernel {sb}, the parameter's {w}")
+
+
+if __name__ == "__main__":
+    main()
