@@ -264,7 +264,7 @@ extern "C" __global__ void fold_batchnorm(
     }
 }
 """
-_FOLD_MODULES: dict[tuple[str, str, str], Any] = {}
+_FOLD_MODULES: dict[tuple[str, ...], Any] = {}  # (w, b, BN vectors, output) dtypes -> RawModule
 
 
 def fold_batchnorm(
