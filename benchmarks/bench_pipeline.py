@@ -220,6 +220,11 @@ def agreement(pipe: "fp.Pipeline", cpu_model: torch.nn.Module, shape: tuple, inp
             "rel_err_vs_fp32_max": errs[-1]}
 
 
+def _section(title: str, text: str, header: str, rows: list[str]) -> list[str]:
+    """A results section: its heading, what it shows, and a table (the first column left-aligned)."""
+    return ["", f"## {title}", text, "", header, "|---|" + "---:|" * (header.count("|") - 2), *rows]
+
+
 def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
     lines = [
         f"# fusekit.pipeline vs PyTorch on {gpu}", "",
@@ -241,46 +246,35 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
             f"{f(r['torch_compile_over_fusekit'], '{:.2f}')} | {r['peak_mem_mb_fusekit']} | {r['peak_mem_mb_eager']} | {r['fallbacks']} | "
             f"{f(r.get('top1_agreement'), '{:.3f}')} |"
         )
-    lines += [
-        "", "## The drop-in route: fusekit.torch.convert, eval",
+    lines += _section(
+        "The drop-in route: fusekit.torch.convert, eval",
         "The same model converted with `fusekit.torch.convert` (convolutions with their BN folded and ReLU fused, "
         "residual block ends as one conv+bias+add+ReLU graph), run under no_grad, uncaptured and captured in a CUDA "
         "graph; timed as above. Error: relative L2 against float32 eager with the same weights on one random input, "
         "with float16 eager's beside it (ResNets; random-weight MobileNetV2's outputs, ~1e-9, are below float16's "
-        "range in both). ratio = PyTorch time / drop-in time.", "",
+        "range in both). ratio = PyTorch time / drop-in time.",
         "| model | batch | drop-in ms | drop-in graph ms | eager ms | eager graph ms | eager/drop-in | graph/drop-in graph | fused groups | error drop-in | error eager fp16 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in recs:
-        if "fusekit_torch_ms" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_torch_ms']:.3f} | {r['fusekit_torch_graph_ms']:.3f} | "
-                         f"{r['torch_eager_ms']:.3f} | {r['torch_graph_ms']:.3f} | {r['torch_eager_over_dropin']:.2f} | "
-                         f"{r['torch_graph_over_dropin_graph']:.2f} | {r['dropin_fused_groups']} | "
-                         f"{f(r.get('dropin_rel_err_vs_fp32'), '{:.1e}')} | {f(r.get('eager_rel_err_vs_fp32'), '{:.1e}')} |")
-    lines += [
-        "", "## What bounds each model",
+        [f"| {r['model']} | {r['batch']} | {r['fusekit_torch_ms']:.3f} | {r['fusekit_torch_graph_ms']:.3f} | "
+         f"{r['torch_eager_ms']:.3f} | {r['torch_graph_ms']:.3f} | {r['torch_eager_over_dropin']:.2f} | "
+         f"{r['torch_graph_over_dropin_graph']:.2f} | {r['dropin_fused_groups']} | "
+         f"{f(r.get('dropin_rel_err_vs_fp32'), '{:.1e}')} | {f(r.get('eager_rel_err_vs_fp32'), '{:.1e}')} |" for r in recs if "fusekit_torch_ms" in r])
+    lines += _section(
+        "What bounds each model",
         "Per stage: its GPU time (the stage alone captured in a CUDA graph, median of 10 replays) against its roofline "
         "floor max(flops / peak, bytes / bandwidth), peaks measured in the same process (fp16 8192^3 matmul, 256 MiB "
-        "device copy). Sums over stages; graph / floor: the whole forward's replay time over the summed floors.", "",
+        "device copy). Sums over stages; graph / floor: the whole forward's replay time over the summed floors.",
         "| model | batch | graph ms | stage sum ms | floor ms | compute-bound floor ms | memory-bound floor ms | graph / floor |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in recs:
-        if "floor_ms" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['fusekit_best_ms']:.3f} | {r['stage_sum_ms']:.3f} | {r['floor_ms']:.3f} | "
-                         f"{r['floor_compute_ms']:.3f} | {r['floor_memory_ms']:.3f} | {r['fusekit_best_ms'] / max(r['floor_ms'], 1e-9):.1f} |")
-    lines += [
-        "", "## Memory",
+        [f"| {r['model']} | {r['batch']} | {r['fusekit_best_ms']:.3f} | {r['stage_sum_ms']:.3f} | {r['floor_ms']:.3f} | "
+         f"{r['floor_compute_ms']:.3f} | {r['floor_memory_ms']:.3f} | {r['fusekit_best_ms'] / max(r['floor_ms'], 1e-9):.1f} |" for r in recs if "floor_ms" in r])
+    lines += _section(
+        "Memory",
         "fusekit: while replaying the compiled pipeline (its weights, planned activation buffers, the CUDA graph's pool and "
         "workspaces) and at its peak while compiling (both weight copies, per-stage timing graphs); eager: peak of a forward "
-        "under inference_mode, and that peak less the weights (its activations). MB = MiB.", "",
+        "under inference_mode, and that peak less the weights (its activations). MB = MiB.",
         "| model | batch | fk running MB | fk compile peak MB | fk weights MB | fk planned activations MB | eager peak MB | eager activations MB | PyTorch kernels chosen |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in recs:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['peak_mem_mb_fusekit']} | {r.get('peak_mem_mb_fusekit_build', 'n/a')} | "
-                     f"{r.get('weights_mb_fusekit', 'n/a')} | {r['planned_activation_mb']} | {r['peak_mem_mb_eager']} | "
-                     f"{r.get('eager_activation_peak_mb', 'n/a')} | {len(r.get('choices', []))} |")
+        [f"| {r['model']} | {r['batch']} | {r['peak_mem_mb_fusekit']} | {r.get('peak_mem_mb_fusekit_build', 'n/a')} | "
+         f"{r.get('weights_mb_fusekit', 'n/a')} | {r['planned_activation_mb']} | {r['peak_mem_mb_eager']} | "
+         f"{r.get('eager_activation_peak_mb', 'n/a')} | {len(r.get('choices', []))} |" for r in recs])
     for r in recs:
         if r.get("stages"):
             top = sorted(r["stages"], key=lambda t: -(t["ms"] or 0))[:8]
