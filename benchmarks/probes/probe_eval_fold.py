@@ -3,8 +3,9 @@ ops.fold_batchnorm's one kernel, in one process. Device run 4 of 2026-12-06 (H10
 route: converted ResNets' captured eval forward 1.5-1.7x PyTorch's CUDA graph, but MobileNetV2 16.9
 ms uncaptured and captured against 5.8 / 2.8 with PyTorch ops, and the ResNets' uncaptured forward
 ~2x slower (as if the held folds missed every call). Per model and route: uncaptured and captured ms,
-how often a fold was computed, the folded filters' strides where the routes differ, and the top
-kernels of one uncaptured forward (torch.profiler).
+how often a fold was computed, the folded filters' strides where the routes differ, the top
+kernels of one uncaptured forward (torch.profiler), and the fused-or-split decisions its first forward
+timed (grouped convolutions are keyed on their filter's strides, so a new stride is timed anew).
 
     python benchmarks/probes/probe_eval_fold.py [--models mobilenet_v2 resnet50] [--batch 32]
 """
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fusekit.torch as ft
-from fusekit import ops
+from fusekit import dispatch, ops
 from fusekit.pipeline.bench import capture, cuda_time_ms
 
 COMPUTED: Counter = Counter()
@@ -59,8 +60,10 @@ def run(name: str, batch: int, route: str) -> dict:
     try:
         fk, _ = ft.convert(model)
         x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        before = set(dispatch.FUSION_TIMES)
         with torch.no_grad():
             fk(x)
+            decided = [(tag, t) for (tag, mode), t in dispatch.FUSION_TIMES.items() if (tag, mode) not in before]
             COMPUTED.clear()
             unc = cuda_time_ms(lambda: fk(x), iters=20, trials=10, before_trial=lambda: x.normal_())
             computed_uncaptured = dict(COMPUTED)
@@ -72,7 +75,8 @@ def run(name: str, batch: int, route: str) -> dict:
                 fk(x)
                 torch.cuda.synchronize()
         top = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages()), key=lambda t: -t[1])[:8]
-        return {"uncaptured_ms": unc, "captured_ms": cap, "computed": computed_uncaptured, "strides": strides, "top": top}
+        return {"uncaptured_ms": unc, "captured_ms": cap, "computed": computed_uncaptured, "strides": strides, "top": top,
+                "decided": decided}
     finally:
         ft.Conv2d._folded, ft._Fusekit._memo = orig, orig_memo
 
@@ -91,6 +95,10 @@ def main() -> None:
                   f"folds computed over the timed uncaptured calls: {r['computed'].get('computed', 0)}")
             for k, us, n in r["top"]:
                 print(f"    {us / 1e3:9.3f} ms  x{n:<4d} {k[:110]}")
+            print(f"    fused-or-split decisions timed in its first forward: {len(r['decided'])}")
+            for tag, (tf, ts) in r["decided"][:12]:  # (name, attrs, (shape, dtype, strides) per array)
+                arrays = " ".join(f"{list(a[0])}@{tuple(a[2])}" for a in tag[2:])
+                print(f"      {tag[0]} {arrays}: fused {tf:.4f} ms, split {ts:.4f} ms -> {'split' if dispatch._split_wins((tf, ts)) else 'fused'}")
         a, b = res["torch"]["strides"], res["kernel"]["strides"]
         diff = [(n, sa, sb, w) for (n, sa, w), (_, sb, _) in zip(a, b) if sa != sb]
         print(f"{name}: folded filters whose strides differ between the routes: {len(diff)} of {len(a)}")
