@@ -7,7 +7,13 @@ how often a fold was computed, the folded filters' strides where the routes diff
 kernels of one uncaptured forward (torch.profiler), and the fused-or-split decisions its first forward
 timed (grouped convolutions are keyed on their filter's strides, so a new stride is timed anew).
 
-    python benchmarks/probes/probe_eval_fold.py [--models mobilenet_v2 resnet50] [--batch 32]
+    python benchmarks/probes/probe_eval_fold.py [--models mobilenet_v2 resnet50] [--batch 32] [--with-pipeline]
+
+Device run 4 ran bench_pipeline, which compiles each model as a pipeline before timing the drop-in
+route in the same process. The kernel allocates a depthwise filter NCHW-contiguous, strides (9, 9, 3, 1),
+as the pipeline's own weights may be, where PyTorch's ops keep the parameter's (9, 1, 3, 1); grouped
+convolutions' fused-or-split timings are kept per tag, raw strides included, so only the kernel route
+would share the pipeline's decisions. Run it with and without --with-pipeline.
 """
 from __future__ import annotations
 
@@ -85,9 +91,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mobilenet_v2", "resnet50"])
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--with-pipeline", action="store_true",
+                    help="compile each model with fusekit.pipeline first, in this process, as bench_pipeline does")
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), f"batch {args.batch}, float16 channels-last, eval, no_grad")
+    print(torch.cuda.get_device_name(), f"batch {args.batch}, float16 channels-last, eval, no_grad"
+          + (", each model compiled as a pipeline first" if args.with_pipeline else ""))
     for name in args.models:
+        if args.with_pipeline:  # its stages' timings of fused against split are kept per tag, which the drop-in may share
+            import torchvision
+            import fusekit.pipeline as fp
+
+            torch.manual_seed(0)
+            fp.compile(getattr(torchvision.models, name)(weights=None).eval(), (args.batch, 3, 224, 224), dtype="float16")
         res = {"torch": run(name, args.batch, "torch"), "kernel": run(name, args.batch, "kernel"),
                "torch, again": run(name, args.batch, "torch")}  # the machine's drift
         for route, r in res.items():
