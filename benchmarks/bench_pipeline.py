@@ -135,8 +135,8 @@ def bench_case(
     g = None  # noqa: F841
     log(f"{name} b{batch}: torch eager in a CUDA graph {rec['torch_graph_ms']:.3f} ms")
 
-    # the drop-in route: the same model converted (folded conv+BN+ReLU, residual ends as one graph);
-    # no_grad, not inference_mode (fusekit.torch tags its outputs, which inference tensors refuse)
+    # the drop-in route: the same model converted (folded conv+BN+ReLU, residual ends as one graph),
+    # under no_grad (inference_mode runs the same graphs)
     dropin, report = ft.convert(model)
     rec["dropin_fused_groups"] = len(report.fused)
     with torch.no_grad():
