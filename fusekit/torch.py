@@ -158,6 +158,11 @@ def _zero_bias(n: int, like: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def _needs_grad(*tensors: Any) -> bool:
+    """Whether autograd will record an op on ``tensors`` (None entries allowed)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter; None for an inference tensor (``torch.inference_mode``), which has none."""
     return None if t.is_inference() else t._version
@@ -529,7 +534,7 @@ class _Fusekit:
         are then); else once, reused while ``tensors`` are the same objects at the same addresses and
         versions. An in-place write through ``.data`` (which PyTorch's version counters do not count)
         is seen after the next ``.train()`` / ``.eval()``."""
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        if _needs_grad(*tensors):
             return fn()
         if tensors[-1].is_cuda and torch.cuda.is_current_stream_capturing():  # (the last: a tensor, never None)
             return fn()
@@ -597,13 +602,10 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
         tensors are unchanged (_memo)."""
 
         def fold() -> tuple[torch.Tensor, torch.Tensor]:
-            inv = torch.rsqrt(_f32(bn.running_var) + bn.eps)
-            scale = _f32(bn.weight) * inv if bn.affine else inv
+            scale, shift = bn._scale_shift()  # bn(y) = y * scale + shift
             w = (_f32(self.weight) * scale.reshape(-1, 1, 1, 1)).to(dtype)
-            mean = _f32(bn.running_mean)
-            shift = (-mean if self.bias is None else _f32(self.bias) - mean) * scale
-            if bn.affine:
-                shift = shift + _f32(bn.bias)
+            if self.bias is not None:
+                shift = _f32(self.bias) * scale + shift
             return w, shift.to(dtype)
 
         return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn))
@@ -636,8 +638,8 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
                 done = (self._fk_relu,)
         if self._fk_extra is not None:
             x = _padded(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
-        if folded and act is None and residual is not None and _on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x) and not (
-                torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, b, residual))):
+        if (folded and act is None and residual is not None and _on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x)
+                and not _needs_grad(x, w, b, residual)):
             z = _like(_cast(_dense(residual, "Conv2d"), x.dtype), x)
             y = ops.conv_bias_add_relu(x, w, b, z, padding=self._fk_pad, stride=self.stride, dilation=self.dilation, groups=self.groups)
             return _hand_on(_tag(_mark_relu_output(y), _ADDED, id(residual)), done)
@@ -834,7 +836,7 @@ class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
             return torch.nn.MaxPool2d.forward(self, x)
         x = _dense(x, "MaxPool2d")
         args = (self.kernel_size, self.stride, self.padding)
-        if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: argmax written only for return_indices
+        if not _needs_grad(x):  # no backward: argmax written only for return_indices
             y, argmax = pool.max_pool2d(x, *args, ceil_mode=self.ceil_mode, dilation=self.dilation, indices=self.return_indices)
         else:
             y, argmax = _MaxPool.apply(x, *args, self.ceil_mode, self.dilation)
