@@ -264,7 +264,6 @@ extern "C" __global__ void fold_batchnorm(
     }
 }
 """
-_FOLD_MODULES: dict[tuple[str, ...], Any] = {}  # (w, b, BN vectors, output) dtypes -> RawModule
 
 
 def fold_batchnorm(
@@ -278,7 +277,7 @@ def fold_batchnorm(
     affine. The BN vectors share one float dtype (float32, or float16 / bfloat16 for a half model);
     w and b may each have any of the three.
     Run the result with :func:`conv_bias_relu` (or conv_bias, conv_bias_add_relu)."""
-    from .pool import FLOAT_DTYPES, _Launch, _operand, _same_place, dtype_prelude
+    from .pool import FLOAT_DTYPES, _Launch, _operand, _same_place, cuda_function, dtype_prelude
 
     P = "fold_batchnorm"
     wo = _operand(P, "w", w, (4,), FLOAT_DTYPES)
@@ -303,19 +302,16 @@ def fold_batchnorm(
     if not epsilon >= 0:
         raise OperandError(P, "epsilon", f"expected a number >= 0, got {epsilon!r}", what="argument")
     pd = vecs["var"].dtype
-    key = (wo.dtype, bo.dtype if bo is not None else wo.dtype, pd, out)
-    with _Launch(P, wo) as L:
-        mod = _FOLD_MODULES.get(key)
-        if mod is None:
-            src = "".join(dtype_prelude(d, s) for d, s in zip(key, ("_w", "_b", "_p", "_o"))) + _FOLD_BODY
-            mod = _FOLD_MODULES[key] = L.cp.RawModule(code=src)
+    dtypes = (wo.dtype, bo.dtype if bo is not None else wo.dtype, pd, out)  # w, b, the BN vectors, the output
+    with _Launch(P, wo) as L:  # (the module loads on w's device)
+        kernel = cuda_function(
+            (P, *dtypes), lambda: "".join(dtype_prelude(d, s) for d, s in zip(dtypes, ("_w", "_b", "_p", "_o"))) + _FOLD_BODY, P)
         w2, w2v = L.empty(wo, wo.shape, wo.layout, out)
         b2, b2v = L.empty(vecs["var"], (k,), "ROW", out)
         v = {n: L.view(o) for n, o in vecs.items()}
         affine = gamma is not None
         n = wo.shape[0] * wo.shape[1] * wo.shape[2] * wo.shape[3]
-        blocks = max(1, min(-(-n // 256), 1 << 20))
-        mod.get_function(P)((blocks,), (256,), (
+        L.launch(kernel, n, (
             L.view(wo), L.view(bo) if bo is not None else v["var"], v["gamma"] if affine else v["var"], v["beta"] if affine else v["var"],
             v["mean"], v["var"], np.float32(epsilon), np.int64(n // k), np.int64(n), np.int32(bo is not None), np.int32(affine), w2v, b2v))
     return w2, b2

@@ -16,7 +16,7 @@ import threading
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -542,7 +542,7 @@ extern "C" __global__ void softmax_rows_warp(ROW_ARGS) {
 """
 
 WARP_KERNELS = frozenset({"softmax_rows_warp"})
-_MODULES: dict[str, Any] = {}
+_MODULES: dict[Any, Any] = {}  # key -> cupy.RawModule (pool's: its storage dtype)
 _MODULES_LOCK = threading.Lock()
 
 
@@ -551,16 +551,21 @@ def kernel_source(dtype: str) -> str:
     return _PRELUDE[dtype] + _BODY
 
 
-def _kernel(dtype: str, name: str) -> Any:
-    mod = _MODULES.get(dtype)
+def cuda_function(key: Any, source: Callable[[], str], name: str) -> Any:
+    """Kernel ``name`` of the CUDA module compiled once per process from ``source()`` and kept under ``key``."""
+    mod = _MODULES.get(key)
     if mod is None:
         import cupy
 
         with _MODULES_LOCK:
-            mod = _MODULES.get(dtype)
+            mod = _MODULES.get(key)
             if mod is None:
-                mod = _MODULES[dtype] = cupy.RawModule(code=kernel_source(dtype))
+                mod = _MODULES[key] = cupy.RawModule(code=source())
     return mod.get_function(name)
+
+
+def _kernel(dtype: str, name: str) -> Any:
+    return cuda_function(dtype, lambda: kernel_source(dtype), name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -727,8 +732,13 @@ class _Launch:
 
     def run(self, dtype: str, name: str, threads: int, args: Sequence[Any]) -> None:
         """Launch ``name`` of ``dtype``'s module with ``threads`` threads (grid-stride past the cap)."""
+        self.launch(_kernel(dtype, name), threads, args)
+
+    @staticmethod
+    def launch(kernel: Any, threads: int, args: Sequence[Any]) -> None:
+        """Launch ``kernel`` (a grid-stride loop) over ``threads`` threads, in blocks of 256 up to the cap."""
         blocks = max(1, min(-(-threads // _BLOCK), _MAX_BLOCKS))
-        _kernel(dtype, name)((blocks,), (_BLOCK,), tuple(args))
+        kernel((blocks,), (_BLOCK,), tuple(args))
 
 
 # ----------------------------------------------------------------------------------------------
