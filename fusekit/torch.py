@@ -528,22 +528,24 @@ class _Fusekit:
         self.__dict__.pop("_fk_memo", None)  # .train() / .eval() recompute what eval reuses (see _memo)
         return super().train(mode)  # type: ignore[misc]
 
-    def _memo(self, fn: Any, tensors: tuple, extra: tuple = ()) -> Any:
-        """``fn()``, a value computed from ``tensors`` (eval's folded weights): every call when autograd
-        needs it or a CUDA graph is being captured (each replay computes it again from the tensors as they
-        are then); else once, reused while ``tensors`` are the same objects at the same addresses and
-        versions. An in-place write through ``.data`` (which PyTorch's version counters do not count)
-        is seen after the next ``.train()`` / ``.eval()``."""
+    def _memo(self, fn: Any, tensors: tuple, extra: tuple = (), fast: Any = None) -> Any:
+        """A value computed from ``tensors`` (eval's folded weights): ``fn()`` (differentiable) at every
+        call when autograd needs it; ``fast()`` (default ``fn``; the same value without autograd) at every
+        call while a CUDA graph is being captured (each replay computes it again from the tensors as they
+        are then); else ``fast()`` once, reused while ``tensors`` are the same objects at the same
+        addresses and versions. An in-place write through ``.data`` (which PyTorch's version counters do
+        not count) is seen after the next ``.train()`` / ``.eval()``."""
         if _needs_grad(*tensors):
             return fn()
+        fast = fast or fn
         if tensors[-1].is_cuda and torch.cuda.is_current_stream_capturing():  # (the last: a tensor, never None)
-            return fn()
+            return fast()
         key = (extra, tuple(None if t is None else (t.data_ptr(), _version(t)) for t in tensors))
         memo = self.__dict__.get("_fk_memo")
         if memo is not None and memo[0] == key and all(a is b for a, b in zip(memo[1], tensors)):
             return memo[2]
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable outside inference_mode too
-            value = fn()
+            value = fast()
         self.__dict__["_fk_memo"] = (key, tensors, value)
         return value
 
@@ -598,8 +600,8 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
     def _folded(self, bn: torch.nn.BatchNorm2d, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(w', b') in ``dtype`` with conv(x, w') + b' = bn(conv(x, w) + b) for ``bn`` in eval mode,
         computed in float32: differentiable at every call when autograd needs it (gradients reach the
-        conv's and BN's parameters as in PyTorch) or inside a CUDA-graph capture, else once while the
-        tensors are unchanged (_memo)."""
+        conv's and BN's parameters as in PyTorch), else by ops.fold_batchnorm (one kernel) at every call
+        inside a CUDA-graph capture or once while the tensors are unchanged (_memo)."""
 
         def fold() -> tuple[torch.Tensor, torch.Tensor]:
             scale, shift = bn._scale_shift()  # bn(y) = y * scale + shift
@@ -608,7 +610,14 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
                 shift = _f32(self.bias) * scale + shift
             return w, shift.to(dtype)
 
-        return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn))
+        def kernel() -> tuple[torch.Tensor, torch.Tensor]:
+            gamma, beta = (bn.weight, bn.bias) if bn.affine else (None, None)
+            if len({t.dtype for t in (bn.running_mean, bn.running_var, gamma, beta) if t is not None}) > 1:
+                return fold()  # the kernel takes the BN vectors in one dtype
+            return ops.fold_batchnorm(self.weight, self.bias, bn.running_mean, bn.running_var, gamma, beta, bn.eps,
+                                      dtype=str(dtype).removeprefix("torch."))
+
+        return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn), kernel)
 
     def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The output shape of this conv on (padded) ``x``."""

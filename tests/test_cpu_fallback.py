@@ -358,3 +358,30 @@ def test_nchw_residual_add_convolutions_run_on_channels_last_copies(pattern):
     assert lower.untrusted(pat, nhwc) == ""
     plain, plain_specs = specs_for("conv_bias", {"x": (2, 2, 1, 2), "w": (2, 2, 1, 1), "b": (2,)})
     assert lower.untrusted(plain, plain_specs) == ""  # no residual: cuDNN's NCHW plans computed right
+
+
+@pytest.mark.parametrize("name, groups, timed", [
+    ("conv_bias_relu6", 1, True),  # cuDNN 9.19's heuristics give a dense conv + ReLU6 its slow fallback engine
+    ("conv_bias_relu6", 4, True),
+    ("conv_bias_relu", 4, True),  # grouped: cuDNN may have no fused engine
+    ("conv_bias_relu", 1, False),  # dense conv + bias + ReLU: the fused graph, untimed
+    ("conv_bias", 1, False),
+])
+def test_conv_epilogues_timed_against_the_split_where_cudnn_may_be_slow(monkeypatch, name, groups, timed):
+    """Which conv epilogues go through fused_or_split (timed against conv + pointwise graphs) and
+    which run their one graph directly; a timed one's tag names the pattern, attributes and arrays."""
+    import numpy as np
+
+    from fusekit.ops import conv
+
+    seen, ran = [], []
+    monkeypatch.setattr(conv, "fused_or_split", lambda tag, fused, split, like=None: seen.append((tag, like)) or fused())
+    monkeypatch.setattr(conv, "run", lambda pat, names, values, operands, out: ran.append((pat, values)) or "y")
+    x, w, b = np.zeros((2, 8, 5, 5), np.float16), np.zeros((8, 8 // groups, 1, 1), np.float16), np.zeros(8, np.float32)
+    assert getattr(conv, name)(x, w, b, groups=groups) == "y"
+    assert ran == [(name, (0, 1, 1, groups))]
+    assert len(seen) == timed
+    if timed:
+        (tag, like), = seen
+        assert tag[0] == name and tag[1] == (0, 1, 1, groups) and like is x
+        assert [a[0] for a in tag[2:]] == [x.shape, w.shape, b.shape]

@@ -173,6 +173,17 @@ class FakeOps:
         return self.linear_bias_backward(dy * (y > 0), x, w, needs=needs)
 
     # normalization
+    def fold_batchnorm(self, w, b, mean, var, gamma=None, beta=None, epsilon=1e-5, *, dtype=None):
+        """The fold kernel's arithmetic: float32, stored in ``dtype`` (not logged: no graph runs)."""
+        assert (gamma is None) == (beta is None) and (not w.requires_grad or not torch.is_grad_enabled())
+        f = lambda t: t.detach().float()  # noqa: E731
+        s = torch.rsqrt(f(var) + epsilon)
+        s = f(gamma) * s if gamma is not None else s
+        shift = ((f(b) if b is not None else 0.0) - f(mean)) * s
+        shift = shift + f(beta) if beta is not None else shift
+        out = getattr(torch, dtype) if dtype else w.dtype
+        return (f(w) * s.reshape(-1, 1, 1, 1)).to(out), shift.to(out)
+
     def affine_identity(self, x):
         c = x.shape[1]
         return torch.ones(c), torch.zeros(c), (torch.empty(c), torch.empty(c))
