@@ -62,6 +62,7 @@ def grouped_bars(
     if log:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 3.0, 5.0)))  # labels 0.9 and 1 would overlap
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -279,6 +279,25 @@ def test_fold_batchnorm_kernel_matches_float64(w_dtype, bn_dtype, out, layout, b
         assert isinstance(w3, cp.ndarray) and torch.equal(torch.from_dlpack(w3), w2) and torch.equal(torch.from_dlpack(b3), b2)
 
 
+@pytest.mark.parametrize("shape", [(16, 1, 3, 3), (16, 8, 1, 1), (16, 1, 1, 1), (16, 8, 3, 3)])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_fold_batchnorm_keeps_the_filter_s_strides(shape, layout):
+    """A depthwise or 1x1 filter's strides fit NCHW and channels-last alike; the folded filter keeps
+    the very strides it came with (fused-or-split decisions are keyed on them), torch and CuPy."""
+    w = torch.randn(shape, device="cuda").half()
+    w = w.contiguous(memory_format=torch.channels_last) if layout == "NHWC" else w
+    v = torch.rand(shape[0], device="cuda") + 0.5
+    w2, _ = ops.fold_batchnorm(w, None, v, v, v, v)
+    assert w2.stride() == w.stride() and w2.dtype == w.dtype
+    assert rel(w2, w.double() * (v.double() * torch.rsqrt(v.double() + 1e-5)).reshape(-1, 1, 1, 1)) < 1e-3
+    w4, _ = ops.fold_batchnorm(w, None, v, v, v, v, dtype="float32")  # another dtype: the same strides in elements
+    assert w4.stride() == w.stride() and torch.equal(w4.half(), w2)
+    cp = pytest.importorskip("cupy")
+    wc = cp.from_dlpack(w)
+    w3, _ = ops.fold_batchnorm(wc, None, cp.from_dlpack(v), cp.from_dlpack(v), cp.from_dlpack(v), cp.from_dlpack(v))
+    assert w3.strides == wc.strides and torch.equal(torch.from_dlpack(w3), w2)
+
+
 def test_fold_batchnorm_names_bad_operands():
     from fusekit.errors import OperandError
 

@@ -272,8 +272,8 @@ def fold_batchnorm(
     """Fold inference batch norm into the convolution before it: conv(x, w') + b' = BN(conv(x, w) + b).
 
     One kernel: scale = gamma / sqrt(var + epsilon), w' = w * scale, b' = (b - mean) * scale + beta,
-    computed in float32 and stored in ``dtype`` (default w's): w' in w's memory layout (KCRS or
-    KRSC), b' of shape (K,). ``b`` None: no conv bias; ``gamma`` and ``beta`` None: BN without
+    computed in float32 and stored in ``dtype`` (default w's): w' with w's strides (KCRS or KRSC),
+    b' of shape (K,). ``b`` None: no conv bias; ``gamma`` and ``beta`` None: BN without
     affine. The BN vectors share one float dtype (float32, or float16 / bfloat16 for a half model);
     w and b may each have any of the three.
     Run the result with :func:`conv_bias_relu` (or conv_bias, conv_bias_add_relu)."""
@@ -306,7 +306,7 @@ def fold_batchnorm(
     with _Launch(P, wo) as L:  # (the module loads on w's device)
         kernel = cuda_function(
             (P, *dtypes), lambda: "".join(dtype_prelude(d, s) for d, s in zip(dtypes, ("_w", "_b", "_p", "_o"))) + _FOLD_BODY, P)
-        w2, w2v = L.empty(wo, wo.shape, wo.layout, out)
+        w2, w2v = L.empty_as(wo, out)  # w's very strides: a 1x1 or depthwise filter keeps the layout it came with
         b2, b2v = L.empty(vecs["var"], (k,), "ROW", out)
         v = {n: L.view(o) for n, o in vecs.items()}
         affine = gamma is not None

@@ -712,6 +712,20 @@ class _Launch:
             a = cp.empty(shape, dtype=dt)
         return a, a
 
+    def empty_as(self, op: _Operand, dtype: str) -> tuple[Any, Any]:
+        """(result of the caller's type, CuPy view of it): uninitialised, ``op``'s shape and very strides
+        in ``dtype``. A 1x1 or one-input-channel filter is dense in NCHW and channels-last alike; its
+        raw strides, which fused-or-split decisions are keyed on, stay as they came."""
+        a = op.array
+        if self.first.lib == "torch":
+            import torch
+
+            t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=getattr(torch, dtype), device=f"cuda:{self.first.device}")
+            return t, self._from_torch(t)
+        cp, dt = self.cp, self.cp.dtype(dtype)  # (op is dense: its extent is its size)
+        out = cp.ndarray(a.shape, dtype=dt, memptr=cp.empty(a.size, dtype=dt).data, strides=tuple(st // a.itemsize * dt.itemsize for st in a.strides))
+        return out, out
+
     def zeros_f32(self, size: int) -> Any:
         """A zeroed float32 scratch vector from the caller's allocator (PyTorch's for a torch caller:
         capture-safe, stream-ordered), as a CuPy view."""
