@@ -1283,7 +1283,7 @@ _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autocast: Any = None, warmup: int = 3,
-            max_graphs: int = 4) -> torch.nn.Module:
+            max_graphs: int = 4, eval_graphs: bool = False) -> torch.nn.Module:
     """``model`` with its training forward and backward replayed as CUDA graphs: the fast way to
     train a converted model (each graph replays every layer's work in one launch; fusekit's host
     work per layer is paid at capture only). The loop around it stays as it is: loss, GradScaler,
@@ -1294,7 +1294,10 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     first ``warmup`` calls of a signature run uncaptured (ordinary training steps, which build
     fusekit's plans), the next one captures the forward and backward and every later one replays
     them. At most ``max_graphs`` signatures are captured; further ones, eval-mode and no-grad
-    calls run uncaptured. Moving the model (``.to``, ``.half``) drops its graphs; copies
+    calls run uncaptured. ``eval_graphs=True`` also captures eval-mode calls without autograd
+    (``torch.no_grad()`` / ``inference_mode()``; validation, inference) per signature, forward
+    only: each replay reads the weights and running statistics as they are then (BN folds are
+    inside the graph). Moving the model (``.to``, ``.half``) drops its graphs; copies
     (``copy.deepcopy``) and pickles of it carry none and capture their own.
 
     ``sample`` (optional): capture ``sample``'s signature now, under ``autocast`` (float16 /
@@ -1330,7 +1333,9 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
         for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
             if t.device != sample.device:
                 raise OperandError(who, f"model.{name}", f"expected on {sample.device} (the sample's device), got {t.device}")
-    fwd = _GraphedForward(model, model.forward, warmup, max_graphs)
+    if not isinstance(eval_graphs, bool):
+        raise OperandError(who, "eval_graphs", f"expected True or False, got {eval_graphs!r}", what="argument")
+    fwd = _GraphedForward(model, model.forward, warmup, max_graphs, eval_graphs)
     if sample is not None:
         model.train()
         fwd.capture_now(sample, autocast)
@@ -1356,9 +1361,15 @@ class _Captured:
 
     The forward is captured with the parameters swapped for fresh leaves sharing their memory
     (``torch.func.functional_call``): gradients are taken for those, so autograd nodes kept alive
-    from earlier steps (on another stream) take no part in the capture."""
+    from earlier steps (on another stream) take no part in the capture. ``train`` False: an eval
+    forward without autograd, no backward graph (:meth:`replay_eval`)."""
 
-    def __init__(self, graphed: "_GraphedForward", x: torch.Tensor, amp: Any) -> None:
+    def __init__(self, graphed: "_GraphedForward", x: torch.Tensor, amp: Any, train: bool = True) -> None:
+        self.handed: tuple = ()
+        self.pending: Any = None  # weak reference to the autograd node of a replay whose backward is still to come
+        if not train:
+            self._capture_eval(graphed, x, amp)
+            return
         named = [(n, p) for n, p in graphed.model.named_parameters() if p.requires_grad]
         self.params = tuple(p for _, p in named)
         leaves = {n: p.detach().requires_grad_() for n, p in named}
@@ -1381,8 +1392,31 @@ class _Captured:
         finally:
             graphed.capturing = False
         torch.cuda.synchronize()
-        self.handed: tuple = ()
-        self.pending: Any = None  # weak reference to the autograd node of a replay whose backward is still to come
+
+    def _capture_eval(self, graphed: "_GraphedForward", x: torch.Tensor, amp: Any) -> None:
+        """The forward alone, without autograd; buffers that are ordinary tensors (not inference
+        tensors), so a capture made under ``inference_mode`` replays under ``no_grad`` too."""
+        self.params, self.bwd, self.grad_outs, self.grads = (), None, (), ()
+        with torch.inference_mode(False), torch.no_grad():
+            self.x = x.detach().clone(memory_format=torch.preserve_format)
+            self.fwd = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            graphed.capturing = True
+            try:
+                with _autocast_as(amp), torch.cuda.graph(self.fwd):
+                    out = graphed.original(self.x)
+            finally:
+                graphed.capturing = False
+            torch.cuda.synchronize()
+        self.outs = _flat_outputs(out)
+        self.kind = None if isinstance(out, torch.Tensor) else type(out)
+        self.diff = (False,) * len(self.outs)
+
+    def replay_eval(self, x: torch.Tensor) -> Any:
+        """An eval capture replayed on ``x``: the outputs are the caller's own copies."""
+        self.x.copy_(x)
+        self.fwd.replay()
+        return self.result(tuple(o.clone(memory_format=torch.preserve_format) for o in self.outs))
 
     def result(self, outs: tuple) -> Any:
         return outs[0] if self.kind is None else self.kind(outs)
@@ -1419,8 +1453,8 @@ class _Replay(torch.autograd.Function):
 class _GraphedForward:
     """The forward :func:`graphed` puts on a model: replays a capture per input signature."""
 
-    def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_graphs: int) -> None:
-        self.model, self.original, self.warmup, self.max_graphs = model, original, warmup, max_graphs
+    def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_graphs: int, eval_graphs: bool = False) -> None:
+        self.model, self.original, self.warmup, self.max_graphs, self.eval_graphs = model, original, warmup, max_graphs, eval_graphs
         self.graphs: dict[tuple, _Captured] = {}
         self.calls: dict[tuple, int] = {}
         self.refused: dict[tuple, str] = {}
@@ -1431,7 +1465,7 @@ class _GraphedForward:
 
     def __reduce__(self) -> tuple:
         """Copies (``copy.deepcopy``, an EMA of the model) and pickles carry no graphs: a copy captures its own."""
-        return (_regraphed, (self.model, self.warmup, self.max_graphs))
+        return (_regraphed, (self.model, self.warmup, self.max_graphs, self.eval_graphs))
 
     def _state(self) -> tuple:
         """Where the model's tensors live and which parameters want gradients: a change drops the graphs."""
@@ -1440,7 +1474,9 @@ class _GraphedForward:
         return tuple([(t.data_ptr(), t.requires_grad) for t in self.tensors])
 
     def signature(self, x: torch.Tensor) -> tuple:
-        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, _amp_dtype())
+        """What a capture is made for: shape, strides, dtype, device, requires_grad, the autocast dtype
+        and whether it is a training step (forward and backward) or an eval forward."""
+        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, _amp_dtype(), self.model.training)
 
     def capture_now(self, sample: torch.Tensor, amp: Any) -> None:
         """Capture ``sample``'s signature under ``amp`` after ``warmup`` forward + backward passes on a
@@ -1460,14 +1496,18 @@ class _GraphedForward:
 
     def _refuse(self, key: tuple, why: str) -> None:
         self.refused[key] = why
-        warnings.warn(f"fusekit.torch.graphed: input {key[2]} {key[0]} (autocast {key[5]}) runs uncaptured: {why}",
+        warnings.warn(f"fusekit.torch.graphed: {'' if key[6] else 'eval '}input {key[2]} {key[0]} (autocast {key[5]}) runs uncaptured: {why}",
                       UserWarning, stacklevel=3)
 
     def eligible(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """The input of a call graphs are made for (training, grad enabled, one CUDA tensor), else None."""
+        """The input of a call graphs are made for (one CUDA tensor; training mode with grad enabled, or
+        with ``eval_graphs`` eval mode without it), else None."""
         x = args[0] if len(args) == 1 and not kwargs else None
-        ok = self.model.training and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.is_cuda
-        return x if ok else None
+        return x if self.wants_graph() and isinstance(x, torch.Tensor) and x.is_cuda else None
+
+    def wants_graph(self) -> bool:
+        """Whether the model's mode and autograd make this call one that graphs are made for."""
+        return torch.is_grad_enabled() if self.model.training else self.eval_graphs and not torch.is_grad_enabled()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x = None if self.capturing else self.eligible(args, kwargs)
@@ -1492,7 +1532,7 @@ class _GraphedForward:
                 self._refuse(key, f"max_graphs={self.max_graphs} signatures are captured already")
                 return self.original(x)
             try:
-                cap = self.graphs[key] = _Captured(self, x, key[5])
+                cap = self.graphs[key] = _Captured(self, x, key[5], key[6])
             except CaptureError as e:  # raised before anything ran (a plan not built yet: the warm-up calls had no backward)
                 self.attempts[key] = self.attempts.get(key, 0) + 1
                 if self.attempts[key] >= 3:
@@ -1500,9 +1540,11 @@ class _GraphedForward:
                 self.calls[key] = 0  # warm up again, then try again
                 return self.original(x)
             except Exception as e:
-                raise CaptureError(f"fusekit.torch.graphed: capturing the training step of input {key[2]} {key[0]} (autocast "
+                raise CaptureError(f"fusekit.torch.graphed: capturing the {'training step' if key[6] else 'eval forward'} of input {key[2]} {key[0]} (autocast "
                                    f"{key[5]}) failed ({type(e).__name__}: {e}); the CUDA state may be unusable: run this "
                                    "model uncaptured instead") from e
+        if not key[6]:
+            return cap.replay_eval(x)
         if cap.pending is not None and cap.pending() is not None:
             # The last replay's backward has not run yet (two forwards, one backward): replaying now would
             # overwrite the activations it reads. This call runs uncaptured instead.
@@ -1510,6 +1552,6 @@ class _GraphedForward:
         return cap.result(_Replay.apply(cap, x, *cap.params))
 
 
-def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int) -> _GraphedForward:
+def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int, eval_graphs: bool = False) -> _GraphedForward:
     """A graphed forward, no graphs yet, over ``model``'s class forward (how copies and pickles come back)."""
-    return _GraphedForward(model, type(model).forward.__get__(model), warmup, max_graphs)
+    return _GraphedForward(model, type(model).forward.__get__(model), warmup, max_graphs, eval_graphs)

@@ -1244,7 +1244,7 @@ def test_graphed_forward_captures_each_signature_after_its_warmup(monkeypatch):
     made, replays = [], []
 
     class Captured:
-        def __init__(self, graphed, x, amp):
+        def __init__(self, graphed, x, amp, train=True):
             if x.shape[0] == 7:
                 raise CaptureError("fusekit: no plan yet for bias_grad(...)")
             if x.shape[0] == 6:
@@ -1363,6 +1363,67 @@ def test_a_graphed_model_copies_and_pickles_without_its_graphs(monkeypatch):
     assert ("a signature",) in model.forward.graphs
 
 
+def test_graphed_eval_graphs_capture_eval_forwards_without_autograd(monkeypatch):
+    """With eval_graphs=True, eval-mode calls without autograd (no_grad, inference_mode) are captured per
+    signature after their warm-up, forward only, and replayed (the caller gets its own output copy);
+    eval with autograd and train mode without it run uncaptured; the training step keeps its own
+    signature; without eval_graphs (the default) eval calls are never captured; copies keep the option."""
+    import copy
+
+    made = []
+
+    class Captured:
+        def __init__(self, graphed, x, amp, train=True):
+            made.append((tuple(x.shape), train))
+            self.params, self.pending, self.p = tuple(graphed.model.parameters()), None, graphed.model.p
+            self.out = torch.empty_like(x)
+
+        def replay_eval(self, x):  # a replay reads the weights as they are then
+            self.out.copy_(self.p.detach() * x)
+            return self.out.clone()
+
+        def result(self, outs):
+            return outs[0]
+
+    class Replay:
+        @staticmethod
+        def apply(cap, x, *params):
+            return (x * 100,)
+
+    monkeypatch.setattr(ft, "_Captured", Captured)
+    monkeypatch.setattr(ft, "_Replay", Replay)
+    monkeypatch.setattr(ft._GraphedForward, "eligible", lambda self, a, k: a[0] if self.wants_graph() and len(a) == 1 else None)
+    x = torch.randn(4, 3)
+    plain = ft.graphed(_ScaleNet(), warmup=2).eval()
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(plain(x), 3 * x)
+    assert not made and not plain.forward.eval_graphs
+    model = ft.graphed(_ScaleNet(), warmup=2, eval_graphs=True).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), 3 * x) and torch.equal(model(x), 3 * x) and not made  # the warm-up, uncaptured
+        y = model(x)
+        assert made == [((4, 3), False)] and torch.equal(y, 3 * x)
+        model.p.mul_(2)  # an in-place weight change: the next replay reads it
+        y2 = model(x)
+        assert torch.equal(y2, 6 * x) and torch.equal(y, 3 * x), "the caller's output must be its own copy"
+    with torch.inference_mode():
+        assert torch.equal(model(x), 6 * x) and len(made) == 1  # the same signature, replayed
+    assert torch.equal(model(x), 6 * x) and len(made) == 1  # eval with autograd: uncaptured
+    with torch.no_grad():
+        model.train()
+        model(x)
+        model(x)
+        model(x)
+    assert len(made) == 1  # train mode without autograd: uncaptured
+    outs = [model(x) for _ in range(3)]  # training with autograd: two warm-up calls, then its own capture
+    assert torch.equal(outs[0], 6 * x) and torch.equal(outs[2], 100 * x)
+    assert made[-1] == ((4, 3), True) and len(model.forward.graphs) == 2
+    assert copy.deepcopy(model).forward.eval_graphs
+    with pytest.raises(OperandError, match="'eval_graphs': expected True or False"):
+        ft.graphed(torch.nn.Linear(2, 2), eval_graphs=1)
+
+
 class _ScaleNet(torch.nn.Module):
     """y = p * x, with p one parameter (the model the fake capture below stands for)."""
 
@@ -1379,7 +1440,7 @@ class _FakeCapture:
     activation its backward reads (as a graph keeps saved tensors in its pool); the backward replay
     writes dL/dp = sum(dy * x) and dL/dx = dy * p."""
 
-    def __init__(self, graphed, x, amp):
+    def __init__(self, graphed, x, amp, train=True):
         p = graphed.model.p
         self.params, self.kind, self.diff = (p,), None, (True,)
         self.x = x.detach().clone().requires_grad_(x.requires_grad)

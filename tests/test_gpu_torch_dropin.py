@@ -926,6 +926,42 @@ def test_graphed_captures_each_signature_and_runs_eval_uncaptured():
     assert not model.forward.graphs, "the graphs of the float32 model were kept"
 
 
+def test_graphed_eval_graphs_replay_the_eval_forward():
+    """graphed(model, eval_graphs=True) on a converted ResNet-18: eval calls under no_grad and
+    inference_mode are captured after the warm-up and replayed, with outputs as PyTorch's (the caller's
+    own tensors); a replay after an in-place change of weights and running statistics gives the
+    changed model's output; a training step after it captures its own graph and trains as before."""
+    base = _torchvision("resnet18")
+    fk, _ = ft().convert(base)
+    model = ft().graphed(fk, warmup=2, eval_graphs=True)
+    model.eval(), base.eval()
+    x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
+    with torch.no_grad():
+        want = base(x)
+        ys = [model(x) for _ in range(4)]  # two warm-up calls, the capture, a replay
+        assert len(model.forward.graphs) == 1 and not next(iter(model.forward.graphs))[6]
+        assert all(rel(y, want) < 3e-3 for y in ys)
+        assert ys[2].data_ptr() != ys[3].data_ptr(), "replays must hand out their own outputs"
+        for m in (fk, base):
+            m.layer1[0].bn1.running_var.mul_(4.0)
+            m.layer2[1].conv2.weight.mul_(-0.5)
+        want2 = base(x)
+        assert rel(want2, want) > 1e-2
+        assert rel(model(x), want2) < 3e-3, "a replay used folds from before the change"
+        assert rel(ys[3], want) < 3e-3, "a replay overwrote an earlier output"
+    with torch.inference_mode():
+        assert rel(model(x), want2) < 3e-3 and len(model.forward.graphs) == 1
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        loss = model(x).float().square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    assert len(model.forward.graphs) == 2
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_captured_eval_forward_sees_weight_changes_on_replay(residual):
     """A converted model's eval forward captured in a CUDA graph computes its BN folds inside the graph:
