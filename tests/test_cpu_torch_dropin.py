@@ -174,8 +174,10 @@ class FakeOps:
 
     # normalization
     def fold_batchnorm(self, w, b, mean, var, gamma=None, beta=None, epsilon=1e-5, *, dtype=None):
-        """The fold kernel's arithmetic: float32, stored in ``dtype`` (not logged: no graph runs)."""
+        """The fold kernel's arithmetic: float32, stored in ``dtype`` (not logged: no graph runs; counted
+        in ``folded``)."""
         assert (gamma is None) == (beta is None) and (not w.requires_grad or not torch.is_grad_enabled())
+        self.folded = getattr(self, "folded", 0) + 1
         f = lambda t: t.detach().float()  # noqa: E731
         s = torch.rsqrt(f(var) + epsilon)
         s = f(gamma) * s if gamma is not None else s
@@ -851,8 +853,10 @@ def test_eval_folds_are_computed_once_and_follow_every_change(fake):
     check()
     first = _folds(fk)
     assert all(f is not None for f in first)
+    assert ft.ops.folded == 2  # without autograd: ops.fold_batchnorm's one kernel per conv
     check()
     assert all(a is b for a, b in zip(first, _folds(fk)))  # reused, not recomputed
+    assert ft.ops.folded == 2
     for m in (fk, ref):  # an optimizer step on the parameters
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for p in m.parameters():
@@ -876,13 +880,14 @@ def test_eval_folds_are_computed_once_and_follow_every_change(fake):
         assert rel(fk(x), ref(x)) < 1e-6
     # autograd: the fold at every call, gradients reach the BN's parameters (compare checks them)
     fk.eval()
+    kernels = ft.ops.folded
     compare(fk, ref, x, tol=1e-6)
-    assert _folds(fk) == [None] * 2
+    assert _folds(fk) == [None] * 2 and ft.ops.folded == kernels  # the differentiable fold, not the kernel
     # a frozen model under autograd (an input gradient only): the held fold serves, gradients flow to x
     for m in (fk, ref):
         m.requires_grad_(False)
     compare(fk, ref, x, tol=1e-6)
-    assert all(f is not None for f in _folds(fk))
+    assert all(f is not None for f in _folds(fk)) and ft.ops.folded == kernels + 2
 
 
 def test_converted_models_run_under_inference_mode(fake):
