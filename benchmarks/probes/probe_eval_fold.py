@@ -1,5 +1,5 @@
-"""Converted models in eval: the BN fold by PyTorch ops (fusekit.torch today) against
-ops.fold_batchnorm's one kernel, in one process. Device run 4 of 2026-12-06 (H100) ran the kernel
+"""Converted models in eval: the BN fold by PyTorch ops against ops.fold_batchnorm's one kernel
+(fusekit.torch's since the fifth session of 2026-12-06), in one process. Device run 4 of 2026-12-06 (H100) ran the kernel
 route: converted ResNets' captured eval forward 1.5-1.7x PyTorch's CUDA graph, but MobileNetV2 16.9
 ms uncaptured and captured against 5.8 / 2.8 with PyTorch ops, and the ResNets' uncaptured forward
 ~2x slower (as if the held folds missed every call). Per model and route: uncaptured and captured ms,
@@ -27,31 +27,32 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fusekit.torch as ft
-from fusekit import dispatch, ops
+from fusekit import dispatch
 from fusekit.pipeline.bench import capture, cuda_time_ms
 
 COMPUTED: Counter = Counter()
 
 
-def kernel_fold(self, bn, dtype):
-    """Conv2d._folded with ops.fold_batchnorm as the no-autograd value (device run 4's route)."""
-    tensors = (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+def torch_fold(self, bn, dtype):
+    """Conv2d._folded with the fold by PyTorch ops as the no-autograd value too (the fourth session's
+    route; fusekit.torch's own _folded now folds by ops.fold_batchnorm's kernel without autograd)."""
+    def fold():
+        scale, shift = bn._scale_shift()
+        w = (self.weight.float() * scale.reshape(-1, 1, 1, 1)).to(dtype)
+        return w, (shift if self.bias is None else self.bias.float() * scale + shift).to(dtype)
 
-    def kernel():
-        gamma, beta = (bn.weight, bn.bias) if bn.affine else (None, None)
-        return ops.fold_batchnorm(self.weight, self.bias, bn.running_mean, bn.running_var, gamma, beta, bn.eps,
-                                  dtype=str(dtype).removeprefix("torch."))
-
-    return self._memo(kernel, tensors, (dtype, bn.eps, bn))
+    return self._memo(fold, (self.weight, self.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var), (dtype, bn.eps, bn))
 
 
 def counting(memo):
     """_Fusekit._memo counting the values it computes (a held fold reused counts nothing)."""
-    def wrapped(self, fn, tensors, extra=()):
-        def fn_counted():
-            COMPUTED["computed"] += 1
-            return fn()
-        return memo(self, fn_counted, tensors, extra)
+    def wrapped(self, fn, tensors, extra=(), fast=None):
+        def counted(f):
+            def g():
+                COMPUTED["computed"] += 1
+                return f()
+            return g
+        return memo(self, counted(fn), tensors, extra, None if fast is None else counted(fast))
     return wrapped
 
 
@@ -61,7 +62,7 @@ def run(name: str, batch: int, route: str) -> dict:
     torch.manual_seed(0)
     model = getattr(torchvision.models, name)(weights=None).eval().cuda().half().to(memory_format=torch.channels_last)
     orig, orig_memo = ft.Conv2d._folded, ft._Fusekit._memo
-    ft.Conv2d._folded = kernel_fold if route == "kernel" else orig
+    ft.Conv2d._folded = torch_fold if route == "torch" else orig
     ft._Fusekit._memo = counting(orig_memo)
     try:
         fk, _ = ft.convert(model)
