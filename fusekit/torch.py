@@ -1283,7 +1283,7 @@ _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autocast: Any = None, warmup: int = 3,
-            max_graphs: int = 4, eval_graphs: bool = False) -> torch.nn.Module:
+            max_graphs: int = 4, eval_graphs: bool = True) -> torch.nn.Module:
     """``model`` with its training forward and backward replayed as CUDA graphs: the fast way to
     train a converted model (each graph replays every layer's work in one launch; fusekit's host
     work per layer is paid at capture only). The loop around it stays as it is: loss, GradScaler,
@@ -1293,11 +1293,11 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     signature (shape, strides, dtype, device, requires_grad, the autocast dtype in force): the
     first ``warmup`` calls of a signature run uncaptured (ordinary training steps, which build
     fusekit's plans), the next one captures the forward and backward and every later one replays
-    them. At most ``max_graphs`` signatures are captured; further ones, eval-mode and no-grad
-    calls run uncaptured. ``eval_graphs=True`` also captures eval-mode calls without autograd
-    (``torch.no_grad()`` / ``inference_mode()``; validation, inference) per signature, forward
-    only: each replay reads the weights and running statistics as they are then (BN folds are
-    inside the graph). Moving the model (``.to``, ``.half``) drops its graphs; copies
+    them. Eval-mode calls without autograd (``torch.no_grad()`` / ``inference_mode()``: validation,
+    inference) are captured the same way per signature, forward only (``eval_graphs=False``: they
+    run uncaptured); each replay reads the weights and running statistics as they are then (BN
+    folds are inside the graph). At most ``max_graphs`` signatures are captured, training and eval
+    together; further ones, eval calls with autograd and train-mode calls without it run uncaptured. Moving the model (``.to``, ``.half``) drops its graphs; copies
     (``copy.deepcopy``) and pickles of it carry none and capture their own.
 
     ``sample`` (optional): capture ``sample``'s signature now, under ``autocast`` (float16 /
@@ -1453,7 +1453,7 @@ class _Replay(torch.autograd.Function):
 class _GraphedForward:
     """The forward :func:`graphed` puts on a model: replays a capture per input signature."""
 
-    def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_graphs: int, eval_graphs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_graphs: int, eval_graphs: bool = True) -> None:
         self.model, self.original, self.warmup, self.max_graphs, self.eval_graphs = model, original, warmup, max_graphs, eval_graphs
         self.graphs: dict[tuple, _Captured] = {}
         self.calls: dict[tuple, int] = {}
@@ -1552,6 +1552,6 @@ class _GraphedForward:
         return cap.result(_Replay.apply(cap, x, *cap.params))
 
 
-def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int, eval_graphs: bool = False) -> _GraphedForward:
+def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int, eval_graphs: bool = True) -> _GraphedForward:
     """A graphed forward, no graphs yet, over ``model``'s class forward (how copies and pickles come back)."""
     return _GraphedForward(model, type(model).forward.__get__(model), warmup, max_graphs, eval_graphs)

@@ -1369,10 +1369,10 @@ def test_a_graphed_model_copies_and_pickles_without_its_graphs(monkeypatch):
 
 
 def test_graphed_eval_graphs_capture_eval_forwards_without_autograd(monkeypatch):
-    """With eval_graphs=True, eval-mode calls without autograd (no_grad, inference_mode) are captured per
+    """With eval_graphs=True (the default), eval-mode calls without autograd (no_grad, inference_mode) are captured per
     signature after their warm-up, forward only, and replayed (the caller gets its own output copy);
     eval with autograd and train mode without it run uncaptured; the training step keeps its own
-    signature; without eval_graphs (the default) eval calls are never captured; copies keep the option."""
+    signature; with eval_graphs=False eval calls are never captured; copies keep the option."""
     import copy
 
     made = []
@@ -1399,12 +1399,12 @@ def test_graphed_eval_graphs_capture_eval_forwards_without_autograd(monkeypatch)
     monkeypatch.setattr(ft, "_Replay", Replay)
     monkeypatch.setattr(ft._GraphedForward, "eligible", lambda self, a, k: a[0] if self.wants_graph() and len(a) == 1 else None)
     x = torch.randn(4, 3)
-    plain = ft.graphed(_ScaleNet(), warmup=2).eval()
+    plain = ft.graphed(_ScaleNet(), warmup=2, eval_graphs=False).eval()
     with torch.no_grad():
         for _ in range(4):
             assert torch.equal(plain(x), 3 * x)
-    assert not made and not plain.forward.eval_graphs
-    model = ft.graphed(_ScaleNet(), warmup=2, eval_graphs=True).eval()
+    assert not made and not plain.forward.eval_graphs and not copy.deepcopy(plain).forward.eval_graphs
+    model = ft.graphed(_ScaleNet(), warmup=2).eval()  # eval_graphs=True is the default
     with torch.no_grad():
         assert torch.equal(model(x), 3 * x) and torch.equal(model(x), 3 * x) and not made  # the warm-up, uncaptured
         y = model(x)

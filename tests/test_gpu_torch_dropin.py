@@ -893,7 +893,7 @@ def test_graphed_outputs_and_gradients_are_the_callers_own():
 def test_graphed_captures_each_signature_and_runs_eval_uncaptured():
     """graphed(model, sample) captures the sample's signature at once (the caller's sample keeps its
     values); another batch size gets a graph of its own after the warm-up calls, with outputs as the
-    uncaptured model's; eval-mode and no-grad calls run uncaptured, any batch size. A model left on
+    uncaptured model's; an eval-mode no-grad call in its signature's warm-up runs uncaptured. A model left on
     the CPU is named before anything is captured; moving the model drops its graphs."""
     from fusekit.errors import OperandError
 
@@ -927,13 +927,13 @@ def test_graphed_captures_each_signature_and_runs_eval_uncaptured():
 
 
 def test_graphed_eval_graphs_replay_the_eval_forward():
-    """graphed(model, eval_graphs=True) on a converted ResNet-18: eval calls under no_grad and
+    """graphed(model) (eval_graphs=True, the default) on a converted ResNet-18: eval calls under no_grad and
     inference_mode are captured after the warm-up and replayed, with outputs as PyTorch's (the caller's
     own tensors); a replay after an in-place change of weights and running statistics gives the
     changed model's output; a training step after it captures its own graph and trains as before."""
     base = _torchvision("resnet18")
     fk, _ = ft().convert(base)
-    model = ft().graphed(fk, warmup=2, eval_graphs=True)
+    model = ft().graphed(fk, warmup=2)
     model.eval(), base.eval()
     x = cl(torch.randn(4, 3, 64, 64, device="cuda"))
     with torch.no_grad():

@@ -47,7 +47,7 @@ def main() -> None:
                     us = cuda_time_ms(g.replay, iters=1, trials=5) * 1e3 / 20
                     line.append(f"{pattern} {'+'.join(modes)}: {plan.engine} {us:.1f}")
                 except FusekitError as e:
-                    line.append(f"{pattern} {'+'.join(modes)}: none ({str(e).splitlines()[0][:80]})")
+                    line.append(f"{pattern} {'+'.join(modes)}: none ({str(e).splitlines()[0][:300]})")
         print(f"x{list(xs)} w{list(ws)} pad {pad}:")
         for entry in line:
             print("   ", entry)

@@ -10,6 +10,10 @@ Variants, alternated over rounds (host ms of forward + backward, GPU synchronize
   replay        the executes the timed pass recorded, replayed alone in order
   replay+work   the same, with a fixed chunk of Python + torch host work between executes
                 (two torch.empty and a small dict loop): does work in between slow the executes?
+  replay+alloc  the recorded executes with their outputs allocated afresh each time (as a
+                recorded-dispatch "tape" per block would run them) and one no-op autograd
+                Function per 17 executes (a Bottleneck's forward or backward): the host floor
+                of replaying recorded dispatch from Python
 
     python benchmarks/probes/probe_train_partition.py [--model resnet50] [--rounds 4]
 """
@@ -97,6 +101,26 @@ def main() -> None:
         spent[1] += 1
         record.append((c, tuple(arrays), handle))
 
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    leaf = torch.zeros(1, device="cuda", requires_grad=True)
+
+    def replay_alloc() -> None:
+        y = leaf
+        for i, (c, arrays, h) in enumerate(record):
+            k = len(c.outs)
+            fresh = tuple([c.out_adapter.empty(s) for s in c.outs])
+            real(c, arrays[:len(arrays) - k] + fresh, h)
+            if i % 17 == 0:
+                y = Noop.apply(y)
+
     def replay(work: bool) -> None:
         sink = {}
         for c, arrays, h in record:
@@ -110,7 +134,7 @@ def main() -> None:
     if args.profile:
         profile_passes(base, fk, data, noop)
         return
-    results: dict[str, list[float]] = {k: [] for k in ("eager", "fusekit", "no-execute", "timed", "replay", "replay+work")}
+    results: dict[str, list[float]] = {k: [] for k in ("eager", "fusekit", "no-execute", "timed", "replay", "replay+work", "replay+alloc")}
     per_exec: list[float] = []
     for r in range(args.rounds):
         results["eager"] += [host_ms(lambda: fwd_bwd(base, data)) for _ in range(3)]
@@ -132,6 +156,7 @@ def main() -> None:
         n = len(record)
         results["replay"] += [host_ms(lambda: replay(False)) for _ in range(3)]
         results["replay+work"] += [host_ms(lambda: replay(True)) for _ in range(3)]
+        results["replay+alloc"] += [host_ms(replay_alloc) for _ in range(3)]
         print(f"round {r}: " + ", ".join(f"{k} {statistics.median(v[-3:]):.2f}" for k, v in results.items()), flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"\n{args.model} b{args.batch} amp-fp16, forward + backward host ms (median of {3 * args.rounds}):")
@@ -139,7 +164,8 @@ def main() -> None:
         print(f"  {k:<12} {v:8.2f}")
     print(f"executes per pass: {n}; timed in the model: {statistics.median(per_exec):.1f} us each "
           f"({statistics.median(per_exec) * n / 1e3:.2f} ms); replayed alone: {med['replay'] * 1e3 / n:.1f} us each; "
-          f"with work between: {med['replay+work'] * 1e3 / n:.1f} us each (the work alone is not subtracted)")
+          f"with work between: {med['replay+work'] * 1e3 / n:.1f} us each (the work alone is not subtracted); "
+          f"outputs allocated afresh + a Function per 17: {med['replay+alloc'] * 1e3 / n:.1f} us each")
     work = []
     for _ in range(5):
         torch.cuda.synchronize()
