@@ -43,7 +43,7 @@ from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory,
 from .errors import CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
 from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter_for, as_device_array
 
-__all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch"]
+__all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch", "taped"]
 
 
 class _Call:
@@ -102,6 +102,7 @@ def _drop_plan(plan: Plan) -> None:
     with _FAST_LOCK:
         for k in [k for k, c in _FAST.items() if c.origin is plan]:
             del _FAST[k]
+        _TAPES.clear()  # they hold resolved calls
 
 
 def _drop_workspace(ws: Workspace) -> None:
@@ -109,6 +110,7 @@ def _drop_workspace(ws: Workspace) -> None:
     with _FAST_LOCK:
         for k in [k for k, c in _FAST.items() if c.workspace is ws]:
             del _FAST[k]
+        _TAPES.clear()
 
 
 def _watch(cache: PlanCache) -> None:
@@ -120,9 +122,10 @@ def _watch(cache: PlanCache) -> None:
 
 
 def clear_dispatch() -> None:
-    """Forget every resolved call (plans stay in their cache)."""
+    """Forget every resolved call and tape (plans stay in their cache)."""
     with _FAST_LOCK:
         _FAST.clear()
+        _TAPES.clear()
 
 
 def release() -> None:
@@ -467,12 +470,28 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
             if fkey is not None and not pat.not_capturable:  # those resolve every call: each asks if a capture runs
                 with _FAST_LOCK:
                     _FAST[fkey] = c
+    res = _run_call(c, operands, outs, alloc)
+    return res[0] if len(res) == 1 else res
+
+
+def _run_call(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
+    """:func:`_launch`, noted in the recording under way on this thread (:func:`taped`)."""
+    res = _launch(c, operands, outs, alloc)
+    rec = _REC.steps
+    if rec is not None:
+        rec.append((c, operands, None if alloc else outs, res))
+    return res
+
+
+def _launch(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
+    """Execute resolved call ``c`` on ``operands`` into ``outs`` (new arrays with ``alloc``); its outputs."""
+    arrays = operands + outs
     if c.epilogue:
         _fence_if_racing(c, arrays)
     if c.relayout:
         outs = _execute_relayout(c, operands, outs, alloc)
         _LAST_OUT.pop(c.stream, None)  # copies back to the caller's layout ran after it
-        return outs[0] if len(outs) == 1 else outs
+        return outs
     if alloc:
         outs = tuple([c.out_adapter.empty(s) for s in c.outs])
         arrays = operands + outs
@@ -482,7 +501,7 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
     _execute(c, arrays, h)
     ptr = c.out_adapter.ptr
     _LAST_OUT[c.stream] = tuple([(ptr(o), n) for o, n in zip(outs, c.out_nbytes)])
-    return outs[0] if len(outs) == 1 else outs
+    return outs
 
 
 def call(pattern: str | Pattern, *operands: Any, out: Any = None, cache: PlanCache | None = None, **attrs: Any) -> Any:
@@ -514,6 +533,137 @@ _SPLIT: set[tuple] = set()
 FUSION_TIMES: dict[tuple, tuple[float, float]] = {}
 #: A split runs instead of the fused graph only when it measured at least this much faster.
 SPLIT_MARGIN = 0.97
+
+
+# Recorded dispatch ("tapes")
+# ----------------------------------------------------------------------------------------------
+#: Whether :func:`taped` replays recordings (False: it always runs the op; probes and tests flip it).
+TAPES = True
+#: Recordings that must agree before a tape replays (the first calls of a key resolve plans and time
+#: fused against split graphs, and run other graphs than later ones).
+_AGREE = 2
+_TRIES = 6  # recordings of a key that never agree: it runs unrecorded from then on
+_NEVER = object()
+_TAPES: dict[tuple, Any] = {}  # key -> _Tape (replays) | (_Tape | None, recordings so far) | _NEVER
+
+
+class _Rec(threading.local):
+    steps: list | None = None  # (call, operands, outs given or None, outputs) of each run() while recording
+
+
+_REC = _Rec()
+
+
+class _Tape:
+    """The resolved calls an op made on its arrays, and where each call's arrays come from: ``(0, i)``
+    the op's i-th array argument, ``(1, i)`` the i-th constant (an array the op reads that is neither:
+    a cached vector; it must be the same object in every recording), ``(2, i)`` the i-th output a
+    call allocated. Replaying one runs the calls through :func:`_launch` (the one place pointers are
+    bound) with new outputs: the same graphs in the same order as the op itself."""
+
+    __slots__ = ("steps", "consts", "result", "single")
+
+    def __init__(self, steps: tuple, consts: tuple, result: tuple, single: bool) -> None:
+        self.steps, self.consts, self.result, self.single = steps, consts, result, single
+
+    @staticmethod
+    def of(steps: list, args: tuple, result: Any) -> "_Tape | None":
+        """The tape of one recording (None: the op made or changed arrays outside run(), or returned
+        something that is not one of the arrays run() saw)."""
+        where = {id(a): (0, i) for i, a in reversed(list(enumerate(args))) if a is not None}
+        consts: list = []
+        made = 0
+        out: list = []
+        for c, operands, given, res in steps:
+            refs = []
+            for a in operands + (given or ()):
+                r = where.get(id(a))
+                if r is None:
+                    r = where[id(a)] = (1, len(consts))
+                    consts.append(a)
+                refs.append(r)
+            if given is None:
+                for o in res:
+                    where[id(o)] = (2, made)
+                    made += 1
+            out.append((c, tuple(refs[:len(operands)]), None if given is None else tuple(refs[len(operands):])))
+        single = not isinstance(result, tuple)
+        refs = []
+        for r in ((result,) if single else result):
+            if r is None:
+                refs.append(None)
+            elif id(r) in where and where[id(r)][0] != 1:
+                refs.append(where[id(r)])
+            else:
+                return None
+        return _Tape(tuple(out), tuple(consts), tuple(refs), single)
+
+    def same(self, other: "_Tape") -> bool:
+        return (len(self.steps) == len(other.steps) and self.result == other.result and self.single == other.single
+                and all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(self.steps, other.steps))
+                and len(self.consts) == len(other.consts) and all(a is b for a, b in zip(self.consts, other.consts)))
+
+    def replay(self, args: tuple) -> Any:
+        src: tuple = (args, self.consts, [])
+        made = src[2]
+        for c, refs, given in self.steps:
+            operands = tuple([src[k][i] for k, i in refs])
+            if given is None:
+                made.extend(_launch(c, operands, (), True))
+            else:
+                _launch(c, operands, tuple([src[k][i] for k, i in given]), False)
+        res = tuple([None if r is None else src[r[0]][r[1]] for r in self.result])
+        return res[0] if self.single else res
+
+
+def taped(key: tuple, op: Callable[[], Any], args: tuple) -> Any:
+    """``op()``, an op that runs fusekit graphs on the arrays ``args`` (the first one an array, later
+    ones may be None) and returns
+    some of the arrays they read or wrote (one, or a tuple; None allowed), with everything that
+    selects its graphs other than those arrays in ``key``. Once two calls of a key and of arrays of
+    one signature (shapes, strides, dtypes, devices, alignment, which arguments are the same array,
+    the current stream and thread) ran the same resolved calls, later ones replay them without
+    running ``op``'s Python: the same graphs, new outputs. ``op`` must not change arrays other than
+    through fusekit calls (those outside run() make it unrecordable, as does a result it made
+    itself). Tapes are dropped with the resolved calls (clear_dispatch, plan evictions)."""
+    if not TAPES:
+        return op()
+    try:
+        k = [key]
+        ids = []
+        for a in args:
+            if a is None:
+                k.append(None)
+            else:
+                k += SIGNATURES[type(a)](a)
+            ids.append(id(a))
+        k.append(tuple([ids.index(i) for i in ids]))
+        k.append(STREAMS[type(args[0])](k[4]))  # k[4]: the first array's device
+        k.append(get_ident())
+        k = tuple(k)
+    except Exception:  # an array type dispatch does not know (yet), or None first
+        return op()
+    t = _TAPES.get(k)
+    if type(t) is _Tape:
+        return t.replay(args)
+    if t is _NEVER or _REC.steps is not None or adapter_for(args[0]).capturing(k[4]):
+        return op()  # not recordable; inside another recording; or inside a CUDA-graph capture
+    _REC.steps = steps = []
+    try:
+        result = op()
+    finally:
+        _REC.steps = None
+    tape = _Tape.of(steps, args, result)
+    last, n = t if t is not None else (None, 0)
+    if tape is None or n + 1 >= _TRIES:
+        _TAPES[k] = _NEVER
+    elif last is not None and last.same(tape) and n + 1 >= _AGREE:
+        _TAPES[k] = tape
+    else:
+        if len(_TAPES) >= 4096:  # keys that keep changing (a momentum of 1 / steps): start over
+            _TAPES.clear()
+        _TAPES[k] = (tape, n + 1)
+    return result
 
 
 def _split_wins(t: tuple[float, float]) -> bool:

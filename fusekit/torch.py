@@ -44,6 +44,7 @@ from .errors import import_or_explain
 torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import config, ops
+from .dispatch import taped
 from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning
 from .ops import pool
 from .ops.common import ACTIVATIONS, clip_attrs
@@ -287,11 +288,12 @@ class ConvBiasAct(torch.autograd.Function):
         kw = {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}
         clip = _clip(act)
         if b is None and clip is None:
-            y = ops.conv2d(x, w, **kw)
+            f, bias = ops.conv2d, None
         else:
             bias = b if b is not None else _zero_bias(int(w.shape[0]), x)
             f = ops.conv_bias if clip is None else ops.conv_bias_relu6 if act == "relu6" else ops.conv_bias_relu
-            y = f(x, w, bias, **kw)
+        args = (x, w) if bias is None else (x, w, bias)
+        y = taped((f, padding, stride, dilation, groups), lambda: f(*args, **kw), args)
         ctx.save_for_backward(x, w, y if clip is not None else None)
         ctx.kw, ctx.clip, ctx.has_bias = kw, clip, b is not None
         ctx.input_clip = input_clip
@@ -305,12 +307,13 @@ class ConvBiasAct(torch.autograd.Function):
         nx, nw, nb = ctx.needs_input_grad[:3]
         fed = ctx.input_clip is not None
         needs, kw = (nx, nw, nb and ctx.has_bias), dict(ctx.kw, input_relu=fed, input_clip=ctx.input_clip if fed else math.inf)
+        key = ("conv_backward", relu, ctx.has_bias, needs, ctx.clip, *kw.values())
         if relu:
-            dx, dw, db = ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, upper_clip=ctx.clip, **kw)
+            dx, dw, db = taped(key, lambda: ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, upper_clip=ctx.clip, **kw), (dy, x, w, y))
         elif ctx.has_bias:
-            dx, dw, db = ops.conv_bias_backward(dy, x, w, needs=needs, **kw)
+            dx, dw, db = taped(key, lambda: ops.conv_bias_backward(dy, x, w, needs=needs, **kw), (dy, x, w))
         else:
-            (dx, dw), db = ops.conv2d_backward(dy, x, w, needs=(nx, nw), **kw), None
+            (dx, dw), db = taped(key, lambda: ops.conv2d_backward(dy, x, w, needs=(nx, nw), **kw), (dy, x, w)), None
         if dx is not None and fed:
             _mark_relu_done(dx, x)
         return dx, dw, db, None, None, None, None, None, None
@@ -379,13 +382,13 @@ class BatchNormAct(torch.autograd.Function):
     def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, act, residual=None):  # type: ignore[override]
         clip = _clip(act)
         relu = dict(relu=clip is not None, upper_clip=math.inf if clip is None else clip, residual=residual)
+        key = ("batchnorm", eps, momentum, relu["relu"], relu["upper_clip"])
         if running_mean is not None:
-            y, mean, inv, rm, rv = ops.batchnorm(
-                x, gamma, beta, _f32(running_mean), _f32(running_var), epsilon=eps, momentum=momentum, **relu
-            )
+            args = (x, gamma, beta, _f32(running_mean), _f32(running_var), residual)
+            y, mean, inv, rm, rv = taped(key, lambda: ops.batchnorm(*args[:5], epsilon=eps, momentum=momentum, **relu), args)
             torch._foreach_copy_([running_mean, running_var], [rm, rv])  # one launch for both
         else:
-            y, mean, inv = ops.batchnorm(x, gamma, beta, epsilon=eps, **relu)
+            y, mean, inv = taped(key, lambda: ops.batchnorm(x, gamma, beta, epsilon=eps, **relu), (x, gamma, beta, residual))
         ctx.save_for_backward(x, gamma, mean, inv, y if clip is not None else None)
         ctx.clip, ctx.residual = relu["upper_clip"], residual is not None
         return y
@@ -396,10 +399,13 @@ class BatchNormAct(torch.autograd.Function):
         dy, needs = _like(dy, x), ctx.needs_input_grad[:3]
         if _relu_done(dy, y):  # the consuming conv's dgrad applied the ReLU's mask
             y = None
+        args = (dy, x, gamma, mean, inv, y)
         if ctx.residual and y is not None:  # relu(bn(x) + residual): dReLU, the residual's gradient and the BN backward in one graph
-            dx, dg, db, dz = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, residual=True)
+            dx, dg, db, dz = taped(("batchnorm_backward", needs, True),
+                                   lambda: ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, residual=True), args)
         else:
-            dx, dg, db = ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, upper_clip=ctx.clip)
+            dx, dg, db = taped(("batchnorm_backward", needs, ctx.clip),
+                               lambda: ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, upper_clip=ctx.clip), args)
             dz = dy if ctx.residual else None
         return dx, dg, db, None, None, None, None, None, dz
 

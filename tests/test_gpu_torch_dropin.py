@@ -989,3 +989,43 @@ def test_captured_eval_forward_sees_weight_changes_on_replay(residual):
         g2.replay()
         assert rel(y[0], want2) < 3e-3, "a replay used folds from before the change"
         assert rel(fk(x), want2) < 3e-3, "an uncaptured call used folds from before the change"
+
+
+def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch):
+    """Recorded dispatch (dispatch.taped) in a converted ResNet-18's uncaptured AMP training: from the
+    third call of a signature on, the conv and batch-norm ops replay their resolved calls; six SGD
+    steps give the losses and weights of the same steps run without tapes."""
+    tv = pytest.importorskip("torchvision")
+    import torch.nn.functional as F
+
+    from fusekit import dispatch
+
+    torch.manual_seed(0)
+    fk, _ = ft().convert(tv.models.resnet18(weights=None, num_classes=10))
+    fk = fk.cuda().to(memory_format=torch.channels_last).train()
+    init = copy.deepcopy(fk.state_dict())
+    batches = [(cl(torch.randn(8, 3, 64, 64, device="cuda")), torch.randint(0, 10, (8,), device="cuda")) for _ in range(6)]
+
+    def train(on):
+        monkeypatch.setattr(dispatch, "TAPES", on)
+        dispatch.clear_dispatch()
+        fk.load_state_dict(init)
+        opt = torch.optim.SGD(fk.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for x, y in batches:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(fk(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        return losses, [t.detach().clone() for t in fk.state_dict().values()]
+
+    off = train(False)
+    assert not dispatch._TAPES
+    on = train(True)
+    replaying = [t for t in dispatch._TAPES.values() if type(t) is dispatch._Tape]
+    assert len(replaying) >= 20, f"only {len(replaying)} ops replay"
+    assert all(math.isfinite(v) for v in on[0])
+    assert max(abs(a - b) / abs(b) for a, b in zip(on[0], off[0])) < 1e-3, (on[0], off[0])
+    assert max(rel(a.float(), b.float()) for a, b in zip(on[1], off[1]) if b.float().norm() > 0) < 1e-3
