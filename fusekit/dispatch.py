@@ -559,7 +559,7 @@ class _Tape:
     the op's i-th array argument, ``(1, i)`` the i-th constant (an array the op reads that is neither:
     a cached vector; it must be the same object in every recording), ``(2, i)`` the i-th output a
     call allocated. Replaying one runs the calls through :func:`_launch` (the one place pointers are
-    bound) with new outputs: the same graphs in the same order as the op itself."""
+    bound) with new outputs."""
 
     __slots__ = ("steps", "consts", "result", "single")
 
@@ -609,23 +609,24 @@ class _Tape:
         for c, refs, given in self.steps:
             operands = tuple([src[k][i] for k, i in refs])
             if given is None:
-                made.extend(_launch(c, operands, (), True))
+                made.extend(_run_call(c, operands, (), True))
             else:
-                _launch(c, operands, tuple([src[k][i] for k, i in given]), False)
+                _run_call(c, operands, tuple([src[k][i] for k, i in given]), False)
         res = tuple([None if r is None else src[r[0]][r[1]] for r in self.result])
         return res[0] if self.single else res
 
 
 def taped(key: tuple, op: Callable[[], Any], args: tuple) -> Any:
-    """``op()``, an op that runs fusekit graphs on the arrays ``args`` (the first one an array, later
-    ones may be None) and returns
-    some of the arrays they read or wrote (one, or a tuple; None allowed), with everything that
-    selects its graphs other than those arrays in ``key``. Once two calls of a key and of arrays of
+    """``op()``: an op that runs fusekit graphs on the arrays ``args`` (the first one an array, later
+    ones may be None) and returns arrays those graphs read or wrote (one, or a tuple; None allowed);
+    ``key`` holds everything else that selects its graphs. Once two calls of a key, with arrays of
     one signature (shapes, strides, dtypes, devices, alignment, which arguments are the same array,
-    the current stream and thread) ran the same resolved calls, later ones replay them without
-    running ``op``'s Python: the same graphs, new outputs. ``op`` must not change arrays other than
-    through fusekit calls (those outside run() make it unrecordable, as does a result it made
-    itself). Tapes are dropped with the resolved calls (clear_dispatch, plan evictions)."""
+    the current stream and thread), ran the same resolved calls, later ones replay those calls
+    without running ``op``'s Python: the same graphs in the same order, new outputs.
+
+    ``op`` must write arrays only through fusekit calls (another write would not be replayed). An
+    array it makes otherwise and passes to a call, or a result it makes itself, keeps it unrecorded.
+    Tapes are dropped with the resolved calls (clear_dispatch, plan evictions)."""
     if not TAPES:
         return op()
     try:

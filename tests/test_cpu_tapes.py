@@ -131,3 +131,26 @@ def test_tapes_off_and_cleared(fake, monkeypatch):
     for _ in range(3):
         dispatch.taped(("sq",), lambda: op(x), (x,))
     assert len(ran) == 9 and not dispatch._TAPES, "recorded inside a CUDA-graph capture"
+
+
+def test_an_op_replayed_inside_a_recording_is_recorded_too(fake):
+    """A taped op called by another op that is being recorded: its replay's calls are part of the
+    outer recording, so the outer op gets a tape of its own."""
+    inner_ran, outer_ran = [], []
+
+    def inner(a):
+        inner_ran.append(1)
+        return _run(MUL, a, a)
+
+    def outer(a):
+        outer_ran.append(1)
+        sq = dispatch.taped(("inner",), lambda: inner(a), (a,))
+        return _run(ADD, sq, a)
+
+    x = torch.randn(4)
+    for _ in range(3):
+        dispatch.taped(("inner",), lambda: inner(x), (x,))
+    assert len(inner_ran) == 2
+    for _ in range(4):
+        assert torch.equal(dispatch.taped(("outer",), lambda: outer(x), (x,)), x * x + x)
+    assert len(outer_ran) == 2 and len(inner_ran) == 2
