@@ -401,7 +401,7 @@ class BatchNormAct(torch.autograd.Function):
             y = None
         args = (dy, x, gamma, mean, inv, y)
         if ctx.residual and y is not None:  # relu(bn(x) + residual): dReLU, the residual's gradient and the BN backward in one graph
-            dx, dg, db, dz = taped(("batchnorm_backward", needs, True),
+            dx, dg, db, dz = taped(("batchnorm_add_relu_backward", needs),
                                    lambda: ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, residual=True), args)
         else:
             dx, dg, db = taped(("batchnorm_backward", needs, ctx.clip),
@@ -1303,8 +1303,9 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     inference) are captured the same way per signature, forward only (``eval_graphs=False``: they
     run uncaptured); each replay reads the weights and running statistics as they are then (BN
     folds are inside the graph). At most ``max_graphs`` signatures are captured, training and eval
-    together; further ones, eval calls with autograd and train-mode calls without it run uncaptured. Moving the model (``.to``, ``.half``) drops its graphs; copies
-    (``copy.deepcopy``) and pickles of it carry none and capture their own.
+    together; further ones, eval calls with autograd and train-mode calls without it run
+    uncaptured. Moving the model (``.to``, ``.half``) drops its graphs; copies (``copy.deepcopy``)
+    and pickles of it carry none and capture their own.
 
     ``sample`` (optional): capture ``sample``'s signature now, under ``autocast`` (float16 /
     bfloat16, or None for the model's own dtypes), after ``warmup`` forward + backward passes on a
