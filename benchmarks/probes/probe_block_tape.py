@@ -1,0 +1,305 @@
+"""A block-level tape, prototyped: one converted ResNet-50 Bottleneck's training forward and backward
+recorded as aten ops (a TorchDispatchMode) interleaved with fusekit's resolved cuDNN calls
+(dispatch._run_call), then replayed under one autograd node, against the same block run as modules
+and against PyTorch eager's block. The staged plan's second step (benchmarks/NOTES.md, 2026-12-06):
+does replaying a whole block from Python keep its numerics, and what host time does it cost?
+
+Slots are keyed by (data_ptr, shape, strides, dtype): saved tensors come back from autograd as new
+Python objects over the same memory. Tensors a block reads that it did not make and that are not its
+input, parameters, buffers or upstream gradient are constants of the tape (cached vectors).
+
+    python benchmarks/probes/probe_block_tape.py [--batch 64] [--reps 30] [--rounds 5]
+    python benchmarks/probes/probe_block_tape.py --cpu-smoke   # the recorder on a plain torch block, CPU float32
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class Tape:
+    """Entries ("aten", func, spec, leaves, outs) / ("fk", call, operands, given, outs); a leaf or an
+    operand is ("slot", i) or a plain value; outs are the slots the entry's tensors go to."""
+
+    def __init__(self) -> None:
+        self.where: dict[tuple, int] = {}
+        self.consts: dict[int, torch.Tensor] = {}
+        self.n = 0
+        self.entries: list[tuple] = []
+        self.inside = 0  # > 0 while a fusekit call runs (its allocations and copies are its own)
+        self.phase_start = 0
+
+    def slot(self, t: torch.Tensor) -> int:
+        s = self.where.get(_key(t))
+        if s is None:
+            s = self.new(t)
+            self.consts[s] = t
+        return s
+
+    def new(self, t: torch.Tensor) -> int:
+        s = self.n
+        self.n += 1
+        self.where[_key(t)] = s
+        return s
+
+    def _ref(self, v: Any) -> Any:
+        return ("slot", self.slot(v)) if isinstance(v, torch.Tensor) else v
+
+    def aten(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if "_local_scalar_dense" in str(func):
+            raise RuntimeError("a host read (.item()) inside the block: not tapeable")
+        leaves, spec = tree_flatten((args, kwargs))
+        refs = [self._ref(v) for v in leaves]
+        outs = [self.new(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.entries.append(("aten", func, spec, refs, outs))
+
+    def fk(self, c: Any, operands: tuple, given: tuple | None, res: tuple) -> None:
+        ops = [self._ref(a) for a in operands]
+        giv = None if given is None else [self._ref(a) for a in given]
+        outs = [self.new(t) for t in res] if given is None else []
+        self.entries.append(("fk", c, ops, giv, outs))
+
+    def run(self, vals: list, start: int, stop: int) -> None:
+        from fusekit import dispatch
+
+        def get(r: Any) -> Any:
+            return vals[r[1]] if type(r) is tuple and len(r) == 2 and r[0] == "slot" else r
+
+        for e in self.entries[start:stop]:
+            if e[0] == "aten":
+                _, func, spec, refs, outs = e
+                args, kwargs = tree_unflatten([get(r) for r in refs], spec)
+                res = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+            else:
+                _, c, ops, giv, outs = e
+                if giv is None:
+                    res = dispatch._launch(c, tuple(get(r) for r in ops), (), True)
+                else:
+                    dispatch._launch(c, tuple(get(r) for r in ops), tuple(get(r) for r in giv), False)
+                    res = []
+            for s, t in zip(outs, res):
+                vals[s] = t
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tape: Tape) -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.tape.inside:
+            self.tape.aten(func, args, kwargs, out)
+        return out
+
+
+class Recording:
+    """Record into ``tape`` while active: aten ops (the dispatch mode) and fusekit calls (dispatch._run_call patched)."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape, self.mode = tape, _Mode(tape)
+
+    def __enter__(self) -> "Recording":
+        from fusekit import dispatch
+
+        self.real = real = dispatch._run_call
+        tape = self.tape
+
+        def run_call(c, operands, outs, alloc):  # noqa: ANN001
+            tape.inside += 1
+            try:
+                res = real(c, operands, outs, alloc)
+            finally:
+                tape.inside -= 1
+            tape.fk(c, operands, None if alloc else outs, res)
+            return res
+
+        dispatch._run_call = run_call
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from fusekit import dispatch
+
+        self.mode.__exit__(*exc)
+        dispatch._run_call = self.real
+
+
+class BlockTape:
+    """``block``'s training forward and backward for input ``x`` (under the autocast in force)."""
+
+    def __init__(self, block: torch.nn.Module, x: torch.Tensor) -> None:
+        self.block = block
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.buffers = list(block.buffers())
+        tape = self.tape = Tape()
+        xs = x.detach().clone().requires_grad_(True)
+        self.inputs = [tape.new(xs)] + [tape.new(p) for p in self.params] + [tape.new(b) for b in self.buffers]
+        with Recording(tape):
+            out = block(xs)
+        self.fwd_end = len(tape.entries)
+        self.out = tape.where[_key(out)]
+        g = torch.randn_like(out)
+        self.g, self.g_stride = tape.new(g), g.stride()
+        with Recording(tape):
+            grads = torch.autograd.grad(out, [xs] + self.params, g, allow_unused=True)
+        self.grads = [None if t is None else tape.where.get(_key(t)) for t in grads]
+        missing = [i for i, (t, s) in enumerate(zip(grads, self.grads)) if t is not None and s is None]
+        if missing:
+            raise RuntimeError(f"gradients {missing} were made outside the recording (not tapeable)")
+        self.n_aten = (sum(e[0] == "aten" for e in tape.entries[:self.fwd_end]), sum(e[0] == "aten" for e in tape.entries[self.fwd_end:]))
+        self.n_fk = (sum(e[0] == "fk" for e in tape.entries[:self.fwd_end]), sum(e[0] == "fk" for e in tape.entries[self.fwd_end:]))
+
+    def forward_vals(self, x: torch.Tensor, params: tuple) -> list:
+        vals: list = [None] * self.tape.n
+        for s, t in zip(self.inputs, [x, *params, *self.buffers]):
+            vals[s] = t
+        for s, t in self.tape.consts.items():
+            vals[s] = t
+        self.tape.run(vals, 0, self.fwd_end)
+        return vals
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bt: BlockTape, x, *params):  # noqa: ANN001
+        vals = bt.forward_vals(x, params)
+        ctx.bt, ctx.vals = bt, vals
+        return vals[bt.out]
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        bt, vals = ctx.bt, ctx.vals
+        if g.stride() != bt.g_stride:  # the recorded ops read the upstream gradient with the recording's strides
+            g = torch.empty_strided(g.shape, bt.g_stride, dtype=g.dtype, device=g.device).copy_(g)
+        vals[bt.g] = g
+        bt.tape.run(vals, bt.fwd_end, len(bt.tape.entries))
+        grads = [None if s is None else vals[s] for s in bt.grads]
+        return (None, *grads)
+
+
+def replay(bt: BlockTape, x: torch.Tensor) -> torch.Tensor:
+    return _Replay.apply(bt, x, *bt.params)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def compare(block: torch.nn.Module, bt: BlockTape, x: torch.Tensor, autocast: Any) -> str:
+    """The block as modules and as a replay from one state: output, gradients, running statistics."""
+    state = copy.deepcopy(block.state_dict())
+    g = torch.randn_like(block(x.detach().clone()).float())
+    block.load_state_dict(state)
+    res = []
+    for f in (lambda xx: block(xx), lambda xx: replay(bt, xx)):
+        xx = x.detach().clone().requires_grad_(True)
+        with autocast():
+            out = f(xx)
+        grads = torch.autograd.grad(out, [xx] + bt.params, g.to(out.dtype), allow_unused=True)
+        res.append((out.detach().clone(), [None if t is None else t.detach().clone() for t in grads],
+                    {k: v.detach().clone() for k, v in block.state_dict().items()}))
+        block.load_state_dict(state)
+    (o1, g1, s1), (o2, g2, s2) = res
+    worst = max((rel(a, b) for a, b in zip(g2, g1) if a is not None and b is not None and b.norm() > 0), default=0.0)
+    nones = sum((a is None) != (b is None) for a, b in zip(g2, g1))
+    stats = max((rel(s2[k].float(), s1[k].float()) for k in s1 if s1[k].is_floating_point() and s1[k].norm() > 0), default=0.0)
+    return (f"output equal {torch.equal(o1, o2)} (rel {rel(o2, o1):.1e}); gradients: largest rel difference {worst:.1e}, "
+            f"None mismatches {nones}; buffers after one step: largest rel difference {stats:.1e}")
+
+
+def host_ms(fn: Any, reps: int) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt = (time.perf_counter() - t) * 1e3 / reps
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return dt
+
+
+def cpu_smoke() -> None:
+    import torchvision
+
+    torch.manual_seed(0)
+    block = torchvision.models.resnet50(weights=None).layer3[1].train()
+    x = torch.randn(4, 1024, 14, 14)
+    bt = BlockTape(block, x)
+    print(f"CPU torchvision Bottleneck: aten ops forward/backward {bt.n_aten}, fusekit calls {bt.n_fk}, "
+          f"{len(bt.tape.consts)} constants")
+    import contextlib
+
+    print(compare(block, bt, x, contextlib.nullcontext))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        return
+    import torchvision
+
+    import fusekit.torch as ft
+
+    torch.manual_seed(0)
+    base = torchvision.models.resnet50(weights=None).cuda().to(memory_format=torch.channels_last).train()
+    fk, _ = ft.convert(copy.deepcopy(base))
+    blocks = {"eager": base.layer3[1], "fusekit": fk.layer3[1]}
+    x = torch.randn(args.batch, 1024, 14, 14, device="cuda").contiguous(memory_format=torch.channels_last)
+
+    def amp():
+        return torch.autocast("cuda", dtype=torch.float16)
+
+    def fwd_bwd(f):
+        xx = x.detach().requires_grad_(True)
+        with amp():
+            out = f(xx)
+        out.backward(torch.ones_like(out))
+
+    for _ in range(4):  # plans, fusekit's own op tapes
+        for b in blocks.values():
+            fwd_bwd(b)
+    with amp():
+        bt = BlockTape(blocks["fusekit"], x)
+    print(f"converted Bottleneck b{args.batch}: aten ops forward/backward {bt.n_aten}, fusekit calls {bt.n_fk}, "
+          f"{len(bt.tape.consts)} constants, {bt.tape.n} slots", flush=True)
+    print(compare(blocks["fusekit"], bt, x, amp), flush=True)
+    sides = {"eager": lambda: fwd_bwd(blocks["eager"]), "fusekit modules": lambda: fwd_bwd(blocks["fusekit"]),
+             "tape replay": lambda: fwd_bwd(lambda xx: replay(bt, xx))}
+    for f in sides.values():
+        f()
+    res: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(args.rounds):
+        for k, f in sides.items():
+            res[k].append(host_ms(f, args.reps))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} us" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) * 1e3 for k, v in res.items()}
+    print("forward + backward host us per block (median of rounds): " + ", ".join(f"{k} {v:.0f}" for k, v in med.items())
+          + f"; modules / replay {med['fusekit modules'] / med['tape replay']:.2f}x, eager / replay {med['eager'] / med['tape replay']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
