@@ -9,7 +9,12 @@ Python objects over the same memory. Tensors a block reads that it did not make 
 input, parameters, buffers or upstream gradient are constants of the tape (cached vectors).
 
     python benchmarks/probes/probe_block_tape.py [--batch 64] [--reps 30] [--rounds 5]
-    python benchmarks/probes/probe_block_tape.py --cpu-smoke   # the recorder on a plain torch block, CPU float32
+    python benchmarks/probes/probe_block_tape.py --whole [--batch 64] [--rounds 5]   # every block of the model replayed
+    python benchmarks/probes/probe_block_tape.py --cpu-smoke   # the recorder on plain torch blocks, CPU float32
+
+``--whole``: every residual block of layer1-4 recorded on its input of one real forward and swapped
+for its replay (stem and head stay modules); the whole model's loss and gradients against the module
+path, then host ms of forward + backward: eager, fusekit modules, fusekit with replayed blocks.
 """
 from __future__ import annotations
 
@@ -63,8 +68,12 @@ class Tape:
     def aten(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if "_local_scalar_dense" in str(func):
             raise RuntimeError("a host read (.item()) inside the block: not tapeable")
-        leaves, spec = tree_flatten((args, kwargs))
-        refs = [self._ref(v) for v in leaves]
+        if not kwargs and not any(isinstance(v, (list, tuple)) for v in args):  # flat: tensors at known positions
+            refs = [self._ref(v) for v in args]
+            spec = None
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            refs = [self._ref(v) for v in leaves]
         outs = [self.new(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self.entries.append(("aten", func, spec, refs, outs))
 
@@ -83,8 +92,12 @@ class Tape:
         for e in self.entries[start:stop]:
             if e[0] == "aten":
                 _, func, spec, refs, outs = e
-                args, kwargs = tree_unflatten([get(r) for r in refs], spec)
-                res = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+                if spec is None:
+                    r = func(*[get(v) for v in refs])
+                else:
+                    args, kwargs = tree_unflatten([get(v) for v in refs], spec)
+                    r = func(*args, **kwargs)
+                res = (r,) if isinstance(r, torch.Tensor) else [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
             else:
                 _, c, ops, giv, outs = e
                 if giv is None:
@@ -191,6 +204,8 @@ class _Replay(torch.autograd.Function):
         vals[bt.g] = g
         bt.tape.run(vals, bt.fwd_end, len(bt.tape.entries))
         grads = [None if s is None else vals[s] for s in bt.grads]
+        vals.clear()  # the gradients' only references are ours: AccumulateGrad adopts them instead of copying
+        ctx.vals = None
         return (None, *grads)
 
 
@@ -236,6 +251,44 @@ def host_ms(fn: Any, reps: int) -> float:
     return dt
 
 
+def taped_model(model: torch.nn.Module, x: torch.Tensor, autocast: Any) -> torch.nn.Module:
+    """A copy of ``model`` (a torchvision ResNet) whose layer1-4 blocks replay tapes recorded on
+    their inputs of one forward of ``x``."""
+    model = copy.deepcopy(model)
+    seen: dict[int, torch.Tensor] = {}
+    blocks = [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
+    hooks = [b.register_forward_pre_hook(lambda m, a: seen.__setitem__(id(m), a[0].detach().clone())) for b in blocks]
+    with torch.no_grad(), autocast():
+        model(x)
+    for h in hooks:
+        h.remove()
+    state = copy.deepcopy(model.state_dict())  # recording runs each block once more (its running stats move)
+    for b in blocks:
+        with autocast():
+            b.bt = BlockTape(b, seen[id(b)])
+        b.forward = (lambda bt: lambda x: replay(bt, x))(b.bt)  # an instance attribute: keys and parameters stay
+    model.load_state_dict(state)
+    return model
+
+
+def whole_compare(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Any) -> str:
+    """Loss and gradients of one step of ``a`` and ``b`` (the same parameters) from one state."""
+    import torch.nn.functional as F
+
+    state = copy.deepcopy(a.state_dict())
+    out = []
+    for m in (a, b):
+        m.load_state_dict(state)
+        with autocast():
+            loss = F.cross_entropy(m(x), y)
+        grads = torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad], allow_unused=True)
+        out.append((float(loss.detach()), grads))
+    a.load_state_dict(state)
+    (la, ga), (lb, gb) = out
+    worst = max((rel(q, p) for p, q in zip(ga, gb) if p is not None and q is not None and p.norm() > 0), default=0.0)
+    return f"loss {la:.6f} (modules) against {lb:.6f} (replayed blocks); gradients: largest rel difference {worst:.1e}"
+
+
 def cpu_smoke() -> None:
     import torchvision
 
@@ -248,6 +301,10 @@ def cpu_smoke() -> None:
     import contextlib
 
     print(compare(block, bt, x, contextlib.nullcontext))
+    model = torchvision.models.resnet18(weights=None, num_classes=10).train()
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    tm = taped_model(model, x, contextlib.nullcontext)
+    print("CPU torchvision ResNet-18, every block replayed:", whole_compare(model, tm, x, y, contextlib.nullcontext))
 
 
 def main() -> None:
@@ -256,9 +313,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--whole", action="store_true")
     args = ap.parse_args()
     if args.cpu_smoke:
         cpu_smoke()
+        return
+    if args.whole:
+        whole(args)
         return
     import torchvision
 
@@ -299,6 +360,50 @@ def main() -> None:
     med = {k: statistics.median(v) * 1e3 for k, v in res.items()}
     print("forward + backward host us per block (median of rounds): " + ", ".join(f"{k} {v:.0f}" for k, v in med.items())
           + f"; modules / replay {med['fusekit modules'] / med['tape replay']:.2f}x, eager / replay {med['eager'] / med['tape replay']:.2f}x")
+
+
+def whole(args: argparse.Namespace) -> None:
+    import torch.nn.functional as F
+    import torchvision
+
+    import fusekit.torch as ft
+
+    torch.manual_seed(0)
+    base = torchvision.models.resnet50(weights=None).cuda().to(memory_format=torch.channels_last).train()
+    fk, _ = ft.convert(copy.deepcopy(base))
+    x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (args.batch,), device="cuda")
+
+    def amp():
+        return torch.autocast("cuda", dtype=torch.float16)
+
+    def fwd_bwd(m):
+        with amp():
+            loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+
+    for _ in range(4):  # plans, fusekit's own op tapes
+        fwd_bwd(base)
+        fwd_bwd(fk)
+    t = time.perf_counter()
+    tm = taped_model(fk, x, amp)
+    n = [(m.bt.n_aten, m.bt.n_fk) for m in tm.modules() if isinstance(getattr(m, "bt", None), BlockTape)]
+    print(f"ResNet-50 b{args.batch}: {len(n)} blocks recorded in {time.perf_counter() - t:.1f} s; aten ops forward / backward "
+          f"{sum(a[0][0] for a in n)} / {sum(a[0][1] for a in n)}, fusekit calls {sum(a[1][0] for a in n)} / {sum(a[1][1] for a in n)}",
+          flush=True)
+    print(whole_compare(fk, tm, x, y, amp), flush=True)
+    sides = {"eager": base, "fusekit modules": fk, "replayed blocks": tm}
+    for m in sides.values():
+        fwd_bwd(m)
+    res: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(args.rounds):
+        for k, m in sides.items():
+            res[k].append(host_ms(lambda: fwd_bwd(m), 3))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("forward + backward host ms (median of rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+          + f"; eager / replayed {med['eager'] / med['replayed blocks']:.2f}x")
 
 
 if __name__ == "__main__":
