@@ -163,6 +163,7 @@ class BlockTape:
         self.buffers = list(block.buffers())
         tape = self.tape = Tape()
         xs = x.detach().clone().requires_grad_(True)
+        self.x_sig = (xs.shape, xs.stride(), xs.dtype, xs.device)
         self.inputs = [tape.new(xs)] + [tape.new(p) for p in self.params] + [tape.new(b) for b in self.buffers]
         with Recording(tape):
             out = block(xs)
@@ -210,6 +211,8 @@ class _Replay(torch.autograd.Function):
 
 
 def replay(bt: BlockTape, x: torch.Tensor) -> torch.Tensor:
+    if (x.shape, x.stride(), x.dtype, x.device) != bt.x_sig:
+        raise RuntimeError(f"this tape was recorded for input {bt.x_sig}, got {(x.shape, x.stride(), x.dtype, x.device)}")
     return _Replay.apply(bt, x, *bt.params)
 
 
@@ -403,7 +406,24 @@ def whole(args: argparse.Namespace) -> None:
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in res.items()), flush=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     print("forward + backward host ms (median of rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
-          + f"; eager / replayed {med['eager'] / med['replayed blocks']:.2f}x")
+          + f"; eager / replayed {med['eager'] / med['replayed blocks']:.2f}x", flush=True)
+    # the issue's measure: bench_train_models' uncaptured AMP step (GradScaler, SGD momentum), CUDA events
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from bench_train_models import Data, make_step
+
+    from fusekit.pipeline.bench import cuda_time_ms
+
+    data = Data(args.batch, 224)
+    data.reset()
+    data.x, data.y = x, y
+    steps = {k: make_step(m, data, "amp-fp16", captured=False)[0] for k, m in sides.items()}
+    out: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(3):
+        for k, f in steps.items():
+            out[k].append(cuda_time_ms(f, iters=10, trials=3, warmup=2))
+    st = {k: statistics.median(v) for k, v in out.items()}
+    print("whole AMP step ms (CUDA events, median of 3 x 3 trials of 10): " + ", ".join(f"{k} {v:.2f}" for k, v in st.items())
+          + f"; eager / replayed {st['eager'] / st['replayed blocks']:.2f}x")
 
 
 if __name__ == "__main__":
