@@ -223,7 +223,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare(block: torch.nn.Module, bt: BlockTape, x: torch.Tensor, autocast: Any) -> str:
     """The block as modules and as a replay from one state: output, gradients, running statistics."""
     state = copy.deepcopy(block.state_dict())
-    g = torch.randn_like(block(x.detach().clone()).float())
+    with torch.no_grad(), autocast():
+        g = torch.randn_like(block(x.detach().clone()).float())
     block.load_state_dict(state)
     res = []
     for f in (lambda xx: block(xx), lambda xx: replay(bt, xx)):
