@@ -423,15 +423,24 @@ def _execute_relayout(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tu
     return tuple(res)
 
 
-def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any], arrays: Sequence[Any], alloc: bool) -> tuple:
-    """Dispatch key of a call: attributes, each array's (shape, strides, dtype, device, ptr % 32)
-    and the current stream. Raises (KeyError, TypeError, ...) when an array type is not known yet."""
-    k = [pattern, names, values, alloc]
+def _arrays_key(k: list, arrays: Sequence[Any]) -> tuple:
+    """``k`` + each array's (shape, strides, dtype, device, ptr % 32) (None for None; the first is an
+    array), the current stream of the first array's device and the thread (handles are per thread).
+    Raises (KeyError, TypeError, ...) when an array type is not known yet."""
+    device = len(k) + 3  # where the first array's device lands
     for a in arrays:
-        k += SIGNATURES[type(a)](a)
-    k.append(STREAMS[type(operands[0])](k[7]))  # k[7]: the first operand's device
-    k.append(get_ident())  # handles are per thread
+        if a is None:
+            k.append(None)
+        else:
+            k += SIGNATURES[type(a)](a)
+    k.append(STREAMS[type(arrays[0])](k[device]))
+    k.append(get_ident())
     return tuple(k)
+
+
+def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any], arrays: Sequence[Any], alloc: bool) -> tuple:
+    """Dispatch key of a call: attributes and :func:`_arrays_key` of its arrays (operands first)."""
+    return _arrays_key([pattern, names, values, alloc], arrays)
 
 
 def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, out: Any, cache: PlanCache | None = None) -> Any:
@@ -629,25 +638,15 @@ def taped(key: tuple, op: Callable[[], Any], args: tuple) -> Any:
     Tapes are dropped with the resolved calls (clear_dispatch, plan evictions)."""
     if not TAPES:
         return op()
+    ids = [id(a) for a in args]
     try:
-        k = [key]
-        ids = []
-        for a in args:
-            if a is None:
-                k.append(None)
-            else:
-                k += SIGNATURES[type(a)](a)
-            ids.append(id(a))
-        k.append(tuple([ids.index(i) for i in ids]))
-        k.append(STREAMS[type(args[0])](k[4]))  # k[4]: the first array's device
-        k.append(get_ident())
-        k = tuple(k)
+        k = _arrays_key([key, tuple([ids.index(i) for i in ids])], args)  # (which arguments are the same array)
     except Exception:  # an array type dispatch does not know (yet), or None first
         return op()
     t = _TAPES.get(k)
     if type(t) is _Tape:
         return t.replay(args)
-    if t is _NEVER or _REC.steps is not None or adapter_for(args[0]).capturing(k[4]):
+    if t is _NEVER or _REC.steps is not None or adapter_for(args[0]).capturing(k[5]):  # k[5]: the first array's device
         return op()  # not recordable; inside another recording; or inside a CUDA-graph capture
     _REC.steps = steps = []
     try:
