@@ -98,11 +98,22 @@ _FAST_LOCK = threading.Lock()
 _WATCHED: weakref.WeakSet[PlanCache] = weakref.WeakSet()  # caches whose evictions drop dispatch entries
 
 
+#: Bumped whenever resolved calls are forgotten: tapes made of them (fusekit.torch.replayed's) are
+#: recorded again.
+GENERATION = 0
+
+
+def _forget_tapes() -> None:
+    global GENERATION
+    _TAPES.clear()  # they hold resolved calls
+    GENERATION += 1
+
+
 def _drop_plan(plan: Plan) -> None:
     with _FAST_LOCK:
         for k in [k for k, c in _FAST.items() if c.origin is plan]:
             del _FAST[k]
-        _TAPES.clear()  # they hold resolved calls
+        _forget_tapes()
 
 
 def _drop_workspace(ws: Workspace) -> None:
@@ -110,7 +121,7 @@ def _drop_workspace(ws: Workspace) -> None:
     with _FAST_LOCK:
         for k in [k for k, c in _FAST.items() if c.workspace is ws]:
             del _FAST[k]
-        _TAPES.clear()
+        _forget_tapes()
 
 
 def _watch(cache: PlanCache) -> None:
@@ -125,7 +136,7 @@ def clear_dispatch() -> None:
     """Forget every resolved call and tape (plans stay in their cache)."""
     with _FAST_LOCK:
         _FAST.clear()
-        _TAPES.clear()
+        _forget_tapes()
 
 
 def release() -> None:
@@ -484,8 +495,18 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
 
 
 def _run_call(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
-    """:func:`_launch`, noted in the recording under way on this thread (:func:`taped`)."""
-    res = _launch(c, operands, outs, alloc)
+    """:func:`_launch`, noted in the recordings under way on this thread (:func:`taped`, and
+    fusekit.torch.replayed's tapes, ``_REC.block``)."""
+    block = _REC.block
+    if block is None:
+        res = _launch(c, operands, outs, alloc)
+    else:
+        block.inside += 1  # the call's own allocations and copies are not the block's ops
+        try:
+            res = _launch(c, operands, outs, alloc)
+        finally:
+            block.inside -= 1
+        block.fk(c, operands, None if alloc else outs, res)
     rec = _REC.steps
     if rec is not None:
         rec.append((c, operands, None if alloc else outs, res))
@@ -558,6 +579,7 @@ _TAPES: dict[tuple, Any] = {}  # key -> _Tape (replays) | (_Tape | None, recordi
 
 class _Rec(threading.local):
     steps: list | None = None  # (call, operands, outs given or None, outputs) of each run() while recording
+    block: Any = None  # a fusekit.torch_replay tape recording on this thread (its .fk notes each call)
 
 
 _REC = _Rec()

@@ -48,6 +48,7 @@ from .dispatch import taped
 from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning
 from .ops import pool
 from .ops.common import ACTIVATIONS, clip_attrs
+from .torch_replay import ReplayedForward
 
 F = torch.nn.functional
 
@@ -73,6 +74,7 @@ __all__ = [
     "TorchFallbackWarning",
     "convert",
     "graphed",
+    "replayed",
 ]
 
 
@@ -1316,13 +1318,7 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     come (two forwards, then one backward) runs uncaptured. Submodules must not have hooks, and the forward must be
     capturable (no host synchronisation, no data-dependent control flow)."""
     who = "fusekit.torch.graphed"
-    if not isinstance(model, torch.nn.Module):
-        raise OperandError(who, "model", f"expected a torch.nn.Module, got {type(model).__name__}", what="argument")
-    hooked = [n or "model" for n, m in model.named_modules()
-              if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)]
-    if hooked:
-        raise OperandError(who, "model", f"has hooks registered on it ({', '.join(hooked[:3])}): a replay would skip them; "
-                           "remove them first", what="argument")
+    _check_wrappable(model, who)
     if autocast is not None and autocast not in _AUTOCAST_DTYPES:
         raise OperandError(who, "autocast", f"expected None, torch.float16 or torch.bfloat16, got {autocast!r}", what="argument")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
@@ -1330,8 +1326,6 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
                            what="argument")
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
         raise OperandError(who, "max_graphs", f"expected an int >= 1, got {max_graphs!r}", what="argument")
-    if isinstance(model.__dict__.get("forward"), _GraphedForward):
-        raise OperandError(who, "model", "is graphed already", what="argument")
     if sample is not None:
         if not isinstance(sample, torch.Tensor):
             raise OperandError(who, "sample", f"expected a CUDA tensor, got {type(sample).__name__}")
@@ -1348,6 +1342,49 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
         fwd.capture_now(sample, autocast)
     model.forward = fwd
     return model
+
+
+def replayed(model: torch.nn.Module, *, warmup: int = 2, max_tapes: int = 4) -> torch.nn.Module:
+    """``model`` with its training steps replayed from tapes: the fast way to train a converted model
+    uncaptured (no CUDA graph; any input shape). Returns ``model`` itself (same parameters and
+    state-dict keys); the loop around it stays as it is.
+
+    For a training-mode call with grad enabled on one tensor ``x``, per input signature (shape,
+    strides, dtype, device, requires_grad, the CUDA autocast dtype, the current stream, the thread):
+    the first ``warmup`` calls run as modules (fusekit builds its plans), the next ones are recorded
+    (the aten ops and fusekit graphs the forward and its backward ran), and once two recordings
+    agree every later call replays them under one autograd node: the same kernels, new outputs,
+    none of the modules' Python. Batch-norm running statistics move as they would.
+
+    Calls in eval mode or without grad, inside a CUDA-graph capture, and signatures the forward
+    cannot be replayed for (a host read such as ``.item()``, an in-place write to the input or a
+    parameter, an output that is not one tensor, recordings that differ) run as modules; the last
+    warn once. At most ``max_tapes`` signatures get tapes. Moving the model (``.to``, ``.half``),
+    replacing a parameter or clearing fusekit's dispatch re-records. A replay's backward runs once
+    (no ``retain_graph``); ``model.forward.enabled = False`` turns replays off. Submodules must not
+    have hooks (a replay would skip them)."""
+    who = "fusekit.torch.replayed"
+    _check_wrappable(model, who)
+    for name, v in (("warmup", warmup), ("max_tapes", max_tapes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise OperandError(who, name, f"expected an int >= 1, got {v!r}", what="argument")
+    model.forward = ReplayedForward(model, model.forward, warmup, max_tapes)
+    return model
+
+
+def _check_wrappable(model: Any, who: str) -> None:
+    """A module whose forward graphed / replayed may take over: no hooks, not wrapped already."""
+    if not isinstance(model, torch.nn.Module):
+        raise OperandError(who, "model", f"expected a torch.nn.Module, got {type(model).__name__}", what="argument")
+    hooked = [n or "model" for n, m in model.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)]
+    if hooked:
+        raise OperandError(who, "model", f"has hooks registered on it ({', '.join(hooked[:3])}): a replay would skip them; "
+                           "remove them first", what="argument")
+    wrapped = model.__dict__.get("forward")
+    if isinstance(wrapped, (_GraphedForward, ReplayedForward)):
+        kind = "graphed" if isinstance(wrapped, _GraphedForward) else "replayed"
+        raise OperandError(who, "model", f"is {kind} already", what="argument")
 
 
 def _autocast_as(dtype: Any) -> Any:

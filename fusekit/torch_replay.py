@@ -1,0 +1,367 @@
+"""Replayed training steps (:func:`fusekit.torch.replayed`): a module's training forward and backward
+recorded once as the aten ops and fusekit calls they ran, then replayed under one autograd node.
+
+No CUDA graph: every kernel still launches from the host, on the current stream, with new outputs.
+What a replay skips is the Python between them (modules, autograd Functions, casts, fusekit's ops
+layer and dispatch keys), which is most of an uncaptured step's host time.
+
+A recording is made inside a real training step: the forward runs the module under a
+``TorchDispatchMode`` (every aten op below autograd and autocast) and fusekit's call recorder
+(:data:`fusekit.dispatch._REC`), the backward runs the recorded forward's autograd graph inside
+this module's backward node under the same recorders. Tensors are told apart by (data pointer,
+shape, strides, dtype): autograd hands saved tensors back as new Python objects over the same memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import dispatch
+from .errors import OperandError
+
+#: aten ops a tape cannot hold: host reads of device values, and outputs whose shape depends on them.
+_HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "equal", "is_nonzero")
+
+
+class NotReplayable(Exception):
+    """A recording met something a replay cannot repeat (the reason is the message)."""
+
+
+def _tkey(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class _Tape:
+    """One recording: ``entries`` are ``(0, op, spec, refs, outs)`` (an aten op; ``spec`` None when its
+    arguments are flat) or ``(1, call, operands, given, outs)`` (a fusekit call; ``given`` None when it
+    allocated its outputs). A ref is ``(slot,)``, a plain value otherwise is kept as it is; ``outs``
+    are the slots its tensors fill. Slots ``0 .. n_in`` are the inputs (x, parameters, buffers)."""
+
+    def __init__(self, inputs: list[torch.Tensor], protected: int) -> None:
+        self.where: dict[tuple, int] = {}
+        self.consts: dict[int, torch.Tensor] = {}
+        self.entries: list[tuple] = []
+        self.n = 0
+        self.protected = protected  # inputs 0 .. protected-1 (x, parameters) must not be written in place
+        self.inside = 0  # > 0 while a fusekit call runs (its allocations and copies are its own)
+        self.refused: str | None = None
+        for t in inputs:
+            self._new(t)
+        self.n_in = self.n
+        self.fwd_end = 0
+        self.out = self.g = -1
+        self.g_layout: tuple = ()
+        self.grads: list[int | None] = []
+        self.drop: tuple[int, ...] = ()
+
+    def _new(self, t: torch.Tensor) -> int:
+        s = self.n
+        self.n += 1
+        self.where[_tkey(t)] = s
+        return s
+
+    def _ref(self, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        k = _tkey(v)
+        s = self.where.get(k)
+        if s is None:  # read, not made here: a constant (a cached vector)
+            s = self._new(v)
+            self.consts[s] = v
+        return (s,)
+
+    def aten(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.refused is not None:
+            return
+        name = func.__name__.split(".")[0]
+        if name in _HOST_READS:
+            self.refused = f"it reads a device value on the host (aten.{name}, e.g. .item())"
+            return
+        for a, v in zip(func._schema.arguments, args):
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor):
+                s = self.where.get(_tkey(v))
+                if s is not None and s < self.protected:
+                    self.refused = f"aten.{name} writes its input or a parameter in place"
+                    return
+        if not kwargs and not any(type(v) in (list, tuple) for v in args):
+            spec, refs = None, [self._ref(v) for v in args]
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            refs = [self._ref(v) for v in leaves]
+        outs = []
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                outs.append(self._new(t))
+            elif t is not None:
+                self.refused = f"aten.{name} returns a host value ({type(t).__name__})"
+                return
+        self.entries.append((0, func, spec, tuple(refs), tuple(outs)))
+
+    def fk(self, c: Any, operands: tuple, given: tuple | None, res: tuple) -> None:
+        if self.refused is not None:
+            return
+        ops = tuple([self._ref(a) for a in operands])
+        giv = None if given is None else tuple([self._ref(a) for a in given])
+        outs = tuple([self._new(t) for t in res]) if given is None else ()
+        self.entries.append((1, c, ops, giv, outs))
+
+    def reads(self, e: tuple) -> list[int]:
+        """The slots entry ``e`` reads."""
+        refs = list(e[3] or ()) + (list(e[2]) if e[0] == 1 else [])
+        return [r[0] for r in refs if type(r) is tuple and len(r) == 1]
+
+    def finish(self) -> None:
+        """Check the recording once ``out``, ``g`` and ``grads`` are set; find the forward's slots the
+        backward does not read (a replay lets them go after its forward)."""
+        self.where = {}  # memory addresses are done with; the slots stay
+        if self.refused is None and (self.out < 0 or any(s is not None and s < 0 for s in self.grads)):
+            self.refused = "its output or a gradient was made outside the recording"
+        if self.refused is None and self.out < self.n_in:
+            self.refused = "it returns its input or a parameter itself"
+        later = {s for e in self.entries[self.fwd_end:] for s in self.reads(e)}
+        later.update(s for s in self.grads if s is not None)
+        made = {s for e in self.entries[:self.fwd_end] for s in e[4]}
+        self.drop = tuple(sorted(s for s in made if s not in later and s != self.out))
+
+    def same(self, other: "_Tape") -> bool:
+        """Whether two recordings ran the same ops on the same wiring and constants."""
+        if (len(self.entries), self.fwd_end, self.out, self.g, self.grads, self.g_layout) != (
+                len(other.entries), other.fwd_end, other.out, other.g, other.grads, other.g_layout):
+            return False
+        if self.consts.keys() != other.consts.keys() or any(self.consts[s] is not other.consts[s] for s in self.consts):
+            return False
+        for a, b in zip(self.entries, other.entries):
+            if a[0] != b[0] or a[1] is not b[1] or a[3] != b[3] or a[4] != b[4] or (a[0] == 1 and a[2] != b[2]) or (a[0] == 0 and a[2] != b[2]):
+                return False
+        return True
+
+    def run(self, vals: list, start: int, stop: int) -> None:
+        """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots."""
+        launch = dispatch._launch
+        for kind, f, a, refs, outs in self.entries[start:stop]:
+            if kind == 0:  # aten op: a is its pytree spec (None: flat arguments)
+                args = [vals[r[0]] if type(r) is tuple and len(r) == 1 else r for r in refs]
+                if a is None:
+                    r = f(*args)
+                else:
+                    p, kw = tree_unflatten(args, a)
+                    r = f(*p, **kw)
+                if outs:
+                    res = (r,) if isinstance(r, torch.Tensor) else [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
+                    for s, t in zip(outs, res):
+                        vals[s] = t
+            else:  # fusekit call: a its operands, refs the outputs it was given (None: it allocated them)
+                ops = tuple([vals[r[0]] if type(r) is tuple and len(r) == 1 else r for r in a])
+                if refs is None:
+                    for s, t in zip(outs, launch(f, ops, (), True)):
+                        vals[s] = t
+                else:
+                    launch(f, ops, tuple([vals[r[0]] for r in refs]), False)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tape: _Tape) -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.tape.inside:
+            self.tape.aten(func, args, kwargs, out)
+        return out
+
+
+class _Recording:
+    """Record into ``tape`` on this thread while active: aten ops and fusekit calls."""
+
+    def __init__(self, tape: _Tape) -> None:
+        self.tape, self.mode = tape, _Mode(tape)
+
+    def __enter__(self) -> "_Recording":
+        if dispatch._REC.block is not None:
+            raise NotReplayable("a recording is under way already on this thread (a replayed module inside another)")
+        dispatch._REC.block = self.tape
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.mode.__exit__(*exc)
+        finally:
+            dispatch._REC.block = None
+
+
+def _uncached_autocast() -> Any:
+    """The CUDA autocast in force with its weight cache off (a cast served from the cache would be
+    recorded as a constant and read stale after the optimizer's step)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return torch.autocast("cuda", enabled=False)
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
+class _Record(torch.autograd.Function):
+    """A real training step of the module, recorded: its forward here, its backward in this node's."""
+
+    @staticmethod
+    def forward(ctx: Any, fw: "ReplayedForward", key: tuple, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        xin = x.detach().requires_grad_(x.requires_grad)
+        tape = _Tape([xin, *params], 1 + len(params))
+        with torch.enable_grad(), _uncached_autocast(), _Recording(tape):
+            out = fw.original(xin)
+        tape.fwd_end = len(tape.entries)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            raise NotReplayable(f"its forward returned {type(out).__name__} (a tape replays one differentiable tensor)")
+        tape.out = tape.where.get(_tkey(out), -1)
+        ctx.fw, ctx.key, ctx.tape, ctx.out, ctx.xin, ctx.params = fw, key, tape, out, xin, params
+        return out.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        tape, xin = ctx.tape, ctx.xin
+        g = g.detach()  # a new tensor object: no fusekit tags (a consumer's dReLU done) ride into the recording
+        tape.g = tape._new(g)
+        tape.g_layout = (g.stride(), g.data_ptr() % 32)
+        wrt = ((xin,) if xin.requires_grad else ()) + ctx.params
+        with _Recording(tape):
+            grads = torch.autograd.grad(ctx.out, wrt, g, allow_unused=True)
+        tape.grads = [None if t is None else tape.where.get(_tkey(t), -1) for t in grads]
+        tape.finish()
+        ctx.fw.recorded(ctx.key, tape)
+        ctx.out = ctx.xin = None
+        return (None, None) + ((None,) if not xin.requires_grad else ()) + grads
+
+
+class _Replay(torch.autograd.Function):
+    """A tape's forward and backward replayed."""
+
+    @staticmethod
+    def forward(ctx: Any, tape: _Tape, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        vals: list = [None] * tape.n
+        vals[0] = x
+        vals[1:1 + len(params)] = params
+        for s, t in tape.consts.items():
+            vals[s] = t
+        with torch.autocast("cuda", enabled=False):  # the recorded ops are autocast's already
+            tape.run(vals, 0, tape.fwd_end)
+        out = vals[tape.out]
+        for s in tape.drop:
+            vals[s] = None
+        ctx.tape, ctx.vals, ctx.gx = tape, vals, x.requires_grad
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        tape, vals = ctx.tape, ctx.vals
+        if vals is None:
+            raise RuntimeError("fusekit.torch.replayed: a replayed step's backward ran twice (retain_graph=True); "
+                               "run such steps with fusekit.torch.replayed(model, enabled=False)")
+        ctx.vals = None
+        stride, align = tape.g_layout
+        if g.stride() != stride or g.data_ptr() % 32 != align:  # the recorded ops read it with the recording's layout
+            g = torch.empty_strided(g.shape, stride, dtype=g.dtype, device=g.device).copy_(g)
+        vals[tape.g] = g
+        tape.run(vals, tape.fwd_end, len(tape.entries))
+        grads = [None if s is None else vals[s] for s in tape.grads]
+        vals.clear()  # the gradients' only references are the caller's: AccumulateGrad adopts them, no copy
+        return (None,) + ((None,) if not ctx.gx else ()) + tuple(grads)
+
+
+class ReplayedForward:
+    """The forward :func:`fusekit.torch.replayed` puts on a module: replays a tape per input signature."""
+
+    def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_tapes: int) -> None:
+        self.model, self.original, self.warmup, self.max_tapes = model, original, warmup, max_tapes
+        self.enabled = True
+        self.tapes: dict[tuple, _Tape] = {}
+        self.recordings: dict[tuple, tuple[_Tape | None, int]] = {}  # key -> (last recording, recordings so far)
+        self.calls: dict[tuple, int] = {}
+        self.refused: dict[tuple, str] = {}
+        self.replays = 0  # calls replayed so far (for tests and reports)
+        self.state: tuple | None = None
+        self.params: tuple = ()
+        self.tensors: tuple | None = None
+
+    def __reduce__(self) -> tuple:
+        """Copies (``copy.deepcopy``) and pickles carry no tapes: a copy records its own."""
+        return (_rereplayed, (self.model, self.warmup, self.max_tapes))
+
+    def _state(self) -> tuple:
+        """Where the module's tensors live, which parameters want gradients, fusekit's dispatch
+        generation: a change drops the tapes (they hold those tensors and resolved calls)."""
+        if self.tensors is None:
+            self.tensors = tuple(itertools.chain(self.model.parameters(), self.model.buffers()))
+        return (dispatch.GENERATION, *[(t.data_ptr(), t.requires_grad) for t in self.tensors])
+
+    def signature(self, x: torch.Tensor) -> tuple:
+        """What a tape is recorded for: the input's shape, strides, dtype, device, alignment and
+        requires_grad, the autocast dtype, the current stream and the thread."""
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 32, x.requires_grad, amp, stream,
+                threading.get_ident())
+
+    def _refuse(self, key: tuple, why: str) -> None:
+        self.refused[key] = why
+        self.recordings.pop(key, None)
+        warnings.warn(f"fusekit.torch.replayed: input {key[2]} {list(key[0])} (autocast {key[6]}) runs as modules: {why}",
+                      UserWarning, stacklevel=4)
+
+    def recorded(self, key: tuple, tape: _Tape) -> None:
+        """A recording finished (in its backward): replay it once two recordings agree."""
+        if tape.refused is not None:
+            return self._refuse(key, tape.refused)
+        last, n = self.recordings.get(key, (None, 0))
+        if last is not None and last.same(tape):
+            self.tapes[key] = tape
+            self.recordings.pop(key, None)
+        elif n + 1 >= 4:
+            self._refuse(key, "4 recordings ran different ops or constants (data-dependent control flow?)")
+        else:
+            self.recordings[key] = (tape, n + 1)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if (not self.enabled or not isinstance(x, torch.Tensor) or not self.model.training or not torch.is_grad_enabled()
+                or dispatch._REC.block is not None or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return self.original(*args, **kwargs)
+        state = self._state()
+        if state != self.state:
+            self.tapes.clear()
+            self.recordings.clear()
+            self.calls.clear()
+            self.refused.clear()
+            self.state = state
+            self.params = tuple(p for p in self.model.parameters() if p.requires_grad)
+        key = self.signature(x)
+        tape = self.tapes.get(key)
+        if tape is not None:
+            self.replays += 1
+            return _Replay.apply(tape, x, *self.params)
+        if key in self.refused:
+            return self.original(x)
+        n = self.calls[key] = self.calls.get(key, 0) + 1
+        if n <= self.warmup:
+            out = self.original(x)
+            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                self._refuse(key, f"its forward returned {'a tensor without autograd' if isinstance(out, torch.Tensor) else type(out).__name__} "
+                                  "(a tape replays one differentiable tensor)")
+            return out
+        if len(self.tapes) >= self.max_tapes:
+            self._refuse(key, f"max_tapes={self.max_tapes} signatures have tapes already")
+            return self.original(x)
+        return _Record.apply(self, key, x, *self.params)
+
+
+def _rereplayed(model: torch.nn.Module, warmup: int, max_tapes: int) -> ReplayedForward:
+    """A replayed forward, no tapes yet, over ``model``'s class forward (how copies and pickles come back)."""
+    return ReplayedForward(model, type(model).forward.__get__(model), warmup, max_tapes)
