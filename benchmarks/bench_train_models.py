@@ -15,7 +15,9 @@ the captured steps run without GradScaler (its inf check reads the host), the re
 ``*_graphed_ms``: the model's forward and backward made CUDA graphs (fusekit: ``fusekit.torch.graphed(model)``,
 captured at its first steps; PyTorch: ``torch.cuda.make_graphed_callables``, autocast without its weight
 cache), the loss, GradScaler and optimizer step run as usual around them: the ordinary training loop with the host cost of the layers gone.
-``torch_compile_ms``: ``torch.compile(model)`` (default mode) for the --compile-precisions, null when
+``fusekit_replayed_ms``: ``fusekit.torch.replayed(model)``, uncaptured steps whose training forward and
+backward replay from a tape recorded in the warm-up (the kernels launch from the host as usual; the
+modules' Python is gone). ``torch_compile_ms``: ``torch.compile(model)`` (default mode) for the --compile-precisions, null when
 compiling the first step fails or takes longer than --compile-limit seconds. Every side starts from the same initial weights
 and sees the same batches, so the losses after the timed steps (``*_loss``) are comparable.
 
@@ -108,6 +110,20 @@ def time_eager(model: torch.nn.Module, data: Data, precision: str, args: argpars
     data.reset()
     ms = cuda_time_ms(step, iters=args.iters, trials=args.trials, warmup=args.warmup, before_trial=data.refill)
     return ms, float(box["loss"])
+
+
+def time_replayed(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace) -> tuple[float | None, float | None, str]:
+    """(median ms per step, loss, note) of uncaptured steps of ``fusekit.torch.replayed(model)``: its
+    training forward and backward replayed from a tape (recorded in the warm-up steps)."""
+    model = ft.replayed(model.train())
+    step, box = make_step(model, data, precision, captured=False)
+    data.reset()
+    for _ in range(model.forward.warmup + 3):  # plans, then the two recordings that must agree
+        step()
+    if not model.forward.tapes:
+        return None, None, f"not replayed: {model.forward.refused or 'no tape after the warm-up'}"
+    ms = cuda_time_ms(step, iters=args.iters, trials=args.trials, warmup=args.warmup, before_trial=data.refill)
+    return ms, float(box["loss"]), ""
 
 
 def time_graph(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace, side: str = "") -> tuple[float | None, float | None, str]:
@@ -203,6 +219,13 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     fused = None
     _free()
 
+    ms, loss, note = time_replayed(ft.convert(initial, fuse_residual=args.fuse_residual)[0].cuda(), data, precision, args)
+    rec["fusekit_replayed_ms"], rec["fusekit_replayed_loss"] = ms, loss
+    if note:
+        rec["fusekit_replayed_note"] = note
+    log(f"{name} {precision}: fusekit replayed {ms if ms is None else round(ms, 2)} ms/step, loss {loss} {note}")
+    _free()
+
     eager = copy.deepcopy(initial).cuda()
     rec["torch_eager_ms"], rec["torch_eager_loss"] = time_eager(eager, data, precision, args)
     log(f"{name} {precision}: torch eager {rec['torch_eager_ms']:.2f} ms/step, loss {rec['torch_eager_loss']:.4f}")
@@ -232,6 +255,7 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     rec["torch_graph_over_fusekit_graph"] = ratio(rec["torch_graph_ms"], rec["fusekit_graph_ms"])
     rec["torch_graphed_over_fusekit_graphed"] = ratio(rec["torch_graphed_ms"], rec["fusekit_graphed_ms"])
     rec["torch_eager_over_fusekit_graphed"] = ratio(rec["torch_eager_ms"], rec["fusekit_graphed_ms"])
+    rec["torch_eager_over_fusekit_replayed"] = ratio(rec["torch_eager_ms"], rec["fusekit_replayed_ms"])
     return rec
 
 
@@ -246,25 +270,27 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         "amp-fp16 = autocast float16 + GradScaler, bf16 = autocast bfloat16, fp32 = float32 (parameters float32 in all)"),
         (f"- median of {meta['trials']} trials of {meta['iters']} steps (CUDA events) after {meta['warmup']} warm-up steps, "
         "a fresh random batch before each trial, the same batches on every side; ratio = PyTorch time / fusekit time (> 1: fusekit faster)"),
-        ("- graphed = forward and backward as CUDA graphs (fusekit.torch.graphed; PyTorch's torch.cuda.make_graphed_callables), loss, GradScaler and optimizer "
+        ("- replayed = fusekit.torch.replayed(model): the training forward and backward replayed from a tape (no CUDA graph); "
+         "graphed = forward and backward as CUDA graphs (fusekit.torch.graphed; PyTorch's torch.cuda.make_graphed_callables), loss, GradScaler and optimizer "
          "as usual; captured = the whole step (forward, backward, optimizer) in one CUDA graph, without GradScaler"), "",
-        ("| model | precision | fusekit ms | eager ms | eager/fk | torch.compile ms | compile/fk | fk graphed ms | torch graphed ms | "
+        ("| model | precision | fusekit ms | eager ms | eager/fk | fk replayed ms | eager/fk replayed | torch.compile ms | compile/fk | fk graphed ms | torch graphed ms | "
          "graphed torch/fk | eager/fk graphed | fk captured ms | torch captured ms | captured torch/fk | loss fk | loss eager | "
-         "loss fk graphed | loss compile |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+         "loss fk replayed | loss fk graphed | loss compile |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in recs:
         lines.append(
             f"| {r['model']} | {r['precision']} | {f(r['fusekit_ms'])} | {f(r['torch_eager_ms'])} | {f(r['torch_eager_over_fusekit'])} | "
+            f"{f(r.get('fusekit_replayed_ms'))} | {f(r.get('torch_eager_over_fusekit_replayed'))} | "
             f"{f(r['torch_compile_ms'])} | {f(r['torch_compile_over_fusekit'])} | {f(r.get('fusekit_graphed_ms'))} | "
             f"{f(r.get('torch_graphed_ms'))} | {f(r.get('torch_graphed_over_fusekit_graphed'))} | {f(r.get('torch_eager_over_fusekit_graphed'))} | "
             f"{f(r['fusekit_graph_ms'])} | {f(r['torch_graph_ms'])} | "
             f"{f(r['torch_graph_over_fusekit_graph'])} | {f(r['fusekit_loss'], '{:.4f}')} | {f(r['torch_eager_loss'], '{:.4f}')} | "
-            f"{f(r.get('fusekit_graphed_loss'), '{:.4f}')} | {f(r['torch_compile_loss'], '{:.4f}')} |"
+            f"{f(r.get('fusekit_replayed_loss'), '{:.4f}')} | {f(r.get('fusekit_graphed_loss'), '{:.4f}')} | {f(r['torch_compile_loss'], '{:.4f}')} |"
         )
     lines += ["", "Conversion: " + "; ".join(sorted({f"{r['model']}: {r['replaced']} modules replaced, {r['fused_groups']} fused groups, "
                                                   f"left alone {', '.join(r['left_alone']) or 'nothing'}" for r in recs}))]
-    notes = [(r, k) for r in recs for k in ("fusekit_graph_note", "torch_graph_note", "fusekit_graphed_note", "torch_graphed_note", "torch_compile_note") if r.get(k)]
+    notes = [(r, k) for r in recs for k in ("fusekit_replayed_note", "fusekit_graph_note", "torch_graph_note", "fusekit_graphed_note", "torch_graphed_note", "torch_compile_note") if r.get(k)]
     if notes:
         lines += ["", "Notes:"] + [f"- {r['model']} {r['precision']} {k.replace('_note', '')}: {r[k]}" for r, k in notes]
     return "\n".join(lines) + "\n"
@@ -272,7 +298,8 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
 
 def plot(recs: list[dict], gpu: str, path: str) -> None:
     """Bars of ms per training step for each model and precision: fusekit and PyTorch, uncaptured and captured."""
-    variants = [("fusekit_ms", "fusekit.torch"), ("torch_eager_ms", "PyTorch eager"), ("torch_compile_ms", "torch.compile"),
+    variants = [("fusekit_ms", "fusekit.torch"), ("torch_eager_ms", "PyTorch eager"),
+                ("fusekit_replayed_ms", "fusekit.torch, replayed (uncaptured)"), ("torch_compile_ms", "torch.compile"),
                 ("fusekit_graphed_ms", "fusekit.torch, graphed forward/backward"), ("torch_graphed_ms", "PyTorch, graphed forward/backward"),
                 ("fusekit_graph_ms", "fusekit.torch, step in a CUDA graph"), ("torch_graph_ms", "PyTorch, step in a CUDA graph")]
     grouped_bars(path, [f"{r['model']}\n{r['precision']}" for r in recs],

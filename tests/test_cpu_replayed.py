@@ -1,0 +1,224 @@
+"""fusekit.torch.replayed on the CPU: the recorder and replay on plain torch modules (aten ops only;
+fusekit's graphs in a tape are checked on the GPU, test_gpu_torch_dropin)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ft = pytest.importorskip("fusekit.torch")
+
+from fusekit.errors import OperandError  # noqa: E402
+
+F = torch.nn.functional
+
+
+class Net(torch.nn.Module):
+    """Conv, batch norm, a residual add, pooling and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.b1 = torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b1(self.c1(x)))
+        y = torch.relu(self.c2(y) + y)
+        return self.fc(y.mean((2, 3)))
+
+
+def batches(n: int, shape: tuple = (4, 3, 12, 12)) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(shape, generator=g), torch.randint(0, 5, (shape[0],), generator=g)) for _ in range(n)]
+
+
+def train(model: torch.nn.Module, data: list) -> tuple[list, list]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [t.detach().clone() for t in model.state_dict().values()]
+
+
+def same_training(model: torch.nn.Module, data: list) -> torch.nn.Module:
+    """Train ``model`` and a replayed copy of it on ``data``; assert bit-equal losses and state."""
+    replay = ft.replayed(copy.deepcopy(model))
+    want, got = train(model, data), train(replay, data)
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    return replay
+
+
+def test_replays_train_bit_for_bit_as_the_modules():
+    torch.manual_seed(0)
+    replay = same_training(Net(), batches(8))
+    fw = replay.forward
+    assert fw.replays == 4  # 2 warm-up calls, 2 recordings that agree, then replays
+    (tape,) = fw.tapes.values()
+    assert tape.fwd_end > 5 and len(tape.entries) > tape.fwd_end
+    assert tape.drop, "forward slots the backward does not read are let go"
+
+
+def test_an_input_of_another_shape_gets_its_own_tape():
+    torch.manual_seed(0)
+    data = [b for pair in zip(batches(6), batches(6, (2, 3, 8, 8))) for b in pair]
+    replay = same_training(Net(), data)
+    assert len(replay.forward.tapes) == 2 and replay.forward.replays == 4
+
+
+def test_input_gradients_flow_through_a_replay():
+    torch.manual_seed(0)
+    model = Net()
+    replay = ft.replayed(copy.deepcopy(model))
+    for _ in range(5):
+        x = torch.randn(2, 3, 8, 8)
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        for m, xx in zip((model, replay), xs):
+            m(xx).square().sum().backward()
+        assert torch.equal(xs[0].grad, xs[1].grad)
+    assert replay.forward.replays == 1
+
+
+def test_eval_and_no_grad_calls_run_as_modules():
+    torch.manual_seed(0)
+    replay = ft.replayed(Net())
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(6):
+            replay(x)
+    replay.eval()
+    for _ in range(6):
+        replay(x)
+    assert not replay.forward.calls and not replay.forward.tapes
+
+
+class HostRead(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if y.sum().item() > -1e9 else y
+
+
+class InPlace(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.mul_(1.0))
+
+
+class Pair(Net):
+    def forward(self, x: torch.Tensor) -> tuple:
+        y = super().forward(x)
+        return y, y
+
+
+class Alternating(Net):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Alternating.calls += 1
+        y = super().forward(x)
+        return y + 1 if Alternating.calls % 2 else y * 2
+
+
+@pytest.mark.parametrize("cls, why", [(HostRead, "reads a device value on the host"),
+                                      (Pair, "returned tuple"),
+                                      (Alternating, "recordings ran different ops")])
+def test_what_cannot_replay_runs_as_modules_with_a_warning(cls, why):
+    torch.manual_seed(0)
+    model = cls()
+    replay = copy.deepcopy(model)
+    ft.replayed(replay)
+    data = batches(10)
+    for m in (model, replay):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in data:
+                out = m(x)
+                loss = F.cross_entropy(out[0] if isinstance(out, tuple) else out, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert replay.forward.replays == 0 and not replay.forward.tapes
+    assert any("fusekit.torch.replayed" in str(w.message) and why in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), replay.state_dict().values()))
+
+
+def test_an_in_place_write_to_the_input_is_not_recorded():
+    torch.manual_seed(0)
+    replay = ft.replayed(InPlace())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            replay(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert not replay.forward.tapes
+    assert any("writes its input or a parameter in place" in str(w.message) for w in caught)
+
+
+def test_moving_the_model_records_again():
+    torch.manual_seed(0)
+    model = Net()
+    replay = same_training(model, batches(6))
+    assert replay.forward.tapes
+    replay.double()
+    model.double()
+    data = [(x.double(), y) for x, y in batches(6)]
+    assert train(replay, data)[0] == train(model, data)[0]
+    (tape,) = replay.forward.tapes.values()
+    assert tape.consts == {} or all(t.dtype != torch.float32 for t in tape.consts.values())
+
+
+def test_a_replay_backward_runs_once():
+    torch.manual_seed(0)
+    replay = ft.replayed(Net())
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(4):
+        replay(x).sum().backward()
+    loss = replay(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_copies_and_pickles_record_their_own():
+    torch.manual_seed(0)
+    replay = same_training(Net(), batches(6))
+    for other in (copy.deepcopy(replay), pickle.loads(pickle.dumps(replay))):
+        assert not other.forward.tapes
+        assert other.forward.model is other
+        twin = copy.deepcopy(other)
+        assert train(other, batches(6))[0] == train(twin, batches(6))[0]
+        assert other.forward.replays == twin.forward.replays == 2
+
+
+def test_turned_off_it_runs_as_modules():
+    torch.manual_seed(0)
+    replay = ft.replayed(Net())
+    replay.forward.enabled = False
+    for x, y in batches(6):
+        F.cross_entropy(replay(x), y).backward()
+    assert not replay.forward.calls
+
+
+def test_bad_arguments_raise_operand_errors():
+    with pytest.raises(OperandError, match="'model': expected a torch.nn.Module"):
+        ft.replayed(lambda x: x)
+    for name, value in (("warmup", 0), ("max_tapes", True), ("warmup", 1.5)):
+        with pytest.raises(OperandError, match=f"'{name}': expected an int >= 1"):
+            ft.replayed(Net(), **{name: value})
+    hooked = Net()
+    hooked.c1.register_forward_hook(lambda m, a, o: None)
+    with pytest.raises(OperandError, match=r"hooks registered on it \(c1\)"):
+        ft.replayed(hooked)
+    with pytest.raises(OperandError, match="'model': is replayed already"):
+        ft.replayed(ft.replayed(Net()))
+    with pytest.raises(OperandError, match="'model': is replayed already"):
+        ft.graphed(ft.replayed(Net()))
