@@ -495,15 +495,15 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
 
 
 def _run_call(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
-    """:func:`_launch`, noted in the recordings under way on this thread (:func:`taped`, and
-    fusekit.torch.replayed's tapes, ``_REC.block``)."""
+    """:func:`launch`, noted in the recordings under way on this thread (:func:`taped`, and
+    :func:`set_call_recorder`'s)."""
     block = _REC.block
     if block is None:
-        res = _launch(c, operands, outs, alloc)
+        res = launch(c, operands, outs, alloc)
     else:
         block.inside += 1  # the call's own allocations and copies are not the block's ops
         try:
-            res = _launch(c, operands, outs, alloc)
+            res = launch(c, operands, outs, alloc)
         finally:
             block.inside -= 1
         block.fk(c, operands, None if alloc else outs, res)
@@ -513,7 +513,7 @@ def _run_call(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
     return res
 
 
-def _launch(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
+def launch(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
     """Execute resolved call ``c`` on ``operands`` into ``outs`` (new arrays with ``alloc``); its outputs."""
     arrays = operands + outs
     if c.epilogue:
@@ -585,11 +585,23 @@ class _Rec(threading.local):
 _REC = _Rec()
 
 
+def call_recorder() -> Any:
+    """The recorder noting this thread's fusekit calls (:func:`set_call_recorder`), or None."""
+    return _REC.block
+
+
+def set_call_recorder(recorder: Any) -> None:
+    """Have ``recorder.fk(call, operands, outputs given or None, outputs)`` note every resolved call
+    this thread runs (fusekit.torch.replayed's recordings; None: stop). ``recorder.inside`` is above
+    0 while a call runs (its own allocations and copies are not the recorder's to note)."""
+    _REC.block = recorder
+
+
 class _Tape:
     """The resolved calls an op made on its arrays, and where each call's arrays come from: ``(0, i)``
     the op's i-th array argument, ``(1, i)`` the i-th constant (an array the op reads that is neither:
     a cached vector; it must be the same object in every recording), ``(2, i)`` the i-th output a
-    call allocated. Replaying one runs the calls through :func:`_launch` (the one place pointers are
+    call allocated. Replaying one runs the calls through :func:`launch` (the one place pointers are
     bound) with new outputs."""
 
     __slots__ = ("steps", "consts", "result", "single")

@@ -7,7 +7,7 @@ layer and dispatch keys), which is most of an uncaptured step's host time.
 
 A recording is made inside a real training step: the forward runs the module under a
 ``TorchDispatchMode`` (every aten op below autograd and autocast) and fusekit's call recorder
-(:data:`fusekit.dispatch._REC`), the backward runs the recorded forward's autograd graph inside
+(:func:`fusekit.dispatch.set_call_recorder`), the backward runs the recorded forward's autograd graph inside
 this module's backward node under the same recorders. Tensors are told apart by (data pointer,
 shape, strides, dtype): autograd hands saved tensors back as new Python objects over the same memory.
 """
@@ -144,7 +144,7 @@ class _Tape:
 
     def run(self, vals: list, start: int, stop: int) -> None:
         """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots."""
-        launch = dispatch._launch
+        launch = dispatch.launch
         for kind, f, a, refs, outs in self.entries[start:stop]:
             if kind == 0:  # aten op: a is its pytree spec (None: flat arguments)
                 args = [vals[r[0]] if type(r) is tuple and len(r) == 1 else r for r in refs]
@@ -186,9 +186,9 @@ class _Recording:
         self.tape, self.mode = tape, _Mode(tape)
 
     def __enter__(self) -> "_Recording":
-        if dispatch._REC.block is not None:
+        if dispatch.call_recorder() is not None:
             raise NotReplayable("a recording is under way already on this thread (a replayed module inside another)")
-        dispatch._REC.block = self.tape
+        dispatch.set_call_recorder(self.tape)
         self.mode.__enter__()
         return self
 
@@ -196,7 +196,7 @@ class _Recording:
         try:
             self.mode.__exit__(*exc)
         finally:
-            dispatch._REC.block = None
+            dispatch.set_call_recorder(None)
 
 
 def _uncached_autocast() -> Any:
@@ -332,7 +332,7 @@ class ReplayedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
         if (not self.enabled or not isinstance(x, torch.Tensor) or not self.model.training or not torch.is_grad_enabled()
-                or dispatch._REC.block is not None or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+                or dispatch.call_recorder() is not None or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             return self.original(*args, **kwargs)
         state = self._state()
         if state != self.state:

@@ -1,5 +1,5 @@
 """Recorded dispatch (dispatch.taped) on the CPU: what is recorded, when a tape replays, and what
-keeps an op from being replayed. The calls are stand-ins (dispatch._launch patched to run a torch
+keeps an op from being replayed. The calls are stand-ins (dispatch.launch patched to run a torch
 function per call); the GPU tests run the real graphs through tapes (test_gpu_torch_dropin)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def fake(monkeypatch):
         c.fn(*operands, out=outs)
         return outs
 
-    monkeypatch.setattr(dispatch, "_launch", launch)
+    monkeypatch.setattr(dispatch, "launch", launch)
     monkeypatch.setitem(dispatch.SIGNATURES, torch.Tensor, TorchAdapter.sig)
     monkeypatch.setitem(dispatch.STREAMS, torch.Tensor, lambda device: 7)
     monkeypatch.setattr(dispatch, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: False))

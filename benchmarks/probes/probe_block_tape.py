@@ -101,9 +101,9 @@ class Tape:
             else:
                 _, c, ops, giv, outs = e
                 if giv is None:
-                    res = dispatch._launch(c, tuple(get(r) for r in ops), (), True)
+                    res = dispatch.launch(c, tuple(get(r) for r in ops), (), True)
                 else:
-                    dispatch._launch(c, tuple(get(r) for r in ops), tuple(get(r) for r in giv), False)
+                    dispatch.launch(c, tuple(get(r) for r in ops), tuple(get(r) for r in giv), False)
                     res = []
             for s, t in zip(outs, res):
                 vals[s] = t
