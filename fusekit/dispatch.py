@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import math
 import os
@@ -498,7 +499,7 @@ def _run_call(c: _Call, operands: tuple, outs: tuple, alloc: bool) -> tuple:
     """:func:`launch`, noted in the recordings under way on this thread (:func:`taped`, and
     :func:`set_call_recorder`'s)."""
     block = _REC.block
-    if block is None:
+    if block is None or block.inside:
         res = launch(c, operands, outs, alloc)
     else:
         block.inside += 1  # the call's own allocations and copies are not the block's ops
@@ -588,6 +589,27 @@ _REC = _Rec()
 def call_recorder() -> Any:
     """The recorder noting this thread's fusekit calls (:func:`set_call_recorder`), or None."""
     return _REC.block
+
+
+def recorded_whole(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for an op that launches its own kernels (not resolved calls: pooling, softmax): the
+    call recorder notes each call of it whole (``recorder.whole(fn, args, kwargs, result)``), to be
+    replayed by calling ``fn`` again."""
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        rec = _REC.block
+        if rec is None or rec.inside:  # not recording, or inside a call being noted
+            return fn(*args, **kwargs)
+        rec.inside += 1  # its own allocations, views and copies are not the recorder's to note
+        try:
+            res = fn(*args, **kwargs)
+        finally:
+            rec.inside -= 1
+        rec.whole(fn, args, kwargs, res)
+        return res
+
+    return op
 
 
 def set_call_recorder(recorder: Any) -> None:

@@ -47,6 +47,7 @@ class _Tape:
     def __init__(self, inputs: list[torch.Tensor], protected: int) -> None:
         self.where: dict[tuple, int] = {}
         self.consts: dict[int, torch.Tensor] = {}
+        self.readers: dict[int, int] = {}  # constant slot -> the entry that first read it
         self.entries: list[tuple] = []
         self.n = 0
         self.protected = protected  # inputs 0 .. protected-1 (x, parameters) must not be written in place
@@ -75,34 +76,49 @@ class _Tape:
         if s is None:  # read, not made here: a constant (a cached vector)
             s = self._new(v)
             self.consts[s] = v
+            self.readers[s] = len(self.entries)
         return (s,)
 
-    def aten(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def reading(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
+        """Before aten op ``func`` runs (an in-place restride changes what it reads): its arguments
+        as (pytree spec or None, refs); None when the recording is refused."""
         if self.refused is not None:
-            return
+            return None
         name = func.__name__.split(".")[0]
         if name in _HOST_READS:
             self.refused = f"it reads a device value on the host (aten.{name}, e.g. .item())"
-            return
+            return None
         for a, v in zip(func._schema.arguments, args):
             if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor):
                 s = self.where.get(_tkey(v))
                 if s is not None and s < self.protected:
                     self.refused = f"aten.{name} writes its input or a parameter in place"
-                    return
+                    return None
+        return self._args(args, kwargs)
+
+    def whole(self, fn: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """A fusekit op that launches its own kernels (pooling, softmax), noted as one call of ``fn``."""
+        if self.refused is None:
+            self.made(2, fn, self._args(args, kwargs), out)
+
+    def _args(self, args: tuple, kwargs: dict) -> tuple:
         if not kwargs and not any(type(v) in (list, tuple) for v in args):
-            spec, refs = None, [self._ref(v) for v in args]
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-            refs = [self._ref(v) for v in leaves]
+            return None, tuple([self._ref(v) for v in args])
+        leaves, spec = tree_flatten((args, kwargs))
+        return spec, tuple([self._ref(v) for v in leaves])
+
+    def made(self, kind: int, func: Any, read: tuple, out: Any) -> None:
+        """Note op ``func`` (kind 0 aten, 2 a whole fusekit op) that read ``read`` and returned ``out``."""
+        if self.refused is not None:
+            return
         outs = []
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 outs.append(self._new(t))
             elif t is not None:
-                self.refused = f"aten.{name} returns a host value ({type(t).__name__})"
+                self.refused = f"{func.__name__} returns a host value ({type(t).__name__})"
                 return
-        self.entries.append((0, func, spec, tuple(refs), tuple(outs)))
+        self.entries.append((kind, func, read[0], read[1], tuple(outs)))
 
     def fk(self, c: Any, operands: tuple, given: tuple | None, res: tuple) -> None:
         if self.refused is not None:
@@ -130,23 +146,32 @@ class _Tape:
         made = {s for e in self.entries[:self.fwd_end] for s in e[4]}
         self.drop = tuple(sorted(s for s in made if s not in later and s != self.out))
 
-    def same(self, other: "_Tape") -> bool:
-        """Whether two recordings ran the same ops on the same wiring and constants."""
-        if (len(self.entries), self.fwd_end, self.out, self.g, self.grads, self.g_layout) != (
-                len(other.entries), other.fwd_end, other.out, other.g, other.grads, other.g_layout):
-            return False
-        if self.consts.keys() != other.consts.keys() or any(self.consts[s] is not other.consts[s] for s in self.consts):
-            return False
-        for a, b in zip(self.entries, other.entries):
-            if a[0] != b[0] or a[1] is not b[1] or a[3] != b[3] or a[4] != b[4] or (a[0] == 1 and a[2] != b[2]) or (a[0] == 0 and a[2] != b[2]):
-                return False
-        return True
+    def difference(self, other: "_Tape") -> str | None:
+        """How two recordings differ (None: the same ops on the same wiring and constants)."""
+        for i, (a, b) in enumerate(zip(self.entries, other.entries)):
+            if a[0] != b[0] or a[1] is not b[1]:
+                return f"op {i} is {_name(a)} in one, {_name(b)} in the other"
+            if a[2:] != b[2:]:
+                return f"op {i} ({_name(a)}) has other arguments or outputs: {str(a[2:])[:200]} against {str(b[2:])[:200]}"
+        if len(self.entries) != len(other.entries) or self.fwd_end != other.fwd_end:
+            return f"{self.fwd_end} + {len(self.entries) - self.fwd_end} ops against {other.fwd_end} + {len(other.entries) - other.fwd_end}"
+        for s in self.consts.keys() | other.consts.keys():
+            a, b = self.consts.get(s), other.consts.get(s)
+            if a is not b:
+                t, i = (a, self.readers[s]) if a is not None else (b, other.readers[s])
+                e = self.entries[i] if i < len(self.entries) else None
+                where = "?" if e is None else f"{_name(e)}, op {i} of the {'forward' if i < self.fwd_end else 'backward'}"
+                return (f"a tensor it reads is another one each time ({t.dtype} {list(t.shape)} strides {t.stride()}, "
+                        f"first read by {where}): made outside the recording")
+        if (self.out, self.g, self.grads, self.g_layout) != (other.out, other.g, other.grads, other.g_layout):
+            return "the output, the upstream gradient's layout or the gradients come from other slots"
+        return None
 
     def run(self, vals: list, start: int, stop: int) -> None:
         """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots."""
         launch = dispatch.launch
         for kind, f, a, refs, outs in self.entries[start:stop]:
-            if kind == 0:  # aten op: a is its pytree spec (None: flat arguments)
+            if kind != 1:  # an aten op or a whole fusekit op: a is its pytree spec (None: flat arguments)
                 args = [vals[r[0]] if type(r) is tuple and len(r) == 1 else r for r in refs]
                 if a is None:
                     r = f(*args)
@@ -166,6 +191,12 @@ class _Tape:
                     launch(f, ops, tuple([vals[r[0]] for r in refs]), False)
 
 
+def _name(e: tuple) -> str:
+    if e[0] == 1:
+        return f"fusekit graph {getattr(getattr(e[1].plan, 'key', None), 'pattern', '?')}"
+    return f"aten.{e[1].__name__}" if e[0] == 0 else f"fusekit.ops.{e[1].__name__}"
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tape: _Tape) -> None:
         super().__init__()
@@ -173,9 +204,11 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        tape = self.tape
+        read = None if tape.inside else tape.reading(func, args, kwargs)
         out = func(*args, **kwargs)
-        if not self.tape.inside:
-            self.tape.aten(func, args, kwargs, out)
+        if read is not None:
+            tape.made(0, func, read, out)
         return out
 
 
@@ -321,11 +354,12 @@ class ReplayedForward:
         if tape.refused is not None:
             return self._refuse(key, tape.refused)
         last, n = self.recordings.get(key, (None, 0))
-        if last is not None and last.same(tape):
+        why = None if last is None else last.difference(tape)
+        if last is not None and why is None:
             self.tapes[key] = tape
             self.recordings.pop(key, None)
         elif n + 1 >= 4:
-            self._refuse(key, "4 recordings ran different ops or constants (data-dependent control flow?)")
+            self._refuse(key, f"4 recordings differ (data-dependent control flow?): the last two where {why}")
         else:
             self.recordings[key] = (tape, n + 1)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ..dispatch import recorded_whole
 from ..errors import NoGPUError, OperandError
 from ..tensors import ITEMSIZE, matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
 
@@ -758,6 +759,7 @@ class _Launch:
 # ----------------------------------------------------------------------------------------------
 # Pooling
 # ----------------------------------------------------------------------------------------------
+@recorded_whole
 def max_pool2d(
     x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *, ceil_mode: bool = False, out: Any = None,
     indices: bool = True, dilation: Any = 1,
@@ -808,6 +810,7 @@ def _result(P: str, L: "_Launch", like: _Operand, out: Any, shape: tuple[int, ..
     return out, L.view(o), o.strides, o.layout
 
 
+@recorded_whole
 def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any:
     """Gradient of max_pool2d: dy scatter-added at argmax into zeros of ``input_shape`` (N, C, H, W).
 
@@ -851,6 +854,7 @@ def _divisor(pattern: str, divisor_override: Any) -> int:
     return int(divisor_override)
 
 
+@recorded_whole
 def avg_pool2d(
     x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, *,
     ceil_mode: bool = False, out: Any = None, divisor_override: int | None = None,
@@ -875,6 +879,7 @@ def avg_pool2d(
     return y
 
 
+@recorded_whole
 def avg_pool2d_backward(
     dy: Any, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
     count_include_pad: bool = True, ceil_mode: bool = False, divisor_override: int | None = None,
@@ -942,23 +947,27 @@ def _softmax_call(P: str, mode: int, a_name: str, a: Any, dy: Any, axis: int) ->
     return out
 
 
+@recorded_whole
 def softmax(x: Any, axis: int = 1) -> Any:
     """Numerically stable softmax of a 2-D (batch, classes) array or an (N, C, H, W) image along
     ``axis`` (default: classes / channels), accumulated in float32; y has x's dtype and layout."""
     return _softmax_call("softmax", 0, "x", x, None, axis)
 
 
+@recorded_whole
 def log_softmax(x: Any, axis: int = 1) -> Any:
     """Numerically stable log-softmax along ``axis`` (as softmax), computed as (x - max) - log(sum exp)."""
     return _softmax_call("log_softmax", 1, "x", x, None, axis)
 
 
+@recorded_whole
 def softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
     """Gradient of softmax from its output y: dx = y * (dy - sum(dy * y)) along ``axis``; dx has dy's
     dtype and layout."""
     return _softmax_call("softmax_backward", 2, "y", y, dy, axis)
 
 
+@recorded_whole
 def log_softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
     """Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along ``axis``; dx has dy's
     dtype and layout."""
