@@ -3,7 +3,7 @@ measure: bench_train_models' make_step, GradScaler in amp-fp16, CUDA events) of 
 modules and fusekit replayed, in alternating rounds in one process; and whether replayed steps
 train as the modules do (losses and weights of the same steps from one state).
 
-    python benchmarks/probes/probe_replayed.py [--model resnet50] [--precision amp-fp16] [--batch 64] [--rounds 3]
+    python benchmarks/probes/probe_replayed.py [--model resnet50] [--precision amp-fp16] [--batch 64] [--rounds 3] [--profile]
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--precision", default="amp-fp16", choices=list(PRECISIONS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also cProfile 10 replayed steps (top 30 by own time)")
     args = ap.parse_args()
     import torchvision
 
@@ -87,6 +88,17 @@ def main() -> None:
           + f"; eager / replayed {med['eager'] / med['fusekit replayed']:.2f}x, eager / modules {med['eager'] / med['fusekit modules']:.2f}x")
     print("host ms per step while queueing (5 steps, median of rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in hmed.items()))
     print(f"replays {rp.forward.replays}, tapes {len(rp.forward.tapes)}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        f = steps["fusekit replayed"]
+        torch.cuda.synchronize()
+        with cProfile.Profile() as prof:
+            for _ in range(10):
+                f()
+            torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
