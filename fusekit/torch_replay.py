@@ -34,6 +34,31 @@ class NotReplayable(Exception):
     """A recording met something a replay cannot repeat (the reason is the message)."""
 
 
+class _Slot(int):
+    """A recorded argument that is the tensor in this slot."""
+
+    __slots__ = ()
+
+
+class _Slots(tuple):
+    """A recorded list argument of tensors (slots; None kept)."""
+
+    __slots__ = ()
+
+
+class _Tree:
+    """A recorded call whose arguments needed pytree (tensors in keyword or nested arguments)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+def _has_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) or (type(v) in (list, tuple, dict) and any(isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]))
+
+
 def _tkey(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -70,14 +95,15 @@ class _Tape:
 
     def _ref(self, v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
-            return v
+            return v if type(v) not in (list, tuple) or not any(isinstance(t, torch.Tensor) for t in v) else \
+                _Slots([None if t is None else self._ref(t) for t in v])
         k = _tkey(v)
         s = self.where.get(k)
         if s is None:  # read, not made here: a constant (a cached vector)
             s = self._new(v)
             self.consts[s] = v
             self.readers[s] = len(self.entries)
-        return (s,)
+        return _Slot(s)
 
     def reading(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
         """Before aten op ``func`` runs (an in-place restride changes what it reads): its arguments
@@ -102,10 +128,14 @@ class _Tape:
             self.made(2, fn, self._args(args, kwargs), out)
 
     def _args(self, args: tuple, kwargs: dict) -> tuple:
-        if not kwargs and not any(type(v) in (list, tuple) for v in args):
-            return None, tuple([self._ref(v) for v in args])
+        """(keyword arguments or None, refs): tensors as slots, lists of tensors as _Slots, other values
+        as they are; (_Tree, refs of pytree leaves) where tensors sit deeper or among keywords."""
+        if not any(map(_has_tensor, kwargs.values())) and all(
+                type(v) not in (list, tuple) or all(isinstance(t, torch.Tensor) or t is None for t in v) or not _has_tensor(v)
+                for v in args):
+            return (kwargs or None), tuple([self._ref(v) for v in args])
         leaves, spec = tree_flatten((args, kwargs))
-        return spec, tuple([self._ref(v) for v in leaves])
+        return _Tree(spec), tuple([self._ref(v) for v in leaves])
 
     def made(self, kind: int, func: Any, read: tuple, out: Any) -> None:
         """Note op ``func`` (kind 0 aten, 2 a whole fusekit op) that read ``read`` and returned ``out``."""
@@ -131,7 +161,7 @@ class _Tape:
     def reads(self, e: tuple) -> list[int]:
         """The slots entry ``e`` reads."""
         refs = list(e[3] or ()) + (list(e[2]) if e[0] == 1 else [])
-        return [r[0] for r in refs if type(r) is tuple and len(r) == 1]
+        return [s for r in refs for s in ((r,) if type(r) is _Slot else r if type(r) is _Slots else ()) if type(s) is _Slot]
 
     def finish(self) -> None:
         """Check the recording once ``out``, ``g`` and ``grads`` are set; find the forward's slots the
@@ -171,24 +201,30 @@ class _Tape:
         """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots."""
         launch = dispatch.launch
         for kind, f, a, refs, outs in self.entries[start:stop]:
-            if kind != 1:  # an aten op or a whole fusekit op: a is its pytree spec (None: flat arguments)
-                args = [vals[r[0]] if type(r) is tuple and len(r) == 1 else r for r in refs]
+            if kind != 1:  # an aten op or a whole fusekit op; a: keyword arguments, None or a _Tree
+                args = [vals[r] if type(r) is _Slot else [None if t is None else vals[t] for t in r] if type(r) is _Slots else r
+                        for r in refs]
                 if a is None:
                     r = f(*args)
-                else:
-                    p, kw = tree_unflatten(args, a)
+                elif type(a) is _Tree:
+                    p, kw = tree_unflatten(args, a.spec)
                     r = f(*p, **kw)
+                else:
+                    r = f(*args, **a)
                 if outs:
-                    res = (r,) if isinstance(r, torch.Tensor) else [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
-                    for s, t in zip(outs, res):
-                        vals[s] = t
+                    if isinstance(r, torch.Tensor):
+                        vals[outs[0]] = r
+                    else:
+                        flat = r if type(r) in (tuple, list) and not any(type(t) in (tuple, list) for t in r) else tree_flatten(r)[0]
+                        for s, t in zip(outs, [t for t in flat if isinstance(t, torch.Tensor)]):
+                            vals[s] = t
             else:  # fusekit call: a its operands, refs the outputs it was given (None: it allocated them)
-                ops = tuple([vals[r[0]] if type(r) is tuple and len(r) == 1 else r for r in a])
+                ops = tuple([vals[r] if type(r) is _Slot else r for r in a])
                 if refs is None:
                     for s, t in zip(outs, launch(f, ops, (), True)):
                         vals[s] = t
                 else:
-                    launch(f, ops, tuple([vals[r[0]] for r in refs]), False)
+                    launch(f, ops, tuple([vals[r] for r in refs]), False)
 
 
 def _name(e: tuple) -> str:

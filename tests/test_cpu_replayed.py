@@ -78,6 +78,23 @@ class Restride(Net):
         return t.t()
 
 
+class Lists(Net):
+    """Ops taking lists of tensors (cat, stack) and keyword arguments (softmax's dtype)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        z = torch.cat([y, torch.stack([y, y]).sum(0)], 1).softmax(1, dtype=torch.float64).float()
+        return z[:, :5] + z[:, 5:]
+
+
+def test_ops_on_lists_of_tensors_replay():
+    torch.manual_seed(0)
+    replay = same_training(Lists(), batches(6))
+    assert replay.forward.replays == 2
+    (tape,) = replay.forward.tapes.values()
+    assert any(type(r).__name__ == "_Slots" for e in tape.entries for r in e[3] or ())
+
+
 def test_an_in_place_restride_is_read_as_it_was_before_it():
     torch.manual_seed(0)
     assert same_training(Restride(), batches(6)).forward.replays == 2

@@ -60,7 +60,10 @@ def main() -> None:
     tape = next(iter(rp.forward.tapes.values()), None)
     print(f"{args.model} b{args.batch} {args.precision}: replays {rp.forward.replays} of 8 steps, refused {rp.forward.refused}; "
           f"tape: {0 if tape is None else sum(e[0] == 0 for e in tape.entries)} aten ops, "
-          f"{0 if tape is None else sum(e[0] == 1 for e in tape.entries)} fusekit graphs", flush=True)
+          f"{0 if tape is None else sum(e[0] == 1 for e in tape.entries)} fusekit graphs "
+          f"({0 if tape is None else sum(e[0] == 1 and e[1].native is None for e in tape.entries)} through graph.execute, "
+          f"{0 if tape is None else sum(e[0] == 1 and bool(e[1].relayout) for e in tape.entries)} with relayouts), "
+          f"{0 if tape is None else sum(e[0] == 2 for e in tape.entries)} whole fusekit ops", flush=True)
     print(f"losses modules {[round(v, 5) for v in lm]}\nlosses replayed {[round(v, 5) for v in lr]}\n"
           f"largest loss difference {max(abs(a - b) / abs(b) for a, b in zip(lr, lm)):.1e}, weights and buffers: largest rel {worst:.1e}", flush=True)
 
