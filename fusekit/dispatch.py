@@ -99,22 +99,23 @@ _FAST_LOCK = threading.Lock()
 _WATCHED: weakref.WeakSet[PlanCache] = weakref.WeakSet()  # caches whose evictions drop dispatch entries
 
 
-#: Bumped whenever resolved calls are forgotten: tapes made of them (fusekit.torch.replayed's) are
-#: recorded again.
+#: Bumped when resolved calls may no longer run as they are (dispatch cleared, a workspace lost its
+#: buffer): fusekit.torch.replayed's tapes, which hold calls, are recorded again. A plan leaving the
+#: cache does not bump it: a call holding the plan still runs it.
 GENERATION = 0
 
 
-def _forget_tapes() -> None:
+def _forget_tapes(calls_invalid: bool = True) -> None:
     global GENERATION
     _TAPES.clear()  # they hold resolved calls
-    GENERATION += 1
+    GENERATION += calls_invalid
 
 
 def _drop_plan(plan: Plan) -> None:
     with _FAST_LOCK:
         for k in [k for k, c in _FAST.items() if c.origin is plan]:
             del _FAST[k]
-        _forget_tapes()
+        _forget_tapes(calls_invalid=False)
 
 
 def _drop_workspace(ws: Workspace) -> None:

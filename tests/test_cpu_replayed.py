@@ -253,3 +253,21 @@ def test_bad_arguments_raise_operand_errors():
         ft.replayed(ft.replayed(Net()))
     with pytest.raises(OperandError, match="'model': is replayed already"):
         ft.graphed(ft.replayed(Net()))
+
+
+def test_clearing_dispatch_records_again_and_a_plan_eviction_does_not():
+    from fusekit import dispatch
+
+    torch.manual_seed(0)
+    replay = same_training(Net(), batches(6))
+    gen = dispatch.GENERATION
+    dispatch._drop_plan(object())  # a plan leaving the cache: calls holding it still run it
+    assert dispatch.GENERATION == gen
+    train(replay, batches(1))
+    assert replay.forward.replays == 3
+    dispatch.clear_dispatch()
+    assert dispatch.GENERATION == gen + 1
+    train(replay, batches(4))
+    assert replay.forward.replays == 3 and replay.forward.calls, "tapes recorded before the clear were replayed"
+    train(replay, batches(1))
+    assert replay.forward.replays == 4
