@@ -11,6 +11,7 @@ parameters, buffers and state-dict keys. ``Conv2d``, ``ConvTranspose2d``, ``Line
     print(report)                      # what was replaced, fused, left alone
     model = model.cuda().to(memory_format=torch.channels_last)
     model = ft.graphed(model)          # training forward + backward replayed as CUDA graphs
+    # or model = ft.replayed(model): training steps replayed from a recorded tape, no CUDA graphs
 
 Where a module runs:
 

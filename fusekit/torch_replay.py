@@ -64,10 +64,12 @@ def _tkey(t: torch.Tensor) -> tuple:
 
 
 class _Tape:
-    """One recording: ``entries`` are ``(0, op, spec, refs, outs)`` (an aten op; ``spec`` None when its
-    arguments are flat) or ``(1, call, operands, given, outs)`` (a fusekit call; ``given`` None when it
-    allocated its outputs). A ref is ``(slot,)``, a plain value otherwise is kept as it is; ``outs``
-    are the slots its tensors fill. Slots ``0 .. n_in`` are the inputs (x, parameters, buffers)."""
+    """One recording. ``entries`` are ``(kind, f, a, refs, outs)``: kind 0 an aten op and 2 a whole
+    fusekit op (``a``: keyword arguments, None or a _Tree; ``refs``: the arguments), kind 1 a fusekit
+    call (``a``: its operands; ``refs``: the outputs it was given, None when it allocated them). A ref
+    is a _Slot, a _Slots list or a plain value; ``outs`` are the slots the entry's tensors fill.
+    Slots ``0 .. n_in - 1`` are the input and the parameters that want gradients; buffers and other
+    tensors the module reads but did not make are constants (``consts``)."""
 
     def __init__(self, inputs: list[torch.Tensor], protected: int) -> None:
         self.where: dict[tuple, int] = {}
@@ -107,7 +109,7 @@ class _Tape:
 
     def reading(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
         """Before aten op ``func`` runs (an in-place restride changes what it reads): its arguments
-        as (pytree spec or None, refs); None when the recording is refused."""
+        as :meth:`_args` gives them; None when the recording is refused."""
         if self.refused is not None:
             return None
         name = func.__name__.split(".")[0]
