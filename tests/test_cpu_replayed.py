@@ -271,3 +271,19 @@ def test_clearing_dispatch_records_again_and_a_plan_eviction_does_not():
     assert replay.forward.replays == 3 and replay.forward.calls, "tapes recorded before the clear were replayed"
     train(replay, batches(1))
     assert replay.forward.replays == 4
+
+
+def test_gradient_accumulation_over_micro_batches():
+    """Two replayed forwards, then one backward of their summed losses, into kept (zeroed) .grad."""
+    torch.manual_seed(0)
+    model = Net()
+    replay = ft.replayed(copy.deepcopy(model))
+    data = batches(12)
+    for m in (model, replay):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for (x1, y1), (x2, y2) in zip(data[::2], data[1::2]):
+            opt.zero_grad(set_to_none=False)
+            (F.cross_entropy(m(x1), y1) + F.cross_entropy(m(x2), y2)).backward()
+            opt.step()
+    assert replay.forward.replays == 8
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), replay.state_dict().values()))
