@@ -287,3 +287,24 @@ def test_gradient_accumulation_over_micro_batches():
             opt.step()
     assert replay.forward.replays == 8
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), replay.state_dict().values()))
+
+
+class Dropped(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(super().forward(x), 0.5, self.training)
+
+
+def test_random_ops_draw_afresh_on_each_replay():
+    """Dropout replays draw new masks from the generator, in the order the modules would."""
+    torch.manual_seed(0)
+    model = Dropped()
+    replay = ft.replayed(copy.deepcopy(model))
+    data = batches(6)
+    torch.manual_seed(1)
+    want = train(model, data)
+    torch.manual_seed(1)
+    got = train(replay, data)
+    assert replay.forward.replays == 2
+    assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    x = data[0][0]
+    assert not torch.equal(replay(x), replay(x)), "two replays drew the same mask"
