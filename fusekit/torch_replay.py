@@ -87,6 +87,7 @@ class _Tape:
         self.g_layout: tuple = ()
         self.grads: list[int | None] = []
         self.drop: tuple[int, ...] = ()
+        self.generation = dispatch.GENERATION  # the resolved calls it holds are valid while this holds
 
     def _new(self, t: torch.Tensor) -> int:
         s = self.n
@@ -336,6 +337,9 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError("fusekit.torch.replayed: a replayed step's backward ran twice (retain_graph=True); "
                                "run such steps with fusekit.torch.replayed(model, enabled=False)")
         ctx.vals = None
+        if tape.generation != dispatch.GENERATION:
+            raise RuntimeError("fusekit.torch.replayed: fusekit's dispatch was cleared (fusekit.release, clear_dispatch or a "
+                               "workspace lost) between a replayed forward and its backward; run the step again")
         stride, align = tape.g_layout
         if g.stride() != stride or g.data_ptr() % 32 != align:  # the recorded ops read it with the recording's layout
             g = torch.empty_strided(g.shape, stride, dtype=g.dtype, device=g.device).copy_(g)

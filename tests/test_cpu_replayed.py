@@ -308,3 +308,15 @@ def test_random_ops_draw_afresh_on_each_replay():
     assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     x = data[0][0]
     assert not torch.equal(replay(x), replay(x)), "two replays drew the same mask"
+
+
+def test_a_backward_after_dispatch_was_cleared_refuses_to_run_stale_calls():
+    from fusekit import dispatch
+
+    torch.manual_seed(0)
+    replay = same_training(Net(), batches(6))
+    loss = replay(batches(1)[0][0]).sum()
+    assert replay.forward.replays == 3
+    dispatch.clear_dispatch()
+    with pytest.raises(RuntimeError, match="dispatch was cleared .* between a replayed forward and its backward"):
+        loss.backward()
