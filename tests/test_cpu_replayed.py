@@ -320,3 +320,67 @@ def test_a_backward_after_dispatch_was_cleared_refuses_to_run_stale_calls():
     dispatch.clear_dispatch()
     with pytest.raises(RuntimeError, match="dispatch was cleared .* between a replayed forward and its backward"):
         loss.backward()
+
+
+# fusekit calls in a tape, with stand-in calls (dispatch.launch patched to run a torch function per
+# call, as test_cpu_tapes does): recorded through the call recorder, replayed through launch.
+def _stand_in(name, fn):
+    import types
+
+    return types.SimpleNamespace(name=name, fn=fn)
+
+
+MUL = _stand_in("mul", lambda a, b: (a * b,))
+MUL_INTO = _stand_in("mul_into", lambda a, b, out: out[0].copy_(a * b))
+
+
+class _ScaleFn(torch.autograd.Function):
+    """y = x * w through stand-in fusekit calls; the backward writes dw into an output it was given."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # noqa: ANN001
+        from fusekit import dispatch
+
+        ctx.save_for_backward(x, w)
+        return dispatch._run_call(MUL, (x, w), (), True)[0]
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        from fusekit import dispatch
+
+        x, w = ctx.saved_tensors
+        gw = torch.empty_like(x)
+        dispatch._run_call(MUL_INTO, (g, x), (gw,), False)
+        return dispatch._run_call(MUL, (g, w), (), True)[0], gw.sum(0)
+
+
+class Scaled(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(5) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaleFn.apply(super().forward(x), self.w)
+
+
+def test_fusekit_calls_in_a_tape_replay_through_launch(monkeypatch):
+    from fusekit import dispatch
+
+    launched = []
+
+    def launch(c, operands, outs, alloc):
+        launched.append(c.name)
+        if alloc:
+            return tuple(c.fn(*operands))
+        c.fn(*operands, out=outs)
+        return outs
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    torch.manual_seed(0)
+    replay = same_training(Scaled(), batches(6))
+    assert replay.forward.replays == 2
+    assert launched.count("mul") == 2 * 2 * 6 and launched.count("mul_into") == 2 * 6  # both models, every step
+    (tape,) = replay.forward.tapes.values()
+    calls = [e for e in tape.entries if e[0] == 1]
+    assert [e[1].name for e in calls] == ["mul", "mul_into", "mul"]
+    assert calls[1][3] is not None and calls[0][3] is None, "a given output is recorded as such, an allocated one as new"
