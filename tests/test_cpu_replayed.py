@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fusekit.torch")
 
 from fusekit.errors import OperandError  # noqa: E402
+from stand_in_calls import call, launcher  # noqa: E402
 
 F = torch.nn.functional
 
@@ -324,14 +325,8 @@ def test_a_backward_after_dispatch_was_cleared_refuses_to_run_stale_calls():
 
 # fusekit calls in a tape, with stand-in calls (dispatch.launch patched to run a torch function per
 # call, as test_cpu_tapes does): recorded through the call recorder, replayed through launch.
-def _stand_in(name, fn):
-    import types
-
-    return types.SimpleNamespace(name=name, fn=fn)
-
-
-MUL = _stand_in("mul", lambda a, b: (a * b,))
-MUL_INTO = _stand_in("mul_into", lambda a, b, out: out[0].copy_(a * b))
+MUL = call("mul", lambda a, b: (a * b,))
+MUL_INTO = call("mul_into", lambda a, b, out: out[0].copy_(a * b))
 
 
 class _ScaleFn(torch.autograd.Function):
@@ -366,16 +361,8 @@ class Scaled(Net):
 def test_fusekit_calls_in_a_tape_replay_through_launch(monkeypatch):
     from fusekit import dispatch
 
-    launched = []
-
-    def launch(c, operands, outs, alloc):
-        launched.append(c.name)
-        if alloc:
-            return tuple(c.fn(*operands))
-        c.fn(*operands, out=outs)
-        return outs
-
-    monkeypatch.setattr(dispatch, "launch", launch)
+    launched: list = []
+    monkeypatch.setattr(dispatch, "launch", launcher(launched))
     torch.manual_seed(0)
     replay = same_training(Scaled(), batches(6))
     assert replay.forward.replays == 2

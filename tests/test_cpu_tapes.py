@@ -11,21 +11,14 @@ torch = pytest.importorskip("torch")
 
 from fusekit import dispatch  # noqa: E402
 from fusekit.tensors import TorchAdapter  # noqa: E402
+from stand_in_calls import call, launcher  # noqa: E402
 
 
 @pytest.fixture
 def fake(monkeypatch):
     """Calls c with c.fn(*operands) -> outputs (alloc) or c.fn(*operands, out=outs); each launch logged."""
-    launched = []
-
-    def launch(c, operands, outs, alloc):
-        launched.append(c.name)
-        if alloc:
-            return tuple(c.fn(*operands))
-        c.fn(*operands, out=outs)
-        return outs
-
-    monkeypatch.setattr(dispatch, "launch", launch)
+    launched: list = []
+    monkeypatch.setattr(dispatch, "launch", launcher(launched))
     monkeypatch.setitem(dispatch.SIGNATURES, torch.Tensor, TorchAdapter.sig)
     monkeypatch.setitem(dispatch.STREAMS, torch.Tensor, lambda device: 7)
     monkeypatch.setattr(dispatch, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: False))
@@ -33,13 +26,9 @@ def fake(monkeypatch):
     return launched
 
 
-def _call(name, fn):
-    return types.SimpleNamespace(name=name, fn=fn)
-
-
-MUL = _call("mul", lambda a, b: (a * b,))
-ADD = _call("add", lambda a, b: (a + b,))
-SCALE_INTO = _call("scale_into", lambda a, s, out: out[0].copy_(a * s))
+MUL = call("mul", lambda a, b: (a * b,))
+ADD = call("add", lambda a, b: (a + b,))
+SCALE_INTO = call("scale_into", lambda a, s, out: out[0].copy_(a * s))
 
 
 def _run(c, *operands, out=None):
