@@ -335,7 +335,7 @@ class _Replay(torch.autograd.Function):
         tape, vals = ctx.tape, ctx.vals
         if vals is None:
             raise RuntimeError("fusekit.torch.replayed: a replayed step's backward ran twice (retain_graph=True); "
-                               "run such steps with fusekit.torch.replayed(model, enabled=False)")
+                               "set model.forward.enabled = False for such steps")
         ctx.vals = None
         if tape.generation != dispatch.GENERATION:
             raise RuntimeError("fusekit.torch.replayed: fusekit's dispatch was cleared (fusekit.release, clear_dispatch or a "
