@@ -371,3 +371,36 @@ def test_fusekit_calls_in_a_tape_replay_through_launch(monkeypatch):
     calls = [e for e in tape.entries if e[0] == 1]
     assert [e[1].name for e in calls] == ["mul", "mul_into", "mul"]
     assert calls[1][3] is not None and calls[0][3] is None, "a given output is recorded as such, an allocated one as new"
+
+
+def test_a_call_resolved_again_between_recordings_still_agrees(monkeypatch):
+    """A plan evicted and rebuilt gives a new resolved call with the same plan key: the recordings
+    agree (and replay); a call of another plan key makes them differ."""
+    import types
+
+    from fusekit import dispatch
+
+    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    global MUL
+    original = MUL
+
+    def fresh(key):
+        return types.SimpleNamespace(name="mul", fn=original.fn, plan=types.SimpleNamespace(key=key))
+
+    torch.manual_seed(0)
+    model = ft.replayed(Scaled())
+    try:
+        for i, (x, y) in enumerate(batches(6)):
+            MUL = fresh("mul-key")  # resolved again before every step
+            F.cross_entropy(model(x), y).backward()
+        assert model.forward.replays == 2
+        model = ft.replayed(Scaled())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, (x, y) in enumerate(batches(8)):
+                MUL = fresh(f"key-{i}")  # another plan every step
+                F.cross_entropy(model(x), y).backward()
+        assert model.forward.replays == 0
+        assert any("op " in str(w.message) and "fusekit graph" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    finally:
+        MUL = original
