@@ -50,6 +50,8 @@ from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarn
 from .ops import pool
 from .ops.common import ACTIVATIONS, clip_attrs
 from .torch_replay import ReplayedForward
+from .torch_replay import amp_dtype as _amp_dtype
+from .torch_replay import autocast_as as _autocast_as
 
 F = torch.nn.functional
 
@@ -132,11 +134,6 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     if ref.dim() == 4 and ref.is_contiguous(memory_format=torch.channels_last) and not ref.is_contiguous():
         return t.contiguous(memory_format=torch.channels_last)
     return t.contiguous()
-
-
-def _amp_dtype() -> Any:
-    """The CUDA autocast dtype when autocast is on, else None."""
-    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
 
 def _cast(t: Any, dtype: Any) -> Any:
@@ -1322,11 +1319,8 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
     _check_wrappable(model, who)
     if autocast is not None and autocast not in _AUTOCAST_DTYPES:
         raise OperandError(who, "autocast", f"expected None, torch.float16 or torch.bfloat16, got {autocast!r}", what="argument")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
-        raise OperandError(who, "warmup", f"expected an int >= 1 (fusekit builds its plans in those passes), got {warmup!r}",
-                           what="argument")
-    if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
-        raise OperandError(who, "max_graphs", f"expected an int >= 1, got {max_graphs!r}", what="argument")
+    _check_count(who, "warmup", warmup, " (fusekit builds its plans in those passes)")
+    _check_count(who, "max_graphs", max_graphs)
     if sample is not None:
         if not isinstance(sample, torch.Tensor):
             raise OperandError(who, "sample", f"expected a CUDA tensor, got {type(sample).__name__}")
@@ -1366,11 +1360,15 @@ def replayed(model: torch.nn.Module, *, warmup: int = 2, max_tapes: int = 4) -> 
     have hooks (a replay would skip them)."""
     who = "fusekit.torch.replayed"
     _check_wrappable(model, who)
-    for name, v in (("warmup", warmup), ("max_tapes", max_tapes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise OperandError(who, name, f"expected an int >= 1, got {v!r}", what="argument")
+    _check_count(who, "warmup", warmup)
+    _check_count(who, "max_tapes", max_tapes)
     model.forward = ReplayedForward(model, model.forward, warmup, max_tapes)
     return model
+
+
+def _check_count(who: str, name: str, v: Any, why: str = "") -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise OperandError(who, name, f"expected an int >= 1{why}, got {v!r}", what="argument")
 
 
 def _check_wrappable(model: Any, who: str) -> None:
@@ -1386,11 +1384,6 @@ def _check_wrappable(model: Any, who: str) -> None:
     if isinstance(wrapped, (_GraphedForward, ReplayedForward)):
         kind = "graphed" if isinstance(wrapped, _GraphedForward) else "replayed"
         raise OperandError(who, "model", f"is {kind} already", what="argument")
-
-
-def _autocast_as(dtype: Any) -> Any:
-    """CUDA autocast in ``dtype`` without its weight cache (captures require it off); off for None."""
-    return torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None, cache_enabled=False)
 
 
 def _flat_outputs(out: Any) -> tuple:

@@ -270,12 +270,16 @@ class _Recording:
             dispatch.set_call_recorder(None)
 
 
-def _uncached_autocast() -> Any:
-    """The CUDA autocast in force with its weight cache off (a cast served from the cache would be
-    recorded as a constant and read stale after the optimizer's step)."""
-    if not torch.is_autocast_enabled("cuda"):
-        return torch.autocast("cuda", enabled=False)
-    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+def amp_dtype() -> Any:
+    """The CUDA autocast dtype when autocast is on, else None."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+
+
+def autocast_as(dtype: Any) -> Any:
+    """CUDA autocast in ``dtype`` without its weight cache (off for None). Captures require the cache
+    off; a recording too (a cast served from the cache would be recorded as a constant and read
+    stale after the optimizer's step)."""
+    return torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None, cache_enabled=False)
 
 
 class _Record(torch.autograd.Function):
@@ -285,7 +289,7 @@ class _Record(torch.autograd.Function):
     def forward(ctx: Any, fw: "ReplayedForward", key: tuple, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         xin = x.detach().requires_grad_(x.requires_grad)
         tape = _Tape([xin, *params], 1 + len(params))
-        with torch.enable_grad(), _uncached_autocast(), _Recording(tape):
+        with torch.enable_grad(), autocast_as(amp_dtype()), _Recording(tape):
             out = fw.original(xin)
         tape.fwd_end = len(tape.entries)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
@@ -321,7 +325,7 @@ class _Replay(torch.autograd.Function):
         vals[1:1 + len(params)] = params
         for s, t in tape.consts.items():
             vals[s] = t
-        with torch.autocast("cuda", enabled=False):  # the recorded ops are autocast's already
+        with autocast_as(None):  # the recorded ops are autocast's already
             tape.run(vals, 0, tape.fwd_end)
         out = vals[tape.out]
         for s in tape.drop:
@@ -380,8 +384,7 @@ class ReplayedForward:
         """What a tape is recorded for: the input's shape, strides, dtype, device, alignment and
         requires_grad, the autocast dtype, the current stream and the thread."""
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
-        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 32, x.requires_grad, amp, stream,
+        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 32, x.requires_grad, amp_dtype(), stream,
                 threading.get_ident())
 
     def _refuse(self, key: tuple, why: str) -> None:
