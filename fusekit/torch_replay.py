@@ -27,6 +27,11 @@ from . import dispatch
 
 #: aten ops a tape cannot hold: host reads of device values, and outputs whose shape depends on them.
 _HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "equal", "is_nonzero")
+#: in-place ops that change a tensor's shape or strides (a detach replayed as the tensor it aliases would share them)
+_RESHAPES_IN_PLACE = ("as_strided_", "resize_", "resize_as_", "t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_",
+                      "swapaxes_", "set_")
+_aten = torch.ops.aten
+_UNKNOWN = -1  # the alias class of a tensor that may share memory with any other
 
 
 class NotReplayable(Exception):
@@ -62,16 +67,60 @@ def _tkey(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def _slots(r: Any) -> list[int]:
+    """The slots a ref names."""
+    return [r] if type(r) is _Slot else [t for t in r if type(t) is _Slot] if type(r) is _Slots else []
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The alias class of a tensor the tape did not make (inputs, parameters, constants): its
+    storage's address (they stay alive while the tape does, so no other storage takes it)."""
+    try:
+        return t.untyped_storage().data_ptr() or _UNKNOWN
+    except Exception:  # noqa: BLE001 - no plain storage: may alias anything
+        return _UNKNOWN
+
+
+class _Batch:
+    """Several recorded ops replayed as one foreach launch (:meth:`_Tape.compact`)."""
+
+    __slots__ = ("__name__", "fn", "arg")
+
+    def __init__(self, name: str, fn: Any, arg: Any = None) -> None:
+        self.__name__, self.fn, self.arg = name, fn, arg
+
+    def __call__(self, *lists: list) -> Any:
+        return self.fn(self.arg, *lists)
+
+
+def _cast_all(dtype: Any, srcs: list) -> list:
+    outs = [torch.empty_like(t, dtype=dtype) for t in srcs]  # the recorded casts kept their sources' strides
+    torch._foreach_copy_(outs, srcs)
+    return outs
+
+
+def _copy_all(_: Any, dsts: list, srcs: list) -> None:
+    torch._foreach_copy_(dsts, srcs)
+
+
+def _add_all(value: Any, ts: list) -> list:
+    torch._foreach_add_(ts, value)
+    return ts
+
+
 class _Tape:
-    """One recording. ``entries`` are ``(kind, f, a, refs, outs)``: kind 0 an aten op and 2 a whole
-    fusekit op (``a``: keyword arguments, None or a _Tree; ``refs``: the arguments), kind 1 a fusekit
-    call (``a``: its operands; ``refs``: the outputs it was given, None when it allocated them). A ref
-    is a _Slot, a _Slots list or a plain value; ``outs`` are the slots the entry's tensors fill.
+    """One recording. ``entries`` are ``(kind, f, a, refs, outs)``: kind 0 an aten op (or, once
+    compacted, a _Batch of them) and 2 a whole fusekit op (``a``: keyword arguments, None or a _Tree;
+    ``refs``: the arguments), kind 1 a fusekit call (``a``: its operands; ``refs``: the outputs it was
+    given, None when it allocated them), kind 3 a detach (``outs[0]`` is ``refs[0]``). A ref is a
+    _Slot, a _Slots list or a plain value; ``outs`` are the slots the entry's tensors fill.
     Slots ``0 .. n_in - 1`` are the input and the parameters that want gradients; buffers and other
     tensors the module reads but did not make are constants (``consts``)."""
 
     def __init__(self, inputs: list[torch.Tensor], protected: int) -> None:
         self.where: dict[tuple, int] = {}
+        self.cls: list[int] = []  # slot -> alias class (slots of one class may share memory)
+        self.casts: dict[int, Any] = {}  # entry -> dtype, for aten._to_copy entries that only change the dtype
         self.consts: dict[int, torch.Tensor] = {}
         self.readers: dict[int, int] = {}  # constant slot -> the entry that first read it
         self.entries: list[tuple] = []
@@ -80,7 +129,7 @@ class _Tape:
         self.inside = 0  # > 0 while a fusekit call runs (its allocations and copies are its own)
         self.refused: str | None = None
         for t in inputs:
-            self._new(t)
+            self._new(t, _storage(t))
         self.n_in = self.n
         self.fwd_end = 0
         self.out = self.g = -1
@@ -89,10 +138,12 @@ class _Tape:
         self.drop: tuple[int, ...] = ()
         self.generation = dispatch.GENERATION  # the resolved calls it holds are valid while this holds
 
-    def _new(self, t: torch.Tensor) -> int:
+    def _new(self, t: torch.Tensor, cls: int | None = None) -> int:
+        """A new slot for ``t``; its alias class ``cls`` (None: new memory, a class of its own)."""
         s = self.n
         self.n += 1
         self.where[_tkey(t)] = s
+        self.cls.append(-2 - s if cls is None else cls)
         return s
 
     def _ref(self, v: Any) -> Any:
@@ -102,7 +153,7 @@ class _Tape:
         k = _tkey(v)
         s = self.where.get(k)
         if s is None:  # read, not made here: a constant (a cached vector)
-            s = self._new(v)
+            s = self._new(v, _storage(v))
             self.consts[s] = v
             self.readers[s] = len(self.entries)
         return _Slot(s)
@@ -139,14 +190,36 @@ class _Tape:
         leaves, spec = tree_flatten((args, kwargs))
         return _Tree(spec), tuple([self._ref(v) for v in leaves])
 
-    def made(self, kind: int, func: Any, read: tuple, out: Any) -> None:
-        """Note op ``func`` (kind 0 aten, 2 a whole fusekit op) that read ``read`` and returned ``out``."""
+    def _out_class(self, func: Any, read: tuple) -> int | None:
+        """The alias class an aten op's outputs share with an argument (views, in-place and out=
+        ops, by its schema); None where they are new memory."""
+        sets = {a for r in func._schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
+        if not sets:
+            return None
+        if type(read[0]) is not _Tree:
+            for arg, r in zip(func._schema.arguments, read[1]):
+                if arg.alias_info is not None and sets & set(arg.alias_info.before_set) and _slots(r):
+                    return self.cls[_slots(r)[0]]
+        return _UNKNOWN
+
+    def made(self, kind: int, func: Any, read: tuple, out: Any, args: tuple = ()) -> None:
+        """Note op ``func`` (kind 0 aten, 2 a whole fusekit op) that read ``read`` (``args``: the
+        arguments themselves) and returned ``out``."""
         if self.refused is not None:
             return
+        cls = self._out_class(func, read) if kind == 0 else None
+        if (func is _aten._to_copy.default and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)
+                and type(read[0]) is not _Tree and set(read[0] or ()) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}
+                and out.device == args[0].device and out.layout == args[0].layout == torch.strided and out.stride() == args[0].stride()
+                and (args[0].is_contiguous() or args[0].is_contiguous(memory_format=torch.channels_last))):
+            self.casts[len(self.entries)] = out.dtype  # a dtype change, strides kept: empty_like + a foreach copy redo it
         outs = []
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                outs.append(self._new(t))
+                if kind == 2:  # a fusekit op's result is new memory, unless it is an argument (out=) again
+                    same = self.where.get(_tkey(t))
+                    cls = None if same is None else self.cls[same]
+                outs.append(self._new(t, cls))
             elif t is not None:
                 self.refused = f"{func.__name__} returns a host value ({type(t).__name__})"
                 return
@@ -163,7 +236,100 @@ class _Tape:
     def reads(self, e: tuple) -> list[int]:
         """The slots entry ``e`` reads."""
         refs = list(e[3] or ()) + (list(e[2]) if e[0] == 1 else [])
-        return [s for r in refs for s in ((r,) if type(r) is _Slot else r if type(r) is _Slots else ()) if type(s) is _Slot]
+        return [s for r in refs for s in _slots(r)]
+
+    def writes(self, e: tuple) -> list[int]:
+        """The slots entry ``e`` writes in place (a whole fusekit op, or an op with a nested argument
+        list: every slot it reads)."""
+        kind, f, a, refs, _ = e
+        if kind == 1:
+            return list(refs or ())
+        if kind != 0 or type(a) is _Tree:
+            return self.reads(e)
+        return [s for arg, r in zip(f._schema.arguments, refs) if arg.alias_info is not None and arg.alias_info.is_write
+                for s in _slots(r)]
+
+    def compact(self) -> None:
+        """Fewer host calls per replay, the same results. Moved and merged into foreach launches: the
+        forward's dtype casts of the input and parameters (autocast's) to its start; its in-place
+        updates of buffers that no later op reads (running statistics, batch counts) to its end;
+        the backward's dtype casts that no later op reads (gradients back to the parameters' dtype)
+        to its end. A detach replays as the tensor it aliases."""
+        if self.refused is not None:
+            return
+        E, cls = self.entries, self.cls
+        last: dict[int, int] = {}  # alias class -> the last entry that reads, writes or makes it
+        wrote: dict[int, int] = {}  # alias class -> the last entry that writes it in place
+        for i, e in enumerate(E):
+            for s in self.reads(e) + list(e[4]):
+                last[cls[s]] = i
+            for s in self.writes(e):
+                wrote[cls[s]] = last[cls[s]] = i
+        unknown = last.get(_UNKNOWN, -1)  # no move across an op on memory that may alias anything
+        kept = {self.out, *[s for s in self.grads if s is not None]}
+
+        def alone(i: int, made: list[int], read: list[int]) -> bool:
+            """Entry i may move to the end of its phase: nothing after it touches what it makes or
+            writes, nor writes what it reads."""
+            return (unknown <= i and all(cls[s] != _UNKNOWN and last[cls[s]] == i for s in made)
+                    and all(cls[s] != _UNKNOWN and wrote.get(cls[s], -1) < i for s in read))
+
+        first: list[tuple] = []  # (i, kind of batch, key, refs, outs)
+        end_fwd: list[tuple] = []
+        end_bwd: list[tuple] = []
+        alias: set[int] = set()
+        restrided = {cls[s] for e in E if e[0] == 0 and e[1].__name__.split(".")[0] in _RESHAPES_IN_PLACE for s in self.writes(e)}
+        for i, (kind, f, a, refs, outs) in enumerate(E):
+            if kind != 0:
+                continue
+            fwd = i < self.fwd_end
+            if i in self.casts and type(refs[0]) is _Slot:
+                if fwd and refs[0] < self.protected:
+                    first.append((i, "cast", self.casts[i], refs[0], outs[0]))
+                elif not fwd and alone(i, [outs[0]], [refs[0]]):
+                    end_bwd.append((i, "cast", self.casts[i], refs[0], outs[0]))
+            elif (f is _aten.detach.default and outs and outs[0] not in kept and type(refs[0]) is _Slot
+                  and cls[refs[0]] not in restrided and _UNKNOWN not in restrided):
+                alias.add(i)
+            elif fwd and f is _aten._foreach_copy_.default and not a and len(refs) == 2:
+                dst, src = _slots(refs[0]), _slots(refs[1])
+                if len(dst) == len(refs[0]) and all(s in self.consts for s in dst) and alone(i, dst + list(outs), src):
+                    end_fwd.append((i, "copy", None, dst, src))
+            elif (fwd and f is _aten.add_.Tensor and not a and len(refs) == 2 and type(refs[0]) is _Slot and refs[0] in self.consts
+                  and type(refs[1]) in (int, float) and alone(i, [refs[0], *outs], [])):
+                end_fwd.append((i, "add", refs[1], refs[0], outs[0] if outs else None))
+        # the ops moved to one end run in any order: none writes what another reads or writes
+        written = [cls[s] for b in end_fwd for s in ((b[3],) if b[1] == "add" else b[3])]
+        read = {cls[s] for b in end_fwd if b[1] == "copy" for s in b[4]}
+        if len(set(written)) != len(written) or read & set(written):
+            end_fwd = []
+        moved = {b[0] for b in first + end_fwd + end_bwd}
+        if not moved and not alias:
+            return
+
+        def batched(group: list[tuple]) -> list[tuple]:
+            out = []
+            for key in dict.fromkeys((b[1], b[2]) for b in group):
+                bs = [b for b in group if (b[1], b[2]) == key]
+                if key[0] == "cast":
+                    out.append((0, _Batch(f"_to_copy x{len(bs)} (one foreach copy)", _cast_all, key[1]), None,
+                                (_Slots([b[3] for b in bs]),), tuple(b[4] for b in bs)))
+                elif key[0] == "copy":
+                    out.append((0, _Batch(f"_foreach_copy_ x{len(bs)} (one foreach copy)", _copy_all), None,
+                                (_Slots([s for b in bs for s in b[3]]), _Slots([s for b in bs for s in b[4]])), ()))
+                else:
+                    outs = tuple(b[4] for b in bs)
+                    out.append((0, _Batch(f"add_ x{len(bs)} (one foreach add)", _add_all, key[1]), None,
+                                (_Slots([b[3] for b in bs]),), outs if None not in outs else ()))
+            return out
+
+        def rest(lo: int, hi: int) -> list[tuple]:
+            return [(3, None, None, E[i][3][:1], E[i][4]) if i in alias else E[i] for i in range(lo, hi) if i not in moved]
+
+        fwd = batched(first) + rest(0, self.fwd_end) + batched(end_fwd)
+        self.entries = fwd + rest(self.fwd_end, len(E)) + batched(end_bwd)
+        self.fwd_end = len(fwd)
+        self.casts = {}
 
     def finish(self) -> None:
         """Check the recording once ``out``, ``g`` and ``grads`` are set; find the forward's slots the
@@ -203,7 +369,9 @@ class _Tape:
         """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots."""
         launch = dispatch.launch
         for kind, f, a, refs, outs in self.entries[start:stop]:
-            if kind != 1:  # an aten op or a whole fusekit op; a: keyword arguments, None or a _Tree
+            if kind == 3:  # a detach: the tensor it aliases
+                vals[outs[0]] = vals[refs[0]]
+            elif kind != 1:  # an aten op or a whole fusekit op; a: keyword arguments, None or a _Tree
                 args = [vals[r] if type(r) is _Slot else [None if t is None else vals[t] for t in r] if type(r) is _Slots else r
                         for r in refs]
                 if a is None:
@@ -230,6 +398,8 @@ class _Tape:
 
 
 def _name(e: tuple) -> str:
+    if e[0] == 3:
+        return "aten.detach (the tensor it aliases)"
     if e[0] == 1:
         return f"fusekit graph {getattr(getattr(e[1].plan, 'key', None), 'pattern', '?')}"
     return f"aten.{e[1].__name__}" if e[0] == 0 else f"fusekit.ops.{e[1].__name__}"
@@ -246,7 +416,7 @@ class _Mode(TorchDispatchMode):
         read = None if tape.inside else tape.reading(func, args, kwargs)
         out = func(*args, **kwargs)
         if read is not None:
-            tape.made(0, func, read, out)
+            tape.made(0, func, read, out, args)
         return out
 
 
@@ -400,6 +570,7 @@ class ReplayedForward:
         last, n = self.recordings.get(key, (None, 0))
         why = None if last is None else last.difference(tape)
         if last is not None and why is None:
+            tape.compact()
             self.tapes[key] = tape
             self.recordings.pop(key, None)
         elif n + 1 >= 4:

@@ -101,6 +101,75 @@ def test_an_in_place_restride_is_read_as_it_was_before_it():
     assert same_training(Restride(), batches(6)).forward.replays == 2
 
 
+class Mixed(torch.nn.Module):
+    """Mixed precision by hand: parameters cast at each use (as autocast does), buffers updated in
+    place (as batch norm's running statistics and batch count), detaches; ``read_back``: the forward
+    reads a buffer after updating it."""
+
+    def __init__(self, read_back: bool = False) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)
+        self.register_buffer("m1", torch.zeros(8))
+        self.register_buffer("m2", torch.zeros(5))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.read_back = read_back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = torch.float64
+        h = torch.relu(F.linear(x.to(d), self.l1.weight.to(d), self.l1.bias.to(d)))
+        torch._foreach_copy_([self.m1], [h.mean(0).detach().float()])
+        y = F.linear(h, self.l2.weight.to(d), self.l2.bias.to(d))
+        torch._foreach_copy_([self.m2], [y.mean(0).detach().float()])
+        self.seen.add_(1)
+        if self.read_back:
+            y = y + self.m2.to(d)
+        return y.float()
+
+
+def names(tape: object) -> tuple[list[str], list[str]]:
+    from fusekit.torch_replay import _name
+
+    got = [_name(e) for e in tape.entries]
+    return got[:tape.fwd_end], got[tape.fwd_end:]
+
+
+def test_casts_and_buffer_updates_replay_merged_into_foreach_launches():
+    torch.manual_seed(0)
+    (tape,) = same_training(Mixed(), batches(8, (4, 6))).forward.tapes.values()
+    fwd, bwd = names(tape)
+    assert fwd[0] == "aten._to_copy x5 (one foreach copy)", fwd  # the input and 4 parameters, at the start
+    assert fwd[-2:] == ["aten._foreach_copy_ x2 (one foreach copy)", "aten.add_ x1 (one foreach add)"], fwd
+    assert not [n for n in fwd if n.startswith(("aten._foreach_copy_.", "aten.add_.", "aten.detach."))], fwd
+    assert fwd.count("aten._to_copy.default") == 3  # casts of values the forward made stay in place
+    assert fwd.count("aten.detach (the tensor it aliases)") >= 2
+    assert bwd[-1] == "aten._to_copy x4 (one foreach copy)", bwd  # the 4 gradients back to float32, at the end
+    assert bwd.count("aten._to_copy.default") == 1  # the upstream gradient to float64: later ops read it
+
+
+def test_a_buffer_read_after_its_update_keeps_its_place():
+    torch.manual_seed(0)
+    (tape,) = same_training(Mixed(read_back=True), batches(8, (4, 6))).forward.tapes.values()
+    fwd, _ = names(tape)
+    assert "aten._foreach_copy_ x1 (one foreach copy)" in fwd  # m1's update moves, m2's stays before its read
+    assert "aten._foreach_copy_.default" in fwd and fwd.index("aten._foreach_copy_.default") < fwd.index("aten.add.Tensor")
+
+
+class DetachRestride(Net):
+    """A detach of a tensor that is then restrided in place: the detach keeps the old shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = super().forward(x) * 1
+        keep = t.detach()
+        t.as_strided_(t.shape[::-1], (1, t.shape[1]))
+        return t.t() + keep
+
+
+def test_a_detach_of_a_tensor_restrided_later_is_replayed_as_a_detach():
+    torch.manual_seed(0)
+    (tape,) = same_training(DetachRestride(), batches(6)).forward.tapes.values()
+    assert "aten.detach.default" in names(tape)[0]
+
+
 def test_an_input_of_another_shape_gets_its_own_tape():
     torch.manual_seed(0)
     data = [b for pair in zip(batches(6), batches(6, (2, 3, 8, 8))) for b in pair]

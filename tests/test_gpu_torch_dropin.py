@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -1045,6 +1046,20 @@ def test_replayed_model_trains_as_its_modules_do(amp):
     tape = next(iter(model.forward.tapes.values()))
     assert sum(e[0] == 1 for e in tape.entries) >= 40, "the tape holds too few fusekit graphs: layers ran outside fusekit"
     assert any(e[0] == 2 for e in tape.entries), "the max pool (a fusekit kernel of its own) is not in the tape"
+    from fusekit.torch_replay import _name
+
+    names = [_name(e) for e in tape.entries]
+    fwd, bwd = names[:tape.fwd_end], names[tape.fwd_end:]
+
+    def merged(name, op):  # how many recorded ops one merged entry stands for (0: not a merged one)
+        m = re.fullmatch(rf"aten\.{re.escape(op)} x(\d+) \(one foreach \w+\)", name)
+        return int(m.group(1)) if m else 0
+
+    # the 20 batch norms' running statistics and batch counts, merged at the forward's end
+    assert sorted([merged(fwd[-2], "_foreach_copy_"), merged(fwd[-1], "_foreach_copy_")]) == [0, 20], fwd[-4:]
+    assert sorted([merged(fwd[-2], "add_"), merged(fwd[-1], "add_")]) == [0, 20], fwd[-4:]
+    if amp is not None:  # autocast's casts of the 21 weights (and more), and their gradients' casts back
+        assert merged(fwd[0], "_to_copy") >= 21 and merged(bwd[-1], "_to_copy") >= 21, (fwd[:2], bwd[-2:])
 
 
 def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch):
