@@ -16,8 +16,8 @@ the captured steps run without GradScaler (its inf check reads the host), the re
 captured at its first steps; PyTorch: ``torch.cuda.make_graphed_callables``, autocast without its weight
 cache), the loss, GradScaler and optimizer step run as usual around them: the ordinary training loop with the host cost of the layers gone.
 ``fusekit_replayed_ms``: ``fusekit.torch.replayed(model)``, uncaptured steps whose training forward and
-backward replay from a tape recorded in the warm-up (the kernels launch from the host as usual; the
-modules' Python is gone). ``torch_compile_ms``: ``torch.compile(model)`` (default mode) for the --compile-precisions, null when
+backward replay from a tape recorded in steps before the timing, after which the weights go back to
+the initial ones (the kernels launch from the host as usual; the modules' Python is gone). ``torch_compile_ms``: ``torch.compile(model)`` (default mode) for the --compile-precisions, null when
 compiling the first step fails or takes longer than --compile-limit seconds. Every side starts from the same initial weights
 and sees the same batches, so the losses after the timed steps (``*_loss``) are comparable.
 
@@ -116,13 +116,21 @@ def time_replayed(model: torch.nn.Module, data: Data, precision: str, args: argp
     """(median ms per step, loss, note) of uncaptured steps of ``fusekit.torch.replayed(model)``: its
     training forward and backward replayed from a tape (recorded in the warm-up steps)."""
     model = ft.replayed(model.train())
+    start = copy.deepcopy(model.state_dict())
     step, box = make_step(model, data, precision, captured=False)
     data.reset()
     for _ in range(model.forward.warmup + 3):  # plans, then the two recordings that must agree
         step()
     if not model.forward.tapes:
         return None, None, f"not replayed: {model.forward.refused or 'no tape after the warm-up'}"
+    # back to the initial weights and a new optimizer and scaler (loaded in place: the tape stays), so
+    # the timed steps and the loss after them are those of the other sides
+    model.load_state_dict(start)
+    step, box = make_step(model, data, precision, captured=False)
+    data.reset()
     ms = cuda_time_ms(step, iters=args.iters, trials=args.trials, warmup=args.warmup, before_trial=data.refill)
+    if model.forward.replays < args.trials * args.iters:
+        return None, None, f"not replayed after the reset: {model.forward.refused or 'the tape was dropped'}"
     return ms, float(box["loss"]), ""
 
 

@@ -198,8 +198,9 @@ class _Tape:
             return None
         if type(read[0]) is not _Tree:
             for arg, r in zip(func._schema.arguments, read[1]):
-                if arg.alias_info is not None and sets & set(arg.alias_info.before_set) and _slots(r):
-                    return self.cls[_slots(r)[0]]
+                if arg.alias_info is not None and sets & set(arg.alias_info.before_set):
+                    classes = {self.cls[s] for s in _slots(r)}
+                    return classes.pop() if len(classes) == 1 else _UNKNOWN  # which list element: not said
         return _UNKNOWN
 
     def made(self, kind: int, func: Any, read: tuple, out: Any, args: tuple = ()) -> None:
