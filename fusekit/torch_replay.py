@@ -3,7 +3,8 @@ recorded once as the aten ops and fusekit calls they ran, then replayed under on
 
 No CUDA graph: every kernel still launches from the host, on the current stream, with new outputs.
 What a replay skips is the Python between them (modules, autograd Functions, casts, fusekit's ops
-layer and dispatch keys), which is most of an uncaptured step's host time.
+layer and dispatch keys), which is most of an uncaptured step's host time. An accepted tape is
+compacted (:meth:`_Tape.compact`): casts and buffer updates merged into foreach launches.
 
 A recording is made inside a real training step: the forward runs the module under a
 ``TorchDispatchMode`` (every aten op below autograd and autocast) and fusekit's call recorder

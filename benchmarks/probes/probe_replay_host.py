@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
 import time
 
 import torch
+from common import converted
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from bench_train_models import PRECISIONS, Data, make_step  # noqa: E402
-
-import fusekit.torch as ft  # noqa: E402
-from fusekit import dispatch  # noqa: E402
-from fusekit.pipeline.bench import cuda_time_ms  # noqa: E402
-from fusekit.torch_replay import _name, _Tape  # noqa: E402
+from bench_train_models import PRECISIONS, make_step
+import fusekit.torch as ft
+from fusekit import dispatch
+from fusekit.pipeline.bench import cuda_time_ms
+from fusekit.torch_replay import _name, _Tape
 
 
 def main() -> None:
@@ -33,13 +28,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    initial = getattr(torchvision.models, args.model)(weights=None).to(memory_format=torch.channels_last)
-    rp = ft.replayed(ft.convert(initial)[0].cuda().train())
-    data = Data(args.batch, 224)
+    _, fk, data = converted(args.model, args.batch)
+    rp = ft.replayed(fk)
     step, _ = make_step(rp, data, args.precision, captured=False)
     data.reset(3)
     for _ in range(8):
