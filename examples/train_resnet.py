@@ -1,7 +1,7 @@
 """A torchvision ResNet-18 moved onto fused cuDNN graphs with ``fusekit.torch.convert`` and trained
 beside the unconverted model, from the same initial weights on the same batches.
 
-    python examples/train_resnet.py [--steps 100] [--batch 64] [--size 64] [--graphed] [--control] [--plot loss.png]
+    python examples/train_resnet.py [--steps 100] [--batch 64] [--size 64] [--graphed | --replayed] [--control] [--plot loss.png]
 
 Training: fp16 AMP (torch.autocast + GradScaler), channels-last, SGD with momentum 0.9 (lr 0.002),
 cross-entropy on synthetic 10-class images (each class a fixed random low-frequency colour pattern at
@@ -15,6 +15,9 @@ largest relative gap between them, and the milliseconds per step of each.
 its first three steps run uncaptured, the fourth captures them): the loop stays the same (autocast,
 GradScaler, optimizer), and the per-layer host work is replayed by the driver instead of redone in
 Python at every step, which is where an uncaptured step of small layers spends its time.
+``--replayed`` (``fusekit.torch.replayed``) keeps the step uncaptured but replays the forward and
+backward from a tape recorded at its third and fourth steps: the same kernels, without the modules'
+Python, and no CUDA graph (shapes may change; each new one gets its own tape).
 
 Training a random-init ResNet is chaotic: two runs that differ only by rounding drift apart
 exponentially. On the CPU in float32 (batch 64, 64x64), eager against eager with its weights
@@ -97,17 +100,19 @@ def max_relative_gap(a: list[float], b: list[float]) -> float:
 
 
 def run(steps: int = 100, batch: int = 64, size: int = 64, seed: int = 0, lr: float = 0.002, graph: bool = False,
-        times: dict[str, list[float]] | None = None) -> tuple[list[float], list[float], Any]:
+        times: dict[str, list[float]] | None = None, replay: bool = False) -> tuple[list[float], list[float], Any]:
     """(fusekit losses, eager losses, conversion report) of the two models trained from the same weights
     on the same ``steps`` fresh batches (``graph``: the fusekit model's forward and backward as CUDA
-    graphs, ``fusekit.torch.graphed``; ``times``, if given, receives each side's milliseconds per
-    step under "fusekit" and "eager")."""
+    graphs, ``fusekit.torch.graphed``; ``replay``: replayed from a tape, ``fusekit.torch.replayed``;
+    ``times``, if given, receives each side's milliseconds per step under "fusekit" and "eager")."""
+    if graph and replay:
+        raise ValueError("train_resnet.run: graph and replay exclude each other")
     eager, fused, report = make_models(seed=seed)
     batches = synthetic_batches(steps, batch, size, seed=seed)
-    if graph:
+    if graph or replay:
         import fusekit.torch as ft
 
-        fused = ft.graphed(fused)
+        fused = ft.graphed(fused) if graph else ft.replayed(fused)
     times = {} if times is None else times
     fused_losses = train(fused, batches, steps, lr=lr, times=times.setdefault("fusekit", []))
     eager_losses = train(eager, batches, steps, lr=lr, times=times.setdefault("eager", []))
@@ -131,14 +136,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=64, help="image height and width")
     ap.add_argument("--lr", type=float, default=0.002)
-    ap.add_argument("--graphed", action="store_true", help="run the converted model's forward and backward as CUDA graphs")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--graphed", action="store_true", help="run the converted model's forward and backward as CUDA graphs")
+    how.add_argument("--replayed", action="store_true", help="replay the converted model's forward and backward from a tape (uncaptured)")
     ap.add_argument("--control", action="store_true", help="also train eager from weights perturbed by a relative 1e-3")
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_resnet: needs a CUDA GPU")
     times: dict[str, list[float]] = {}
-    fk, ea, report = run(args.steps, args.batch, args.size, lr=args.lr, graph=args.graphed, times=times)
+    fk, ea, report = run(args.steps, args.batch, args.size, lr=args.lr, graph=args.graphed, times=times, replay=args.replayed)
+    how = " graphed" if args.graphed else " replayed" if args.replayed else ""
     print(report)
     print()
     print(" step   fusekit     eager   rel gap")
@@ -147,7 +155,7 @@ def main() -> None:
     print(f"loss {fk[0]:.4f} -> {fk[-1]:.4f} (fusekit), {ea[0]:.4f} -> {ea[-1]:.4f} (eager); "
           f"max relative gap {max_relative_gap(fk, ea):.4f}")
     med = {k: statistics.median(v[len(v) // 4:]) for k, v in times.items()}  # the first steps build plans
-    print(f"ms per step (median after the first quarter): fusekit{' graphed' if args.graphed else ''} {med['fusekit']:.2f}, "
+    print(f"ms per step (median after the first quarter): fusekit{how} {med['fusekit']:.2f}, "
           f"eager {med['eager']:.2f}")
     ctl = None
     if args.control:
@@ -160,7 +168,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         plt.figure(figsize=(6, 4))
-        plt.plot(fk, label="fusekit.torch.convert(resnet18)" + (", graphed" if args.graphed else ""))
+        plt.plot(fk, label="fusekit.torch.convert(resnet18)" + how.replace(" ", ", "))
         plt.plot(ea, "--", label="PyTorch eager")
         if ctl is not None:
             plt.plot(ctl, ":", label="eager, weights perturbed by 1e-3")

@@ -705,31 +705,38 @@ def test_train_resnet_example_tracks_eager():
         assert gap < 2 * control, f"gap {gap:.4f} vs chaos control {control:.4f}"
 
 
-def test_train_resnet_example_graphed_tracks_uncaptured():
-    """fusekit.torch.graphed on examples/train_resnet.py's converted ResNet-18 (fp16 autocast): 30
-    steps of the same loop (fp16 AMP, GradScaler, SGD momentum) track the uncaptured converted model
-    from the same weights on the same batches: within 1% over the first 10 steps, 5% over all 30."""
+@pytest.mark.parametrize("wrap", ["graphed", "replayed"])
+def test_train_resnet_example_wrapped_tracks_uncaptured(wrap):
+    """fusekit.torch.graphed / replayed on examples/train_resnet.py's converted ResNet-18 (fp16
+    autocast): 30 steps of the same loop (fp16 AMP, GradScaler, SGD momentum) track the uncaptured
+    converted model from the same weights on the same batches: within 1% over the first 10 steps, 5%
+    over all 30; replayed, the steps after the recordings replay."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import train_resnet
 
     steps = 30
     batches = train_resnet.synthetic_batches(steps, 64, 64)
     curves, times = {}, {}
-    for name in ("uncaptured", "graphed"):
+    for name in ("uncaptured", wrap):
         _, fused, _ = train_resnet.make_models()
         if name == "graphed":
             fused = ft().graphed(fused, batches[0][0], autocast=torch.float16)
+        elif name == "replayed":
+            fused = ft().replayed(fused)
         curves[name] = train_resnet.train(fused, batches, steps, times=times.setdefault(name, []))
-    fg, fu = curves["graphed"], curves["uncaptured"]
+    fg, fu = curves[wrap], curves["uncaptured"]
     for i in range(steps):
-        print(f"step {i:3d}: graphed {fg[i]:.4f}  uncaptured {fu[i]:.4f}")
+        print(f"step {i:3d}: {wrap} {fg[i]:.4f}  uncaptured {fu[i]:.4f}")
     med = {k: sorted(v[10:])[len(v[10:]) // 2] for k, v in times.items()}
     early, gap = train_resnet.max_relative_gap(fg[:10], fu[:10]), train_resnet.max_relative_gap(fg, fu)
-    print(f"max relative gap {early:.4f} (10 steps), {gap:.4f} ({steps} steps); ms per step graphed {med['graphed']:.2f}, "
+    print(f"max relative gap {early:.4f} (10 steps), {gap:.4f} ({steps} steps); ms per step {wrap} {med[wrap]:.2f}, "
           f"uncaptured {med['uncaptured']:.2f}")
     assert all(math.isfinite(v) for v in fg)
     assert sum(fg[-5:]) < sum(fg[:5]), "the loss must fall"
     assert early < 0.01 and gap < 0.05
+    if wrap == "replayed":
+        # 2 warm-up steps, then recordings until two agree (2 unless fusekit still settles a plan)
+        assert fused.forward.replays >= steps - 8, (fused.forward.replays, fused.forward.refused)
 
 
 def _graph_net():
