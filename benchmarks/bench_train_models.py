@@ -114,7 +114,8 @@ def time_eager(model: torch.nn.Module, data: Data, precision: str, args: argpars
 
 def time_replayed(model: torch.nn.Module, data: Data, precision: str, args: argparse.Namespace) -> tuple[float | None, float | None, str]:
     """(median ms per step, loss, note) of uncaptured steps of ``fusekit.torch.replayed(model)``: its
-    training forward and backward replayed from a tape (recorded in the warm-up steps)."""
+    training forward and backward replayed from a tape recorded in steps before the timing, which
+    then starts again from the initial weights with a new optimizer and scaler."""
     model = ft.replayed(model.train())
     start = copy.deepcopy(model.state_dict())
     step, box = make_step(model, data, precision, captured=False)
