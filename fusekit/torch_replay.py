@@ -259,6 +259,15 @@ class _Tape:
         return [s for arg, r in zip(f._schema.arguments, refs) if arg.alias_info is not None and arg.alias_info.is_write
                 for s in _slots(r)]
 
+    def _last_touch(self) -> dict[int, int]:
+        """Alias class -> the last entry that reads, writes or makes it (what an entry writes in
+        place it reads too)."""
+        last: dict[int, int] = {}
+        for i, e in enumerate(self.entries):
+            for s in self.reads(e) + list(e[4]):
+                last[self.cls[s]] = i
+        return last
+
     def compact(self) -> None:
         """Fewer host calls per replay, the same results. Moved and merged into foreach launches: the
         forward's dtype casts of the input and parameters (autocast's) to its start; its in-place
@@ -268,13 +277,11 @@ class _Tape:
         if self.refused is not None:
             return
         E, cls = self.entries, self.cls
-        last: dict[int, int] = {}  # alias class -> the last entry that reads, writes or makes it
+        last = self._last_touch()
         wrote: dict[int, int] = {}  # alias class -> the last entry that writes it in place
         for i, e in enumerate(E):
-            for s in self.reads(e) + list(e[4]):
-                last[cls[s]] = i
             for s in self.writes(e):
-                wrote[cls[s]] = last[cls[s]] = i
+                wrote[cls[s]] = i
         unknown = last.get(_UNKNOWN, -1)  # no move across an op on memory that may alias anything
         kept = {self.out, *[s for s in self.grads if s is not None]}
 
@@ -351,10 +358,7 @@ class _Tape:
         self.bufs = [None] * len(E)
         if self.refused is not None or any(e[0] == 0 and getattr(e[1], "__name__", "").split(".")[0] == "set_" for e in E):
             return  # set_ would make a buffer (or a constant) share another tensor's memory
-        last: dict[int, int] = {}
-        for i, e in enumerate(E):
-            for s in self.reads(e) + list(e[4]):
-                last[cls[s]] = i
+        last = self._last_touch()
         leaving = {cls[self.out], *[cls[s] for s in self.grads if s is not None]}
         free: dict[tuple, list[int]] = {}  # meta -> buffers free from the next entry on
         held: list[tuple[int, int, tuple]] = []  # (last entry, buffer, meta) in use
