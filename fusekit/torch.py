@@ -1350,7 +1350,9 @@ def replayed(model: torch.nn.Module, *, warmup: int = 2, max_tapes: int = 4) -> 
     (the aten ops and fusekit graphs the forward and its backward ran), and once two recordings
     agree every later call replays them under one autograd node: the same kernels, new outputs,
     none of the modules' Python. Batch-norm running statistics move as they would. Autocast casts
-    and buffer updates replay merged into foreach launches; the results are the same.
+    and buffer updates replay merged into foreach launches, and fusekit's intermediate outputs go
+    into buffers kept from step to step (one input signature's at a time, about the memory one step
+    peaks at); the results are the same.
 
     Calls in eval mode or without grad, inside a CUDA-graph capture, and signatures the forward
     cannot be replayed for (a host read such as ``.item()``, an in-place write to the input or a

@@ -122,6 +122,11 @@ class _Tape:
         self.where: dict[tuple, int] = {}
         self.cls: list[int] = []  # slot -> alias class (slots of one class may share memory)
         self.casts: dict[int, Any] = {}  # entry -> dtype, for aten._to_copy entries that only change the dtype
+        self.metas: dict[int, tuple] = {}  # slot -> (shape, strides, dtype, device) of an output a fusekit call made
+        self.bufs: list[tuple[int, ...] | None] = []  # entry -> the replay buffers its fusekit call writes (plan_buffers)
+        self.buffers: list[tuple] = []  # buffer -> (shape, strides, dtype, device)
+        self.pool: list[torch.Tensor] | None = None  # the buffers, made at the first replay
+        self.lent = False  # a replay holds the pool (its backward is still to come)
         self.consts: dict[int, torch.Tensor] = {}
         self.readers: dict[int, int] = {}  # constant slot -> the entry that first read it
         self.entries: list[tuple] = []
@@ -137,6 +142,7 @@ class _Tape:
         self.g_layout: tuple = ()
         self.grads: list[int | None] = []
         self.drop: tuple[int, ...] = ()
+        self.out_read = False
         self.generation = dispatch.GENERATION  # the resolved calls it holds are valid while this holds
 
     def _new(self, t: torch.Tensor, cls: int | None = None) -> int:
@@ -233,6 +239,8 @@ class _Tape:
         ops = tuple([self._ref(a) for a in operands])
         giv = None if given is None else tuple([self._ref(a) for a in given])
         outs = tuple([self._new(t) for t in res]) if given is None else ()
+        for s, t in zip(outs, res):
+            self.metas[s] = (tuple(t.shape), t.stride(), t.dtype, t.device)
         self.entries.append((1, c, ops, giv, outs))
 
     def reads(self, e: tuple) -> list[int]:
@@ -251,6 +259,15 @@ class _Tape:
         return [s for arg, r in zip(f._schema.arguments, refs) if arg.alias_info is not None and arg.alias_info.is_write
                 for s in _slots(r)]
 
+    def _last_touch(self) -> dict[int, int]:
+        """Alias class -> the last entry that reads, writes or makes it (what an entry writes in
+        place it reads too)."""
+        last: dict[int, int] = {}
+        for i, e in enumerate(self.entries):
+            for s in self.reads(e) + list(e[4]):
+                last[self.cls[s]] = i
+        return last
+
     def compact(self) -> None:
         """Fewer host calls per replay, the same results. Moved and merged into foreach launches: the
         forward's dtype casts of the input and parameters (autocast's) to its start; its in-place
@@ -260,13 +277,11 @@ class _Tape:
         if self.refused is not None:
             return
         E, cls = self.entries, self.cls
-        last: dict[int, int] = {}  # alias class -> the last entry that reads, writes or makes it
+        last = self._last_touch()
         wrote: dict[int, int] = {}  # alias class -> the last entry that writes it in place
         for i, e in enumerate(E):
-            for s in self.reads(e) + list(e[4]):
-                last[cls[s]] = i
             for s in self.writes(e):
-                wrote[cls[s]] = last[cls[s]] = i
+                wrote[cls[s]] = i
         unknown = last.get(_UNKNOWN, -1)  # no move across an op on memory that may alias anything
         kept = {self.out, *[s for s in self.grads if s is not None]}
 
@@ -333,6 +348,47 @@ class _Tape:
         self.fwd_end = len(fwd)
         self.casts = {}
 
+    def plan_buffers(self) -> None:
+        """Which fusekit outputs a replay writes into buffers kept from one replay to the next
+        (``bufs``), instead of allocating them: outputs that never reach the caller (the result, the
+        gradients and what aliases them are new each time). Outputs whose lifetimes in the step do
+        not overlap share a buffer of their shape, strides, dtype and device; the kernels run in
+        stream order, as the caching allocator's reuse relies on too."""
+        E, cls = self.entries, self.cls
+        self.bufs = [None] * len(E)
+        if self.refused is not None or any(e[0] == 0 and getattr(e[1], "__name__", "").split(".")[0] == "set_" for e in E):
+            return  # set_ would make a buffer (or a constant) share another tensor's memory
+        last = self._last_touch()
+        leaving = {cls[self.out], *[cls[s] for s in self.grads if s is not None]}
+        free: dict[tuple, list[int]] = {}  # meta -> buffers free from the next entry on
+        held: list[tuple[int, int, tuple]] = []  # (last entry, buffer, meta) in use
+        for i, (kind, _, _, refs, outs) in enumerate(E):
+            for h in [h for h in held if h[0] < i]:
+                held.remove(h)
+                free.setdefault(h[2], []).append(h[1])
+            if kind != 1 or refs is not None or not outs or _UNKNOWN in leaving or any(
+                    cls[s] in leaving or cls[s] == _UNKNOWN or s not in self.metas for s in outs):
+                continue
+            ids = []
+            for s in outs:
+                meta = self.metas[s]
+                b = free[meta].pop() if free.get(meta) else len(self.buffers)
+                if b == len(self.buffers):
+                    self.buffers.append(meta)
+                ids.append(b)
+                held.append((last[cls[s]], b, meta))
+            self.bufs[i] = tuple(ids)
+
+    def lease(self) -> list[torch.Tensor] | None:
+        """The replay buffers for one replay (made at the first); None while another replay holds
+        them (its backward is still to come): that replay allocates its outputs."""
+        if self.lent or not self.buffers:
+            return None
+        if self.pool is None:
+            self.pool = [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype, device in self.buffers]
+        self.lent = True
+        return self.pool
+
     def finish(self) -> None:
         """Check the recording once ``out``, ``g`` and ``grads`` are set; find the forward's slots the
         backward does not read (a replay lets them go after its forward)."""
@@ -345,6 +401,7 @@ class _Tape:
         later.update(s for s in self.grads if s is not None)
         made = {s for e in self.entries[:self.fwd_end] for s in e[4]}
         self.drop = tuple(sorted(s for s in made if s not in later and s != self.out))
+        self.out_read = self.out in later  # the backward reads the forward's result
 
     def difference(self, other: "_Tape") -> str | None:
         """How two recordings differ (None: the same ops on the same wiring and constants)."""
@@ -367,10 +424,12 @@ class _Tape:
             return "the output, the upstream gradient's layout or the gradients come from other slots"
         return None
 
-    def run(self, vals: list, start: int, stop: int) -> None:
-        """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots."""
+    def run(self, vals: list, start: int, stop: int, pool: list | None = None) -> None:
+        """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots; with
+        ``pool`` (:meth:`lease`), fusekit calls write into the buffers :meth:`plan_buffers` gave them."""
         launch = dispatch.launch
-        for kind, f, a, refs, outs in self.entries[start:stop]:
+        bufs = itertools.repeat(None) if pool is None else self.bufs[start:stop]
+        for (kind, f, a, refs, outs), ids in zip(self.entries[start:stop], bufs):
             if kind == 3:  # a detach: the tensor it aliases
                 vals[outs[0]] = vals[refs[0]]
             elif kind != 1:  # an aten op or a whole fusekit op; a: keyword arguments, None or a _Tree
@@ -392,7 +451,10 @@ class _Tape:
                             vals[s] = t
             else:  # fusekit call: a its operands, refs the outputs it was given (None: it allocated them)
                 ops = tuple([vals[r] if type(r) is _Slot else r for r in a])
-                if refs is None:
+                if ids is not None:
+                    for s, t in zip(outs, launch(f, ops, tuple([pool[b] for b in ids]), False)):
+                        vals[s] = t
+                elif refs is None:
                     for s, t in zip(outs, launch(f, ops, (), True)):
                         vals[s] = t
                 else:
@@ -497,12 +559,17 @@ class _Replay(torch.autograd.Function):
         vals[1:1 + len(params)] = params
         for s, t in tape.consts.items():
             vals[s] = t
+        pool = tape.lease()
+        ctx.lease = _Lease(tape) if pool is not None else None
         with autocast_as(None):  # the recorded ops are autocast's already
-            tape.run(vals, 0, tape.fwd_end)
+            tape.run(vals, 0, tape.fwd_end, pool)
         out = vals[tape.out]
         for s in tape.drop:
             vals[s] = None
-        ctx.tape, ctx.vals, ctx.gx = tape, vals, x.requires_grad
+        vals[tape.out] = None  # not held by ctx (a cycle through the result's grad_fn)
+        if tape.out_read:
+            ctx.save_for_backward(out)
+        ctx.tape, ctx.vals, ctx.gx, ctx.pool = tape, vals, x.requires_grad, pool
         return out
 
     @staticmethod
@@ -520,10 +587,31 @@ class _Replay(torch.autograd.Function):
         if g.stride() != stride or g.data_ptr() % 32 != align:  # the recorded ops read it with the recording's layout
             g = torch.empty_strided(g.shape, stride, dtype=g.dtype, device=g.device).copy_(g)
         vals[tape.g] = g
-        tape.run(vals, tape.fwd_end, len(tape.entries))
+        if tape.out_read:
+            vals[tape.out] = ctx.saved_tensors[0]
+        tape.run(vals, tape.fwd_end, len(tape.entries), ctx.pool)
         grads = [None if s is None else vals[s] for s in tape.grads]
         vals.clear()  # the gradients' only references are the caller's: AccumulateGrad adopts them, no copy
+        if ctx.lease is not None:
+            ctx.lease.end()
         return (None,) + ((None,) if not ctx.gx else ()) + tuple(grads)
+
+
+class _Lease:
+    """A replay's hold on its tape's buffers: ends after its backward, or when its autograd graph is
+    freed without one (the next replay may then take them; its kernels queue after this one's)."""
+
+    __slots__ = ("tape",)
+
+    def __init__(self, tape: _Tape) -> None:
+        self.tape: _Tape | None = tape
+
+    def end(self) -> None:
+        if self.tape is not None:
+            self.tape.lent, self.tape = False, None
+
+    def __del__(self) -> None:
+        self.end()
 
 
 class ReplayedForward:
@@ -537,6 +625,7 @@ class ReplayedForward:
         self.calls: dict[tuple, int] = {}
         self.refused: dict[tuple, str] = {}
         self.replays = 0  # calls replayed so far (for tests and reports)
+        self.pooled: _Tape | None = None  # the tape whose replay buffers were used last
         self.state: tuple | None = None
         self.params: tuple = ()
         self.tensors: tuple | None = None
@@ -573,6 +662,7 @@ class ReplayedForward:
         why = None if last is None else last.difference(tape)
         if last is not None and why is None:
             tape.compact()
+            tape.plan_buffers()
             self.tapes[key] = tape
             self.recordings.pop(key, None)
         elif n + 1 >= 4:
@@ -588,6 +678,7 @@ class ReplayedForward:
         state = self._state()
         if state != self.state:
             self.tapes.clear()
+            self.pooled = None
             self.recordings.clear()
             self.calls.clear()
             self.refused.clear()
@@ -597,6 +688,10 @@ class ReplayedForward:
         tape = self.tapes.get(key)
         if tape is not None:
             self.replays += 1
+            if self.pooled is not tape:  # one tape's buffers kept at a time (another input shape: the other's go)
+                if self.pooled is not None and not self.pooled.lent:
+                    self.pooled.pool = None
+                self.pooled = tape
             return _Replay.apply(tape, x, *self.params)
         if key in self.refused:
             return self.original(x)

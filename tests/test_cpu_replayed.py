@@ -170,6 +170,36 @@ def test_a_detach_of_a_tensor_restrided_later_is_replayed_as_a_detach():
     assert "aten.detach.default" in names(tape)[0]
 
 
+class ExpOut(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).exp() * 0.1  # exp's backward reads its result
+
+
+class ExpLast(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).exp()  # the result itself is read by the backward
+
+
+def test_a_result_the_backward_reads_reaches_it():
+    torch.manual_seed(0)
+    assert not next(iter(same_training(ExpOut(), batches(6)).forward.tapes.values())).out_read
+    (tape,) = same_training(ExpLast(), batches(6)).forward.tapes.values()
+    assert tape.out_read
+
+
+def test_the_caller_may_change_a_result_the_backward_does_not_read():
+    torch.manual_seed(0)
+    model = Net()
+    replay = ft.replayed(copy.deepcopy(model))
+    for m in (model, replay):
+        for x, y in batches(6):
+            out = m(x)
+            out.mul_(2)  # in place, after the forward
+            F.cross_entropy(out, y).backward()
+    assert replay.forward.replays == 2
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(replay.parameters(), model.parameters()))
+
+
 def test_an_input_of_another_shape_gets_its_own_tape():
     torch.manual_seed(0)
     data = [b for pair in zip(batches(6), batches(6, (2, 3, 8, 8))) for b in pair]
@@ -442,6 +472,101 @@ def test_fusekit_calls_in_a_tape_replay_through_launch(monkeypatch):
     assert calls[1][3] is not None and calls[0][3] is None, "a given output is recorded as such, an allocated one as new"
 
 
+class Chain(Net):
+    """Three stand-in fusekit scalings after the Net: their forward outputs are saved for the
+    backward, the backward's are read once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.rand(5) + 0.5) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        for w in self.ws:
+            y = _ScaleFn.apply(y, w)
+        return y
+
+
+def logging_launcher(log: list):
+    """launcher() that also notes whether each call was given its outputs."""
+    run = launcher([])
+
+    def launch(c, operands, outs, alloc):  # noqa: ANN001
+        log.append((c.name, alloc))
+        return run(c, operands, outs, alloc)
+
+    return launch
+
+
+def test_replays_write_fusekit_outputs_into_kept_buffers(monkeypatch):
+    from fusekit import dispatch
+
+    log: list = []
+    monkeypatch.setattr(dispatch, "launch", logging_launcher(log))
+    torch.manual_seed(0)
+    replay = same_training(Chain(), batches(8))
+    (tape,) = replay.forward.tapes.values()
+    pooled = [(i, b) for i, b in enumerate(tape.bufs) if b]
+    made = {s for i, _ in pooled for s in tape.entries[i][4]}
+    assert len(pooled) == 5, tape.bufs  # 2 forward outputs saved for the backward, the backward's 3
+    assert tape.out not in made and not made & set(tape.grads), "the result and the gradients are new each time"
+    # each backward output takes the buffer of a tensor read for the last time before it
+    assert len(tape.buffers) == 2
+    buffer = {s: b for i, ids in pooled for s, b in zip(tape.entries[i][4], ids)}
+    for i, ids in pooled:  # never the buffer of a tensor the call reads
+        assert not {buffer.get(s) for s in tape.reads(tape.entries[i])} & set(ids), (i, ids)
+    steps = [log[i:i + 9] for i in range(len(log) - 9, 0, -9)][:2]  # the last two steps: 3 + 3 mul, 3 mul_into
+    assert all(sum(name == "mul" and not alloc for name, alloc in step) == 5 for step in steps), steps
+    assert tape.pool is not None and not tape.lent
+
+
+def test_two_replays_in_flight_do_not_share_buffers(monkeypatch):
+    """Two forwards, then one backward of both (micro-batches summed): the second replay allocates."""
+    from fusekit import dispatch
+
+    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    torch.manual_seed(0)
+    model = Chain()
+    replay = ft.replayed(copy.deepcopy(model))
+    data = batches(6)
+    for x, y in data[:4]:  # warm-up and recordings
+        F.cross_entropy(replay(x), y).backward()
+        F.cross_entropy(model(x), y).backward()
+    (x1, y1), (x2, y2) = data[4:]
+    for m in (model, replay):
+        m.zero_grad()
+        (F.cross_entropy(m(x1), y1) + F.cross_entropy(m(x2), y2)).backward()
+    assert replay.forward.replays == 2
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(replay.parameters(), model.parameters()))
+    (tape,) = replay.forward.tapes.values()
+    assert not tape.lent
+
+
+def test_one_input_shape_keeps_its_buffers_at_a_time(monkeypatch):
+    from fusekit import dispatch
+
+    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    torch.manual_seed(0)
+    data = [b for pair in zip(batches(6), batches(6, (2, 3, 8, 8))) for b in pair]
+    replay = same_training(Chain(), data)
+    tapes = list(replay.forward.tapes.values())
+    assert len(tapes) == 2 and all(t.buffers for t in tapes)
+    assert [t.pool is not None for t in tapes] == [False, True]  # the last shape's
+
+
+def test_a_replay_without_backward_gives_its_buffers_back(monkeypatch):
+    from fusekit import dispatch
+
+    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    torch.manual_seed(0)
+    replay = same_training(Chain(), batches(6))
+    (tape,) = replay.forward.tapes.values()
+    out = replay(batches(1)[0][0])
+    assert tape.lent
+    del out
+    assert not tape.lent
+
+
 def test_a_call_resolved_again_between_recordings_still_agrees(monkeypatch):
     """A plan evicted and rebuilt gives a new resolved call with the same plan key: the recordings
     agree (and replay); a call of another plan key makes them differ."""
@@ -454,7 +579,7 @@ def test_a_call_resolved_again_between_recordings_still_agrees(monkeypatch):
     original = MUL
 
     def fresh(key):
-        return types.SimpleNamespace(name="mul", fn=original.fn, plan=types.SimpleNamespace(key=key))
+        return types.SimpleNamespace(name="mul", fn=original.fn, into=False, plan=types.SimpleNamespace(key=key))
 
     torch.manual_seed(0)
     model = ft.replayed(Scaled())

@@ -75,9 +75,12 @@ def main() -> None:
             f()
     res: dict[str, list[float]] = {k: [] for k in sides}
     host: dict[str, list[float]] = {k: [] for k in sides}
+    peak: dict[str, int] = {}
     for r in range(args.rounds):
         for k, f in steps.items():
+            torch.cuda.reset_peak_memory_stats()
             res[k].append(cuda_time_ms(f, iters=10, trials=3, warmup=2, before_trial=data.refill))
+            peak[k] = max(peak.get(k, 0), torch.cuda.max_memory_allocated())
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(5):
@@ -90,6 +93,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: step ms (CUDA events, median of rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
           + f"; eager / replayed {med['eager'] / med['fusekit replayed']:.2f}x, eager / modules {med['eager'] / med['fusekit modules']:.2f}x")
     print("host ms per step while queueing (5 steps, median of rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in hmed.items()))
+    print("peak memory allocated while timed (all three models resident): " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in peak.items()))
     print(f"replays {rp.forward.replays}, tapes {len(rp.forward.tapes)}")
     if args.profile:
         import cProfile
