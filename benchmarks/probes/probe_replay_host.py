@@ -45,11 +45,11 @@ def main() -> None:
     execs: dict[str, list[float]] = collections.defaultdict(list)
     run0, exe0 = _Tape.run, dispatch._execute
 
-    def run(self: _Tape, vals: list, start: int, stop: int) -> None:
+    def run(self: _Tape, vals: list, start: int, stop: int, pool: list | None = None) -> None:
         pc = time.perf_counter
         for i in range(start, stop):
             t = pc()
-            run0(self, vals, i, i + 1)
+            run0(self, vals, i, i + 1, pool)
             took[_name(self.entries[i]) + (" fwd" if i < self.fwd_end else " bwd")].append(pc() - t)
 
     def exe(c: object, arrays: object, handle: object) -> None:

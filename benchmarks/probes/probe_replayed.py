@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--precision", default="amp-fp16", choices=list(PRECISIONS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="also cProfile 10 replayed steps (top 30 by own time)")
+    ap.add_argument("--profile", action="store_true", help="also cProfile 10 replayed steps (top 40 by own time)")
     args = ap.parse_args()
     import torchvision
 
@@ -105,7 +105,7 @@ def main() -> None:
             for _ in range(10):
                 f()
             torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
 
 
 if __name__ == "__main__":
