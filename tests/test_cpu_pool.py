@@ -629,20 +629,16 @@ def host_launch(host_kernels, monkeypatch):
         def view(self, op):
             return op.array.a
 
-        def empty(self, like, shape, layout, dtype=None):
+        def empty(self, like, shape, layout, dtype=None, zero=False):
             name = dtype or like.dtype
             logical = (shape[0], shape[2], shape[3], shape[1]) if layout == "NHWC" else shape
             base = np.empty(logical, STORAGE[name])
-            base.view(np.uint8)[...] = 0xFF  # poison: NaN for floats, -1 for ints
+            base.view(np.uint8)[...] = 0 if zero else 0xFF  # poison: NaN for floats, -1 for ints
             a = base.transpose(0, 3, 1, 2) if layout == "NHWC" else base
             return HostArray(a, name), a
 
         def zeros_f32(self, size):
             return np.zeros(size, np.float32)
-
-        @staticmethod
-        def zero(view):
-            view.fill(0)
 
         @staticmethod
         def address(view):

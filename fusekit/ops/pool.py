@@ -656,9 +656,25 @@ def _i64(*v: int) -> list[np.int64]:
     return [np.int64(x) for x in v]
 
 
+_STREAMS: dict[tuple[int, int], Any] = {}  # (torch stream address, device) -> cupy ExternalStream
+
+
+def _external_stream(cp: Any, ptr: int, dev: int) -> Any:
+    """CuPy's handle on a torch stream (its address and device, owning nothing), made once per pair."""
+    s = _STREAMS.get((ptr, dev))
+    if s is None:
+        with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _STREAMS[(ptr, dev)] = cp.cuda.ExternalStream(ptr, dev)
+    return s
+
+
 class _Launch:
     """One call's GPU side: the operands' device, the stream (torch's current one for a torch
-    caller, else CuPy's current one), zero-copy CuPy views and outputs of the caller's type."""
+    caller, else CuPy's current one), kernel arguments for the operands and outputs of the
+    caller's type. A CuPy caller's arrays go to the kernels as CuPy arrays; a torch caller's as
+    their device addresses (uint64: what a ``T*`` parameter takes), the tensors kept alive by the
+    caller until the launch is queued on their stream (DLPack views cost ~40 us of host each)."""
 
     def __init__(self, pattern: str, first: _Operand) -> None:
         try:
@@ -666,44 +682,37 @@ class _Launch:
         except ImportError as e:
             raise NoGPUError(f"{pattern} runs CuPy kernels and CuPy is not installed ({e}); install fusekit[cu12] or fusekit[cu13]") from None
         self.cp, self.first, self._stack = cupy, first, ExitStack()
+        self.torch = first.lib == "torch"
+        self._keep: list[Any] = []  # scratch tensors the queued kernels read
 
     def __enter__(self) -> "_Launch":
         cp, dev = self.cp, self.first.device
         self._stack.enter_context(cp.cuda.Device(dev))
-        if self.first.lib == "torch":
+        if self.torch:
             import torch
 
-            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
-                warnings.simplefilter("ignore", DeprecationWarning)
-                stream = cp.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev)
-            self._stack.enter_context(stream)
+            self._stack.enter_context(_external_stream(cp, torch.cuda.current_stream(dev).cuda_stream, dev))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.__exit__(*exc)
-
-    def _from_torch(self, t: Any) -> Any:
-        import torch
-
-        t = t.detach()
-        if t.is_floating_point() and t.element_size() == 2:  # CuPy may lack bfloat16; kernels read bits
-            t = t.view(torch.int16)
-        return self.cp.from_dlpack(t)
+        self._keep.clear()
 
     def view(self, op: _Operand) -> Any:
-        """A CuPy array over ``op``'s memory (zero-copy)."""
-        return op.array if op.lib == "cupy" else self._from_torch(op.array)
+        """``op`` as a kernel argument (zero-copy)."""
+        return op.array if op.lib == "cupy" else np.uint64(op.array.data_ptr())
 
-    def empty(self, like: _Operand, shape: tuple[int, ...], layout: str, dtype: str | None = None) -> tuple[Any, Any]:
-        """(result of the caller's type, CuPy view of it): uninitialised, dense in ``layout``."""
+    def empty(self, like: _Operand, shape: tuple[int, ...], layout: str, dtype: str | None = None, zero: bool = False) -> tuple[Any, Any]:
+        """(result of the caller's type, its kernel argument): dense in ``layout``, uninitialised or
+        (``zero``) zero-filled."""
         name = dtype or like.dtype
         dev = self.first.device
-        if self.first.lib == "torch":
+        if self.torch:
             import torch
 
             fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-            t = torch.empty(shape, dtype=getattr(torch, name), device=f"cuda:{dev}", memory_format=fmt)
-            return t, self._from_torch(t)
+            t = (torch.zeros if zero else torch.empty)(shape, dtype=getattr(torch, name), device=f"cuda:{dev}", memory_format=fmt)
+            return t, np.uint64(t.data_ptr())
         cp = self.cp
         dt = like.array.dtype if dtype is None and like.lib == "cupy" else cp.dtype(name)
         if layout == "NHWC":
@@ -711,39 +720,39 @@ class _Launch:
             a = cp.empty((n, h, w, c), dtype=dt).transpose(0, 3, 1, 2)
         else:
             a = cp.empty(shape, dtype=dt)
+        if zero:
+            a.fill(0)
         return a, a
 
     def empty_as(self, op: _Operand, dtype: str) -> tuple[Any, Any]:
-        """(result of the caller's type, CuPy view of it): uninitialised, ``op``'s shape and very strides
-        in ``dtype``. A 1x1 or one-input-channel filter is dense in NCHW and channels-last alike; its
-        raw strides, which fused-or-split decisions are keyed on, stay as they came."""
+        """(result of the caller's type, its kernel argument): uninitialised, ``op``'s shape and very
+        strides in ``dtype``. A 1x1 or one-input-channel filter is dense in NCHW and channels-last
+        alike; its raw strides, which fused-or-split decisions are keyed on, stay as they came."""
         a = op.array
-        if self.first.lib == "torch":
+        if self.torch:
             import torch
 
             t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=getattr(torch, dtype), device=f"cuda:{self.first.device}")
-            return t, self._from_torch(t)
+            return t, np.uint64(t.data_ptr())
         cp, dt = self.cp, self.cp.dtype(dtype)  # (op is dense: its extent is its size)
         out = cp.ndarray(a.shape, dtype=dt, memptr=cp.empty(a.size, dtype=dt).data, strides=tuple(st // a.itemsize * dt.itemsize for st in a.strides))
         return out, out
 
     def zeros_f32(self, size: int) -> Any:
         """A zeroed float32 scratch vector from the caller's allocator (PyTorch's for a torch caller:
-        capture-safe, stream-ordered), as a CuPy view."""
-        if self.first.lib == "torch":
+        capture-safe, stream-ordered), as a kernel argument."""
+        if self.torch:
             import torch
 
-            return self.cp.from_dlpack(torch.zeros(size, dtype=torch.float32, device=f"cuda:{self.first.device}"))
+            t = torch.zeros(size, dtype=torch.float32, device=f"cuda:{self.first.device}")
+            self._keep.append(t)
+            return np.uint64(t.data_ptr())
         return self.cp.zeros(size, dtype=self.cp.float32)
 
     @staticmethod
-    def zero(view: Any) -> None:
-        view.fill(0)
-
-    @staticmethod
     def address(view: Any) -> int:
-        """Device address of a CuPy view's first element."""
-        return int(view.data.ptr)
+        """Device address of a kernel argument's first element."""
+        return int(view) if isinstance(view, np.integer) else int(view.data.ptr)
 
     def run(self, dtype: str, name: str, threads: int, args: Sequence[Any]) -> None:
         """Launch ``name`` of ``dtype``'s module with ``threads`` threads (grid-stride past the cap)."""
@@ -830,12 +839,9 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
     xs = _layout_strides((n, c, h, w), d.layout)
     total_in, total_out = n * c * h * w, d.shape[0] * d.shape[1] * d.shape[2] * d.shape[3]
     with _Launch(P, d) as L:
-        dx, dxv = L.empty(d, (n, c, h, w), d.layout)
-        if d.dtype == "float32":
-            acc = dxv
-            L.zero(acc)
-        else:
-            acc = L.zeros_f32(total_in)  # same strides as dx: both dense in d.layout
+        dx, dxv = L.empty(d, (n, c, h, w), d.layout, zero=d.dtype == "float32")
+        # float32: dy scatter-added into dx itself; else into float32 scratch with dx's strides (both dense in d.layout)
+        acc = dxv if d.dtype == "float32" else L.zeros_f32(total_in)
         L.run(d.dtype, f"max_pool_bwd_i{a.dtype[3:]}", total_out, [
             L.view(d), L.view(a), acc, *_i64(total_out), *_i32(c, d.shape[2], d.shape[3], h, w),
             *_i64(*d.strides), *_i64(*a.strides), *_i64(*xs), *_i32(d.layout == "NHWC"),
