@@ -94,8 +94,10 @@ class _Batch:
         return self.fn(self.arg, *lists)
 
 
-def _cast_all(dtype: Any, srcs: list) -> list:
-    outs = [torch.empty_like(t, dtype=dtype) for t in srcs]  # the recorded casts kept their sources' strides
+def _cast_all(dtype: Any, srcs: list, outs: list | None = None) -> list:
+    """``srcs`` cast to ``dtype``, into ``outs`` (replay buffers) or new tensors of their strides."""
+    if outs is None:
+        outs = [torch.empty_like(t, dtype=dtype) for t in srcs]  # the recorded casts kept their sources' strides
     torch._foreach_copy_(outs, srcs)
     return outs
 
@@ -122,7 +124,7 @@ class _Tape:
         self.where: dict[tuple, int] = {}
         self.cls: list[int] = []  # slot -> alias class (slots of one class may share memory)
         self.casts: dict[int, Any] = {}  # entry -> dtype, for aten._to_copy entries that only change the dtype
-        self.metas: dict[int, tuple] = {}  # slot -> (shape, strides, dtype, device) of an output a fusekit call made
+        self.metas: dict[int, tuple] = {}  # slot -> (shape, strides, dtype, device) of an output a fusekit call or a cast made
         self.bufs: list[tuple[int, ...] | None] = []  # entry -> the replay buffers its fusekit call writes (plan_buffers)
         self.buffers: list[tuple] = []  # buffer -> (shape, strides, dtype, device)
         self.pool: list[torch.Tensor] | None = None  # the buffers, made at the first replay
@@ -231,6 +233,8 @@ class _Tape:
             elif t is not None:
                 self.refused = f"{func.__name__} returns a host value ({type(t).__name__})"
                 return
+        if len(self.entries) in self.casts:
+            self.metas[outs[0]] = (tuple(out.shape), out.stride(), out.dtype, out.device)
         self.entries.append((kind, func, read[0], read[1], tuple(outs)))
 
     def fk(self, c: Any, operands: tuple, given: tuple | None, res: tuple) -> None:
@@ -349,8 +353,8 @@ class _Tape:
         self.casts = {}
 
     def plan_buffers(self) -> None:
-        """Which fusekit outputs a replay writes into buffers kept from one replay to the next
-        (``bufs``), instead of allocating them: outputs that never reach the caller (the result, the
+        """Which fusekit outputs and merged dtype casts a replay writes into buffers kept from one
+        replay to the next (``bufs``), instead of allocating them: outputs that never reach the caller (the result, the
         gradients and what aliases them are new each time). Outputs whose lifetimes in the step do
         not overlap share a buffer of their shape, strides, dtype and device; the kernels run in
         stream order, as the caching allocator's reuse relies on too."""
@@ -362,11 +366,12 @@ class _Tape:
         leaving = {cls[self.out], *[cls[s] for s in self.grads if s is not None]}
         free: dict[tuple, list[int]] = {}  # meta -> buffers free from the next entry on
         held: list[tuple[int, int, tuple]] = []  # (last entry, buffer, meta) in use
-        for i, (kind, _, _, refs, outs) in enumerate(E):
+        for i, (kind, f, _, refs, outs) in enumerate(E):
             for h in [h for h in held if h[0] < i]:
                 held.remove(h)
                 free.setdefault(h[2], []).append(h[1])
-            if kind != 1 or refs is not None or not outs or _UNKNOWN in leaving or any(
+            makes = refs is None if kind == 1 else type(f) is _Batch and f.fn is _cast_all  # allocates its outputs
+            if not makes or not outs or _UNKNOWN in leaving or any(
                     cls[s] in leaving or cls[s] == _UNKNOWN or s not in self.metas for s in outs):
                 continue
             ids = []
@@ -435,6 +440,8 @@ class _Tape:
             elif kind != 1:  # an aten op or a whole fusekit op; a: keyword arguments, None or a _Tree
                 args = [vals[r] if type(r) is _Slot else [None if t is None else vals[t] for t in r] if type(r) is _Slots else r
                         for r in refs]
+                if ids is not None:  # a batch of casts into replay buffers
+                    args.append([pool[b] for b in ids])
                 if a is None:
                     r = f(*args)
                 elif type(a) is _Tree:

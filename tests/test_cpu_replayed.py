@@ -144,6 +144,23 @@ def test_casts_and_buffer_updates_replay_merged_into_foreach_launches():
     assert fwd.count("aten.detach (the tensor it aliases)") >= 2
     assert bwd[-1] == "aten._to_copy x4 (one foreach copy)", bwd  # the 4 gradients back to float32, at the end
     assert bwd.count("aten._to_copy.default") == 1  # the upstream gradient to float64: later ops read it
+    # the forward's casts write into buffers kept across replays; the gradients' casts leave: new each time
+    assert tape.bufs[0] is not None and len(tape.bufs[0]) == 5 and tape.bufs[-1] is None, tape.bufs
+    assert {tape.buffers[b][2] for b in tape.bufs[0]} == {torch.float64}
+
+
+def test_a_replay_keeps_its_forward_casts_in_buffers_across_steps():
+    """The buffers of the forward's casts are the same memory on every replay, and each replay
+    writes the input and the parameters of that step into them."""
+    torch.manual_seed(0)
+    replay = same_training(Mixed(), batches(8, (4, 6)))
+    (tape,) = replay.forward.tapes.values()
+    before = [t.data_ptr() for t in tape.pool]
+    x, y = batches(9, (4, 6))[-1]
+    F.cross_entropy(replay(x), y).backward()
+    assert [t.data_ptr() for t in tape.pool] == before
+    want = [x, replay.l1.weight, replay.l1.bias, replay.l2.weight, replay.l2.bias]  # in the order the forward casts them
+    assert all(torch.equal(tape.pool[b], t.detach().double()) for b, t in zip(tape.bufs[0], want))
 
 
 def test_a_buffer_read_after_its_update_keeps_its_place():
