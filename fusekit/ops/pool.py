@@ -711,7 +711,9 @@ class _Launch:
             import torch
 
             fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-            t = (torch.zeros if zero else torch.empty)(shape, dtype=getattr(torch, name), device=f"cuda:{dev}", memory_format=fmt)
+            t = torch.empty(shape, dtype=getattr(torch, name), device=f"cuda:{dev}", memory_format=fmt)
+            if zero:  # (torch.zeros takes no memory_format)
+                t.zero_()
             return t, np.uint64(t.data_ptr())
         cp = self.cp
         dt = like.array.dtype if dtype is None and like.lib == "cupy" else cp.dtype(name)
