@@ -125,7 +125,7 @@ class _Tape:
         self.cls: list[int] = []  # slot -> alias class (slots of one class may share memory)
         self.casts: dict[int, Any] = {}  # entry -> dtype, for aten._to_copy entries that only change the dtype
         self.metas: dict[int, tuple] = {}  # slot -> (shape, strides, dtype, device) of an output a fusekit call or a cast made
-        self.bufs: list[tuple[int, ...] | None] = []  # entry -> the replay buffers its fusekit call writes (plan_buffers)
+        self.bufs: list[tuple[int, ...] | None] = []  # entry -> the replay buffers its fusekit call or cast batch writes (plan_buffers)
         self.buffers: list[tuple] = []  # buffer -> (shape, strides, dtype, device)
         self.pool: list[torch.Tensor] | None = None  # the buffers, made at the first replay
         self.lent = False  # a replay holds the pool (its backward is still to come)
@@ -353,11 +353,11 @@ class _Tape:
         self.casts = {}
 
     def plan_buffers(self) -> None:
-        """Which fusekit outputs and merged dtype casts a replay writes into buffers kept from one
-        replay to the next (``bufs``), instead of allocating them: outputs that never reach the caller (the result, the
-        gradients and what aliases them are new each time). Outputs whose lifetimes in the step do
-        not overlap share a buffer of their shape, strides, dtype and device; the kernels run in
-        stream order, as the caching allocator's reuse relies on too."""
+        """Which outputs of fusekit calls and of merged dtype casts a replay writes into buffers kept
+        from one replay to the next (``bufs``), instead of allocating them: outputs that never reach
+        the caller (the result, the gradients and what aliases them are new each time). Outputs whose
+        lifetimes in the step do not overlap share a buffer of their shape, strides, dtype and
+        device; the kernels run in stream order, as the caching allocator's reuse relies on too."""
         E, cls = self.entries, self.cls
         self.bufs = [None] * len(E)
         if self.refused is not None or any(e[0] == 0 and getattr(e[1], "__name__", "").split(".")[0] == "set_" for e in E):
@@ -431,7 +431,7 @@ class _Tape:
 
     def run(self, vals: list, start: int, stop: int, pool: list | None = None) -> None:
         """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots; with
-        ``pool`` (:meth:`lease`), fusekit calls write into the buffers :meth:`plan_buffers` gave them."""
+        ``pool`` (:meth:`lease`), fusekit calls and cast batches write into the buffers :meth:`plan_buffers` gave them."""
         launch = dispatch.launch
         bufs = itertools.repeat(None) if pool is None else self.bufs[start:stop]
         for (kind, f, a, refs, outs), ids in zip(self.entries[start:stop], bufs):
