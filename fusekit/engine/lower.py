@@ -78,6 +78,44 @@ def _relu_backward(g: Any, dy: Any, y: Any, upper_clip: float, name: str) -> Any
     return g.relu_backward(dy, y, name=name)
 
 
+def _act(g: Any, x: Any, act: str, alpha: float, rank: int, n: str) -> Any:
+    """``act`` (patterns.ACTIVATIONS) of x: one cuDNN pointwise mode where cuDNN has one, else a
+    short chain of pointwise ops with scalar constants (hardswish, hardsigmoid, ELU with alpha != 1)."""
+    def c(v: float, tag: str) -> Any:
+        t = g.tensor_scalar(float(v), load_cudnn().scalar_type.RUNTIME_PARAM, name=f"{n}_{tag}")
+        return t.set_dim([1] * rank).set_stride([1] * rank)
+
+    if act == "identity":
+        return g.identity(x, name=n)
+    if act == "relu":
+        return g.relu(x, name=n)
+    if act == "clip":
+        return g.relu(x, upper_clip=float(alpha), name=n)
+    if act == "silu":
+        return g.swish(x, name=n)
+    if act == "gelu":
+        return g.gelu(x, name=n)
+    if act == "gelu_tanh":
+        return g.gelu_approx_tanh(x, name=n)
+    if act in ("sigmoid", "tanh"):
+        return getattr(g, act)(x, name=n)
+    if act == "leaky_relu":
+        return g.leaky_relu(x, float(alpha), name=n)
+    if act == "elu" and float(alpha) == 1.0:
+        return g.elu(x, name=n)
+    if act == "elu":  # relu(x) + alpha * (exp(min(x, 0)) - 1)
+        e = g.exp(g.min(x, c(0.0, "zero"), name=f"{n}_neg"), name=f"{n}_exp")
+        tail = g.mul(g.sub(e, c(1.0, "one"), name=f"{n}_em1"), c(alpha, "alpha"), name=f"{n}_scaled")
+        return g.add(g.relu(x, name=f"{n}_pos"), tail, name=n)
+    if act == "hardsigmoid":  # min(max(x / 6 + 1/2, 0), 1)
+        t = g.add(g.mul(x, c(1.0 / 6.0, "sixth"), name=f"{n}_scaled"), c(0.5, "half"), name=f"{n}_shifted")
+        return g.relu(t, upper_clip=1.0, name=n)
+    if act == "hardswish":  # x * min(max(x + 3, 0), 6) / 6
+        t = g.relu(g.add(x, c(3.0, "three"), name=f"{n}_shifted"), upper_clip=6.0, name=f"{n}_gate")
+        return g.mul(x, g.mul(t, c(1.0 / 6.0, "sixth"), name=f"{n}_gate6"), name=n)
+    raise UnsupportedError(f"activation {act!r} has no cuDNN lowering")
+
+
 def _first(res: Any, k: int) -> tuple:
     """The first k real outputs of a node (optional outputs it did not make are dropped)."""
     return tuple(t for t in res if t is not None)[:k]
@@ -99,6 +137,7 @@ LOWER: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any], str], Any]
     "matmul": lambda g, i, a, n: g.matmul(i["a"], i["b"], name=n),
     "bias": lambda g, i, a, n: g.bias(i["input"], i["bias"], name=n),
     "relu": lambda g, i, a, n: _relu(g, i["input"], a["upper_clip"], n),
+    "act": lambda g, i, a, n: _act(g, i["input"], a["activation"], a["alpha"], a["_rank"], n),
     "relu_backward": lambda g, i, a, n: _relu_backward(g, i["loss"], i["input"], a["upper_clip"], n),
     "channel_sum": lambda g, i, a, n: _reduce_add(g, i["input"], n),
     "batchnorm": lambda g, i, a, n: g.batchnorm(
@@ -153,6 +192,7 @@ def lower(
     for op in pattern.ops:
         sig = OPS[op.op]
         op_attrs = pattern.op_attrs(op, attrs)
+        op_attrs["_rank"] = len(specs[pattern.operands[0].name].shape)  # cuDNN's rank of the pattern's I/O
         for sc in sig.scalars:  # pass-by-value float32 scalars; the graph holds their values and binds them
             # (RUNTIME_PARAM: COMPILE_TIME_CONST needs cuDNN >= 9.22)
             op_attrs[sc] = g.tensor_scalar(float(op_attrs[sc]), cudnn.scalar_type.RUNTIME_PARAM, name=f"{op.out}_{sc}")

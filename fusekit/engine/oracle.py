@@ -6,6 +6,7 @@ shape checks (``Pattern.infer_shapes``) and the same attribute normalization.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -119,6 +120,43 @@ def _norm_backward(i: Mapping[str, np.ndarray], axes: tuple[int, ...], affine_su
     return dx, (dy * xhat).sum(axis=affine_sum, keepdims=True), dy.sum(axis=affine_sum, keepdims=True)
 
 
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # exact, and no overflow for large |x|
+
+
+def activation(x: np.ndarray, act: str, alpha: float = 0.0) -> np.ndarray:
+    """``act`` (patterns.ACTIVATIONS) of x in float64, as PyTorch defines it."""
+    x = np.asarray(x, dtype=np.float64)
+    if act == "identity":
+        return x.copy()
+    if act == "relu":
+        return np.maximum(x, 0.0)
+    if act == "clip":
+        return np.minimum(np.maximum(x, 0.0), alpha)
+    if act == "silu":
+        return x * _sigmoid(x)
+    if act == "gelu":
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64))
+    if act == "gelu_tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if act == "sigmoid":
+        return _sigmoid(x)
+    if act == "tanh":
+        return np.tanh(x)
+    if act == "hardswish":
+        return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0
+    if act == "hardsigmoid":
+        return np.clip(x / 6.0 + 0.5, 0.0, 1.0)
+    if act == "leaky_relu":
+        return np.where(x > 0, x, alpha * x)
+    if act == "elu":
+        return np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0)))
+    raise ValueError(f"unknown activation {act!r}")
+
+
 EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
     "conv_fprop": lambda i, a: _grouped(conv2d_nchw, a["groups"], (i["image"], 1), (i["weight"], 0), a["padding"], a["stride"], a["dilation"]),
     "conv_dgrad": lambda i, a: _grouped(
@@ -128,6 +166,7 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
         conv2d_wgrad_nchw, a["groups"], (i["image"], 1), (i["loss"], 1), a["kernel"], a["padding"], a["stride"], a["dilation"], axis=0
     ),
     "matmul": lambda i, a: np.matmul(i["a"], i["b"]),
+    "act": lambda i, a: activation(i["input"], a["activation"], a["alpha"]),
     "relu_backward": lambda i, a: i["loss"] * ((i["input"] > 0) & (i["input"] < a["upper_clip"])),
     "channel_sum": lambda i, a: _channel_sum(i["input"]),
     "batchnorm": lambda i, a: _batchnorm(i, a),

@@ -256,6 +256,25 @@ def _norm_backward_shape(stats_axes: tuple[int, ...], affine_axes: tuple[int, ..
     return infer
 
 
+#: Activations of the ``act`` op (an attribute of fused graphs): name -> what ``alpha`` means ("" unused).
+ACTIVATIONS: dict[str, str] = {
+    "identity": "", "relu": "", "clip": "upper bound (relu6: 6)", "silu": "", "gelu": "", "gelu_tanh": "",
+    "sigmoid": "", "tanh": "", "hardswish": "", "hardsigmoid": "", "leaky_relu": "negative slope", "elu": "scale of the negative part",
+}
+
+
+def _act_shape(c: _Ctx) -> Shape:
+    act = c.attrs.get("activation")
+    if act not in ACTIVATIONS:
+        raise OperandError(c.pattern, "activation", f"expected one of {sorted(ACTIVATIONS)}, got {act!r}", what="attribute")
+    alpha = c.attrs.get("alpha", 0.0)
+    if not math.isfinite(float(alpha)):
+        raise OperandError(c.pattern, "alpha", f"expected a finite number, got {alpha!r}", what="attribute")
+    if act == "clip" and not float(alpha) > 0:
+        raise OperandError(c.pattern, "alpha", f"the clip activation needs an upper bound alpha > 0, got {alpha!r}", what="attribute")
+    return c.shapes["input"]
+
+
 def _genstats_shape(c: _Ctx) -> tuple:
     x = c.shapes["input"]
     st = (1, x[1], 1, 1)
@@ -282,6 +301,8 @@ OPS: dict[str, OpSig] = {
     "matmul": OpSig(("a", "b"), (), _matmul_shape),
     "bias": OpSig(("input", "bias"), (), _bias_shape),
     "relu": OpSig(("input",), ("upper_clip",), _same_shape("input"), defaults=(("upper_clip", math.inf),)),  # ReLU6: 6.0
+    # activation: one of ACTIVATIONS, alpha its parameter (clip bound, leaky slope, ELU scale)
+    "act": OpSig(("input",), ("activation", "alpha"), _act_shape, defaults=(("alpha", 0.0),)),
     "relu_backward": OpSig(("loss", "input"), ("upper_clip",), _pair_shape, defaults=(("upper_clip", math.inf),)),  # mask 0 < input < upper_clip
     "channel_sum": OpSig(("input",), (), _channel_sum_shape, True),
     "add": OpSig(("a", "b"), (), _broadcast_shape),
@@ -330,6 +351,10 @@ class AttrSpec:
                 out = _index(value)
             elif isinstance(d, float):
                 out = float(value)
+            elif isinstance(d, str):
+                if not isinstance(value, str):
+                    raise TypeError
+                out = value
             else:
                 out = value
         except (TypeError, ValueError):
