@@ -77,17 +77,17 @@ def test_fx_stage_kinds_and_fallbacks(small):
     prog = fp.lower_model(small, torch.zeros(2, 3, 20, 20))
     pats = [s.pattern for s in prog.stages]
     assert pats == [
-        "conv_bias_relu", "max_pool2d", "conv_bias_relu", "conv_bias_add_relu", "conv_bias", "torch",
+        "conv_bias_relu", "max_pool2d", "conv_bias_relu", "conv_bias_add_relu", "conv_bias_act",
         "avg_pool2d", "reshape", "linear_bias_relu", "linear_bias", "softmax",
     ], str(prog)
     assert not any(s.kind in ("bn", "relu", "add", "identity") for s in prog.stages), "BN/ReLU/add left unfused"
     assert prog.stages[4].attrs["groups"] == 4 and prog.stages[4].weights["w"].shape == (8, 2, 3, 3)  # grouped conv: fused
-    fb = prog.fallbacks
-    assert len(fb) == 1 and any("sigmoid" in f for f in fb)
+    assert prog.stages[4].attrs["act"] == ("sigmoid", 0.0) and "sigmoid" in prog.stages[4].name  # the sigmoid is the conv's epilogue
+    assert prog.fallbacks == []
     tail = prog.stages[3]
     assert tail.inputs[1] == prog.stages[1].output  # the residual operand: the block's input
     assert "bn2" in tail.name and "add" in tail.name
-    gap = prog.stages[6]
+    gap = prog.stages[5]
     assert gap.attrs["kernel_size"] == (5, 5) and gap.out_shape == (2, 8, 1, 1)
     assert prog.output_shape == (2, 5)
     str(prog)  # printable
@@ -150,11 +150,12 @@ def test_bn_folding_conv_without_bias_and_with_bias(rng):
         assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-10
 
 
-def test_unfoldable_bn_and_standalone_relu_are_fallbacks(rng):
+def test_unfoldable_bn_and_its_relu_are_one_scale_shift_graph(rng):
     m = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)).eval()
     _randomize_bn(m, torch.Generator().manual_seed(4))
     prog = fp.lower_model(m, (2, 3, 8, 8))
-    assert [s.pattern for s in prog.stages] == ["torch", "torch", "max_pool2d", "reshape", "linear_bias"]
+    assert [s.pattern for s in prog.stages] == ["channel_scale_shift_act", "max_pool2d", "reshape", "linear_bias"]
+    assert prog.stages[0].attrs["act"] == ("relu", 0.0) and set(prog.stages[0].weights) == {"scale", "shift"}
     x = rng.standard_normal((2, 3, 8, 8))
     assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
 
@@ -367,7 +368,7 @@ def test_stage_cost_counts_conv_and_linear_work(small):
     from fusekit.pipeline.ir import stage_cost
 
     prog = fp.lower_model(small, torch.zeros(2, 3, 20, 20))
-    stem, dw, fc1 = prog.stages[0], prog.stages[4], prog.stages[8]
+    stem, dw, fc1 = prog.stages[0], prog.stages[4], prog.stages[7]
     flops, nbytes = stage_cost(stem, 2)  # 3 -> 8 channels, 3x3, stride 2: 2 x 3 x 20 x 20 -> 2 x 8 x 10 x 10
     assert flops == 2 * (2 * 8 * 10 * 10) * 3 * 3 * 3
     assert nbytes == 2 * (2 * 3 * 20 * 20 + 2 * 8 * 10 * 10 + 8 * 3 * 3 * 3 + 8)
@@ -390,16 +391,16 @@ class InvertedResidual(nn.Module):
 
 
 def test_relu6_and_linear_residual_tails_fuse(rng):
-    """ReLU6 (module and functional) fuses as conv_bias_relu6, a residual add without activation as
-    conv_bias_add, depthwise convs included; the float64 reference matches the model."""
+    """ReLU6 (module and functional) fuses as conv_bias_relu6, a residual add with a clipped ReLU after
+    it as conv_bias_add_act, depthwise convs included; the float64 reference matches the model."""
     torch.manual_seed(5)
     m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), InvertedResidual(8), nn.Hardtanh(0.0, 3.0)).eval()
     _randomize_bn(m, torch.Generator().manual_seed(6))
     x = rng.standard_normal((2, 3, 10, 10)) * 3
     prog = fp.lower_model(m, x.shape)
-    assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu6", "conv_bias_relu6", "conv_bias_add", "torch"], str(prog)
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu6", "conv_bias_relu6", "conv_bias_add_act"], str(prog)
     assert prog.stages[2].attrs["groups"] == 32
-    assert len(prog.fallbacks) == 1 and "clipped ReLU (max 3.0) not after a single-use convolution" in prog.fallbacks[0]
+    assert prog.stages[3].attrs["act"] == ("clip", 3.0) and prog.fallbacks == []
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12

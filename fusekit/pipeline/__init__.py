@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ir import Program, Ref, Stage, lower
+from .ir import Program, Ref, Stage
 from .memory import MemoryPlan, plan_memory
+from .rules import RULES, Rule, lower
 from .runtime import Pipeline, compile
 
 
@@ -59,4 +60,4 @@ def lower_model(model: Any, example_input: Any = None) -> Program:
     return lower(trace(model, example_input))
 
 
-__all__ = ["MemoryPlan", "Pipeline", "Program", "Ref", "Stage", "compile", "lower", "lower_model", "plan_memory", "trace"]
+__all__ = ["MemoryPlan", "Pipeline", "Program", "RULES", "Ref", "Rule", "Stage", "compile", "lower", "lower_model", "plan_memory", "trace"]

@@ -2,8 +2,11 @@
 
 The model is traced on a CPU float32 copy in eval mode and run once with the example input's shape
 (a ``torch.fx.Interpreter``) to learn every node's value: tensor shapes, and constants such as
-``x.size(0)`` that only feed reshapes. Nodes without a rule become torch fallback stages (the
-module, deep-copied, or the function with its argument template).
+``x.size(0)`` that only feed reshapes. Module and functional forms of a layer become the same stage
+(``nn.BatchNorm2d`` and ``F.batch_norm``, ``nn.SiLU`` and ``F.silu``). Nodes without a rule become
+torch fallback stages (the module, deep-copied without gradients, or the function with its argument
+template); a node returning several tensors (``chunk``, ``split``, ``unbind``) becomes one fallback
+per item read from it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,22 @@ def _np(t: Any) -> np.ndarray:
     return t.detach().cpu().to(dtype=__import__("torch").float64).numpy().copy()
 
 
+def _p(v: Any) -> tuple[int, int]:
+    if isinstance(v, (list, tuple)):
+        return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
+    return (int(v), int(v)) if v is not None else (0, 0)
+
+
+def _dims(v: Any) -> tuple[int, ...]:
+    """A ``dim`` argument (an int or a sequence) as a tuple of ints."""
+    return tuple(int(d) for d in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
 def _record_values(gm: Any, example: Any) -> dict[str, Any]:
     import torch
     import torch.fx
+
+    from ..errors import TorchFallbackWarning
 
     values: dict[str, Any] = {}
 
@@ -36,192 +52,10 @@ def _record_values(gm: Any, example: Any) -> dict[str, Any]:
             values[n.name] = v
             return v
 
-    from ..errors import TorchFallbackWarning
-
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", TorchFallbackWarning)  # fusekit.torch modules on these CPU values run PyTorch's code
         Rec(gm).run(example)
     return values
-
-
-def import_module(model: Any, example_input: Any) -> Program:
-    """Primitive stages of ``model`` for inputs shaped like ``example_input`` (a tensor or a shape)."""
-    import torch
-    import torch.fx
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
-    from ..torch import FxTracer
-
-    m = copy.deepcopy(model).cpu().float().eval()
-    try:  # fusekit.torch modules (a converted model) stay whole, as torch.nn's do
-        gm = torch.fx.GraphModule(m, FxTracer().trace(m))
-    except Exception as e:  # noqa: BLE001
-        raise UnsupportedError(f"pipeline: torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from None
-    gen = torch.Generator().manual_seed(0)
-    values = _record_values(gm, torch.randn(shape, generator=gen))
-
-    stages: list[Stage] = []
-    input_name = output = None
-    tensor_nodes: set[str] = set()
-
-    def is_t(a: Any) -> bool:
-        return isinstance(a, torch.fx.Node) and a.name in tensor_nodes
-
-    def template(a: Any) -> Any:
-        """Argument template: tensor nodes -> Ref, other nodes -> their recorded constant value."""
-        if isinstance(a, torch.fx.Node):
-            return Ref(a.name) if a.name in tensor_nodes else values[a.name]
-        if isinstance(a, (list, tuple)):
-            return type(a)(template(e) for e in a)
-        if isinstance(a, dict):
-            return {k: template(v) for k, v in a.items()}
-        return a
-
-    def refs(a: Any) -> list[str]:
-        out: list[str] = []
-        if isinstance(a, torch.fx.Node):
-            if a.name in tensor_nodes:
-                out.append(a.name)
-        elif isinstance(a, (list, tuple)):
-            for e in a:
-                out += refs(e)
-        elif isinstance(a, dict):
-            for e in a.values():
-                out += refs(e)
-        return out
-
-    def fallback(node: Any, fn: Any, args: Any, kwargs: Any, reason: str) -> Stage:
-        ins = list(dict.fromkeys(refs(args) + refs(kwargs)))
-        return torch_fallback(node.name, ins, node.name, fn, list(template(args)), template(kwargs), reason)
-
-    def arg(node: Any, i: int, key: str, default: Any = None) -> Any:
-        if len(node.args) > i:
-            return node.args[i]
-        return node.kwargs.get(key, default)
-
-    def flatten_ok(node: Any) -> bool:
-        x = values[node.args[0].name]
-        y = values[node.name]
-        return isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[0] == x.shape[0] and y.shape[1] == math.prod(x.shape[1:])
-
-    for node in gm.graph.nodes:
-        v = values.get(node.name)
-        if node.op == "placeholder":
-            if input_name is not None:
-                raise UnsupportedError("pipeline: models with more than one input are not supported")
-            input_name = node.name
-            tensor_nodes.add(node.name)
-            continue
-        if node.op == "output":
-            res = node.args[0]
-            if not isinstance(res, torch.fx.Node) or res.name not in tensor_nodes:
-                raise UnsupportedError("pipeline: the model must return one tensor")
-            output = res.name
-            continue
-        if isinstance(v, (list, tuple, dict)) and any(isinstance(e, torch.Tensor) for e in (v.values() if isinstance(v, dict) else v)):
-            raise UnsupportedError(f"pipeline: node {node.name} ({node.target}) returns several tensors; not supported")
-        if not isinstance(v, torch.Tensor):
-            continue  # a constant (x.size(0), shapes): substituted into the templates that read it
-        if node.op == "get_attr":
-            continue  # a parameter read directly: a constant of the templates that read it
-        tensor_nodes.add(node.name)
-        name = node.name
-        st: Stage | None = None
-        tail: list[Stage] = []  # what a fusekit.torch module does after its layer: its own ReLU / ReLU6, a residual add + ReLU
-        if node.op == "call_module":
-            mod = gm.get_submodule(node.target)
-            x = node.args[0] if node.args else None
-            single = len(node.args) == 1 and not node.kwargs and is_t(x)
-            act = getattr(mod, "activation", None)  # a fusekit.torch layer's own ReLU / ReLU6
-            if isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm2d)) and act in ("relu", "relu6"):
-                tail.append(Stage("relu", [], name, attrs={"upper_clip": 6.0} if act == "relu6" else {}, name=f"{name}.{act}"))
-            residual = len(node.args) == 2 and not node.kwargs and is_t(x) and is_t(node.args[1])
-            if residual and isinstance(mod, nn.Conv2d):
-                single = True  # fusekit.torch's conv(x, residual) (convert's fuse_residual): the BN after it adds the residual
-            if residual and isinstance(mod, nn.BatchNorm2d):
-                single = True  # fusekit.torch's bn(x, residual) (convert's fuse_residual): relu(bn(x) + residual)
-                tail += [Stage("add", [node.args[1].name], name, name=f"{name}.add"), Stage("relu", [], name, name=f"{name}.relu")]
-            if single and isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
-                st = Stage("conv", [x.name], name, weights={"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {}),
-                           attrs=dict(padding=tuple(mod.padding), stride=tuple(mod.stride), dilation=tuple(mod.dilation), groups=mod.groups), name=name)
-            elif single and isinstance(mod, nn.BatchNorm2d) and mod.track_running_stats and mod.running_mean is not None:
-                k = mod.num_features
-                st = Stage("bn", [x.name], name, weights={
-                    "mean": _np(mod.running_mean), "var": _np(mod.running_var),
-                    "gamma": _np(mod.weight) if mod.affine else np.ones(k), "beta": _np(mod.bias) if mod.affine else np.zeros(k),
-                }, attrs={"epsilon": float(mod.eps)}, name=name)
-            elif single and isinstance(mod, nn.ReLU):
-                st = Stage("relu", [x.name], name, name=name)
-            elif single and isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
-                st = Stage("relu", [x.name], name, attrs={"upper_clip": float(mod.max_val)}, name=name)
-            elif single and isinstance(mod, nn.MaxPool2d) and not mod.return_indices:
-                st = Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding),
-                                                                ceil_mode=bool(mod.ceil_mode), dilation=_p(mod.dilation)), name=name)
-            elif single and isinstance(mod, nn.AvgPool2d):
-                st = Stage("avgpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size),
-                                                                padding=_p(mod.padding), count_include_pad=bool(mod.count_include_pad),
-                                                                ceil_mode=bool(mod.ceil_mode), divisor_override=mod.divisor_override), name=name)
-            elif single and isinstance(mod, nn.AdaptiveAvgPool2d) and _p(mod.output_size) == (1, 1):
-                st = Stage("gap", [x.name], name, name=name)
-            elif single and isinstance(mod, nn.Flatten) and flatten_ok(node):
-                st = Stage("flatten", [x.name], name, name=name)
-            elif single and isinstance(mod, nn.Linear) and values[x.name].dim() == 2:
-                st = Stage("linear", [x.name], name, weights={"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {}), name=name)
-            elif single and isinstance(mod, nn.Softmax) and mod.dim is not None:
-                st = Stage("softmax", [x.name], name, attrs={"axis": int(mod.dim) % v.dim()}, name=name)
-            elif single and isinstance(mod, (nn.Dropout, nn.Identity)):
-                st = Stage("identity", [x.name], name, name=name)
-            else:
-                why = f"module {type(mod).__name__}" + (f" (groups={mod.groups})" if isinstance(mod, nn.Conv2d) else "") + " has no fusekit rule"
-                st = fallback(node, copy.deepcopy(mod), node.args, node.kwargs, why)
-                st.attrs["op"] = type(mod).__name__
-        elif node.op in ("call_function", "call_method"):
-            t = node.target
-            x = node.args[0] if node.args else None
-            if t in (operator.add, operator.iadd, torch.add, "add", "add_") and len(node.args) == 2 and not node.kwargs \
-                    and is_t(node.args[0]) and is_t(node.args[1]):
-                st = Stage("add", [node.args[0].name, node.args[1].name], name, name=name)
-            elif t in (F.relu, torch.relu, torch.relu_, "relu", "relu_") and is_t(x):  # inplace or not: same value
-                st = Stage("relu", [x.name], name, name=name)
-            elif t in (F.relu6,) and is_t(x):
-                st = Stage("relu", [x.name], name, attrs={"upper_clip": 6.0}, name=name)
-            elif t in (torch.flatten, "flatten", "view", "reshape") and is_t(x) and flatten_ok(node) and (
-                    t not in (torch.flatten, "flatten") or (arg(node, 1, "start_dim", 0) == 1 and arg(node, 2, "end_dim", -1) == -1)):
-                st = Stage("flatten", [x.name], name, name=name)
-            elif t in (F.adaptive_avg_pool2d,) and is_t(x) and _p(template(arg(node, 1, "output_size"))) == (1, 1):
-                st = Stage("gap", [x.name], name, name=name)
-            elif t in ("mean",) and is_t(x) and tuple(template(arg(node, 1, "dim", ()))) in ((2, 3), (-2, -1)) and template(arg(node, 2, "keepdim", False)):
-                st = Stage("gap", [x.name], name, name=name)
-            elif t in (F.softmax, torch.softmax, "softmax") and is_t(x) and arg(node, 1, "dim") is not None \
-                    and node.kwargs.get("dtype") is None and len(node.args) <= 2:
-                st = Stage("softmax", [x.name], name, attrs={"axis": int(template(arg(node, 1, "dim"))) % v.dim()}, name=name)
-            elif t in (F.dropout,) or t in ("contiguous",):
-                st = Stage("identity", [x.name], name, name=name)
-            else:
-                fn = t if node.op == "call_function" else _method(t)
-                st = fallback(node, fn, node.args, node.kwargs, f"{getattr(t, '__name__', t)} has no fusekit rule")
-        else:
-            raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
-        if tail and st.kind != "torch":  # a fallback runs the whole module, tail included
-            prev = st.output = f"{name}.pre"
-            stages.append(st)
-            for i, t in enumerate(tail):
-                t.inputs = [prev] + t.inputs
-                t.output = prev = name if i == len(tail) - 1 else f"{name}.t{i}"
-                stages.append(t)
-            continue
-        stages.append(st)
-    if input_name is None or output is None:
-        raise UnsupportedError("pipeline: traced graph has no input or no output")
-    prog = Program(stages, input_name, shape, output, "torch.fx")
-    fill_shapes(prog.stages, prog.input, prog.input_shape)
-    for s in prog.stages:  # sanity: the shape rules agree with what the model computed
-        got = values.get(s.output)
-        if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(s.out_shape):
-            raise UnsupportedError(f"pipeline: shape rule of {s.name} gave {s.out_shape}, the model computed {tuple(got.shape)}")
-    return prog
 
 
 def _method(name: str) -> Any:
@@ -232,7 +66,327 @@ def _method(name: str) -> Any:
     return call
 
 
-def _p(v: Any) -> tuple[int, int]:
-    if isinstance(v, (list, tuple)):
-        return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
-    return (int(v), int(v)) if v is not None else (0, 0)
+def _item(fn: Any, index: Any) -> Any:
+    """``fn(...)[index]``: one tensor of a node that returns several."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)[index]
+
+    call.__name__ = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
+    return call
+
+
+def _module_activation(mod: Any) -> tuple[str, float] | None:
+    """(activation, alpha) of an activation module, else None."""
+    import torch.nn as nn
+
+    simple = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid"}
+    for cls, name in simple.items():
+        if isinstance(mod, cls):
+            return name, 0.0
+    if isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
+        return "clip", float(mod.max_val)
+    if isinstance(mod, nn.GELU):
+        return ("gelu_tanh" if mod.approximate == "tanh" else "gelu"), 0.0
+    if isinstance(mod, nn.LeakyReLU):
+        return "leaky_relu", float(mod.negative_slope)
+    if isinstance(mod, nn.ELU):
+        return "elu", float(mod.alpha)
+    return None
+
+
+class _Importer:
+    """One traced model's nodes -> stages (see the module docstring)."""
+
+    def __init__(self, gm: Any, values: dict[str, Any]) -> None:
+        self.gm, self.values = gm, values
+        self.tensors: set[str] = set()  # nodes whose value is a tensor
+        self.multi: dict[str, Any] = {}  # nodes whose value holds several tensors: name -> node
+        self.stages: list[Stage] = []
+
+    # -- arguments ---------------------------------------------------------------------------
+    def is_t(self, a: Any) -> bool:
+        import torch.fx
+
+        return isinstance(a, torch.fx.Node) and a.name in self.tensors
+
+    def template(self, a: Any) -> Any:
+        """Argument template: tensor nodes -> Ref, other nodes -> their recorded constant value."""
+        import torch.fx
+
+        if isinstance(a, torch.fx.Node):
+            if a.name in self.multi:
+                raise UnsupportedError(f"pipeline: node {a.name} returns several tensors and one node reads them all at once")
+            return Ref(a.name) if a.name in self.tensors else self.values[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.template(e) for e in a)
+        if isinstance(a, dict):
+            return {k: self.template(v) for k, v in a.items()}
+        return a
+
+    def refs(self, a: Any) -> list[str]:
+        if self.is_t(a):
+            return [a.name]
+        if isinstance(a, (list, tuple)):
+            return [r for e in a for r in self.refs(e)]
+        if isinstance(a, dict):
+            return [r for e in a.values() for r in self.refs(e)]
+        return []
+
+    @staticmethod
+    def arg(node: Any, i: int, key: str, default: Any = None) -> Any:
+        return node.args[i] if len(node.args) > i else node.kwargs.get(key, default)
+
+    def fallback(self, node: Any, fn: Any, reason: str, args: Any = None, kwargs: Any = None) -> Stage:
+        args = node.args if args is None else args
+        kwargs = node.kwargs if kwargs is None else kwargs
+        ins = list(dict.fromkeys(self.refs(args) + self.refs(kwargs)))
+        return torch_fallback(node.name, ins, node.name, fn, list(self.template(args)), self.template(kwargs), reason)
+
+    def callable_of(self, node: Any) -> Any:
+        import torch
+
+        if node.op == "call_module":
+            mod = copy.deepcopy(self.gm.get_submodule(node.target))
+            return mod.requires_grad_(False) if isinstance(mod, torch.nn.Module) else mod
+        return node.target if node.op == "call_function" else _method(node.target)
+
+    def flatten_ok(self, node: Any) -> bool:
+        import torch
+
+        x, y = self.values[node.args[0].name], self.values[node.name]
+        return isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[0] == x.shape[0] and y.shape[1] == math.prod(x.shape[1:])
+
+    # -- nodes -------------------------------------------------------------------------------
+    def node(self, node: Any) -> list[Stage]:
+        """The stages of one node whose value is a tensor."""
+        if node.op == "call_module":
+            mod = self.gm.get_submodule(node.target)
+            tail = self.module_tail(node, mod)
+            st = self.module_stage(node, mod)
+            if st is None:
+                why = f"module {type(mod).__name__}" + (f" (groups={mod.groups})" if hasattr(mod, "groups") else "") + " has no fusekit rule"
+                st = self.fallback(node, self.callable_of(node), why)
+                st.attrs["op"] = type(mod).__name__
+                return [st]
+            return self.with_tail(st, tail)
+        if node.op in ("call_function", "call_method"):
+            st = self.function_stage(node)
+            if st is None:
+                t = node.target
+                st = self.fallback(node, self.callable_of(node), f"{getattr(t, '__name__', t)} has no fusekit rule")
+            return [st]
+        raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
+
+    def module_tail(self, node: Any, mod: Any) -> list[Stage]:
+        """What a fusekit.torch layer does after itself: its own ReLU / ReLU6, a residual add + ReLU."""
+        import torch.nn as nn
+
+        name, tail = node.name, []
+        act = getattr(mod, "activation", None)
+        if isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm2d)) and act in ("relu", "relu6"):
+            tail.append(Stage("relu", [], name, attrs={"upper_clip": 6.0} if act == "relu6" else {}, name=f"{name}.{act}"))
+        if len(node.args) == 2 and not node.kwargs and isinstance(mod, nn.BatchNorm2d) and all(self.is_t(a) for a in node.args):
+            tail += [Stage("add", [node.args[1].name], name, name=f"{name}.add"), Stage("relu", [], name, name=f"{name}.relu")]
+        return tail
+
+    def with_tail(self, st: Stage, tail: list[Stage]) -> list[Stage]:
+        if not tail:
+            return [st]
+        name = st.output
+        prev = st.output = f"{name}.pre"
+        out = [st]
+        for i, t in enumerate(tail):
+            t.inputs = [prev] + t.inputs
+            t.output = prev = name if i == len(tail) - 1 else f"{name}.t{i}"
+            out.append(t)
+        return out
+
+    def module_stage(self, node: Any, mod: Any) -> Stage | None:
+        import torch.nn as nn
+
+        x, name = (node.args[0] if node.args else None), node.name
+        residual = len(node.args) == 2 and not node.kwargs and self.is_t(x) and self.is_t(node.args[1])
+        single = (len(node.args) == 1 and not node.kwargs and self.is_t(x)) or (residual and isinstance(mod, (nn.Conv2d, nn.BatchNorm2d)))
+        if not single:
+            return None
+        act = _module_activation(mod)
+        if act is not None:
+            return Stage("act", [x.name], name, attrs={"activation": act[0], "alpha": act[1]}, name=name)
+        if isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
+            w = {"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
+            return Stage("conv", [x.name], name, weights=w, attrs=dict(padding=tuple(mod.padding), stride=tuple(mod.stride),
+                                                                         dilation=tuple(mod.dilation), groups=mod.groups), name=name)
+        if isinstance(mod, nn.BatchNorm2d) and mod.track_running_stats and mod.running_mean is not None:
+            return self.bn(x, name, mod.running_mean, mod.running_var, mod.weight if mod.affine else None,
+                           mod.bias if mod.affine else None, mod.eps)
+        if isinstance(mod, nn.MaxPool2d) and not mod.return_indices:
+            return Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size),
+                                                             padding=_p(mod.padding), ceil_mode=bool(mod.ceil_mode), dilation=_p(mod.dilation)), name=name)
+        if isinstance(mod, nn.AvgPool2d):
+            return Stage("avgpool", [x.name], name, attrs=dict(
+                kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding),
+                count_include_pad=bool(mod.count_include_pad), ceil_mode=bool(mod.ceil_mode), divisor_override=mod.divisor_override), name=name)
+        if isinstance(mod, nn.AdaptiveAvgPool2d):
+            return self.adaptive_avg(x, name)
+        if isinstance(mod, nn.Flatten) and self.flatten_ok(node):
+            return Stage("flatten", [x.name], name, name=name)
+        if isinstance(mod, nn.Linear) and self.values[x.name].dim() == 2:
+            w = {"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
+            return Stage("linear", [x.name], name, weights=w, name=name)
+        if isinstance(mod, nn.Softmax) and mod.dim is not None:
+            return Stage("softmax", [x.name], name, attrs={"axis": int(mod.dim) % self.values[name].dim()}, name=name)
+        if isinstance(mod, (nn.Identity, nn.modules.dropout._DropoutNd)) or type(mod).__name__ in ("StochasticDepth", "DropPath", "DropBlock2d"):
+            return Stage("identity", [x.name], name, name=name)  # eval mode: these return their input
+        return None
+
+    def bn(self, x: Any, name: str, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Stage:
+        k = int(mean.shape[0])
+        return Stage("bn", [x.name], name, weights={
+            "mean": _np(mean), "var": _np(var), "gamma": _np(gamma) if gamma is not None else np.ones(k),
+            "beta": _np(beta) if beta is not None else np.zeros(k)}, attrs={"epsilon": float(eps)}, name=name)
+
+    def adaptive_avg(self, x: Any, name: str) -> Stage | None:
+        """Global average pooling, or nothing to do (output size = input size); other sizes: fallback."""
+        hw_in, hw_out = tuple(self.values[x.name].shape[2:]), tuple(self.values[name].shape[2:])
+        if self.values[x.name].dim() != 4:
+            return None
+        if hw_out == (1, 1):
+            return Stage("gap", [x.name], name, name=name)
+        return Stage("identity", [x.name], name, name=name) if hw_out == hw_in else None
+
+    def function_activation(self, node: Any) -> tuple[str, float] | None:
+        import torch
+        import torch.nn.functional as F
+
+        t, a = node.target, self.arg
+        named = {F.relu: "relu", torch.relu: "relu", torch.relu_: "relu", "relu": "relu", "relu_": "relu", F.silu: "silu", "silu": "silu",
+                 torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", torch.tanh: "tanh",
+                 F.tanh: "tanh", "tanh": "tanh", "tanh_": "tanh", F.hardswish: "hardswish", F.hardsigmoid: "hardsigmoid"}
+        try:
+            if t in named:
+                return named[t], 0.0
+        except TypeError:  # an unhashable target
+            return None
+        if t is F.relu6:
+            return "clip", 6.0
+        if t is F.gelu:
+            return ("gelu_tanh" if self.template(a(node, 1, "approximate", "none")) == "tanh" else "gelu"), 0.0
+        if t is F.leaky_relu:
+            return "leaky_relu", float(self.template(a(node, 1, "negative_slope", 0.01)))
+        if t is F.elu:
+            return "elu", float(self.template(a(node, 1, "alpha", 1.0)))
+        if t is F.hardtanh and float(self.template(a(node, 1, "min_val", -1.0))) == 0.0:
+            return "clip", float(self.template(a(node, 2, "max_val", 1.0)))
+        return None
+
+    def function_stage(self, node: Any) -> Stage | None:
+        import torch
+        import torch.nn.functional as F
+
+        t, name, a = node.target, node.name, self.arg
+        x = node.args[0] if node.args else None
+        if t is operator.getitem and isinstance(x, torch.fx.Node) and x.name in self.multi:
+            src = self.multi[x.name]
+            return self.fallback(node, _item(self.callable_of(src), self.template(node.args[1])), f"item of {src.target}", src.args, src.kwargs)
+        if not self.is_t(x):
+            return None
+        act = self.function_activation(node)
+        if act is not None:
+            return Stage("act", [x.name], name, attrs={"activation": act[0], "alpha": act[1]}, name=name)
+        two = len(node.args) == 2 and not node.kwargs and self.is_t(node.args[1])
+        if t in (operator.add, operator.iadd, torch.add, "add", "add_") and two:
+            return Stage("add", [x.name, node.args[1].name], name, name=name)
+        if t in (operator.mul, operator.imul, torch.mul, "mul", "mul_") and two:
+            return Stage("mul", [x.name, node.args[1].name], name, name=name)
+        if t is F.batch_norm:
+            return self.functional_bn(node)
+        if t in (torch.flatten, "flatten", "view", "reshape") and self.flatten_ok(node) and (
+                t not in (torch.flatten, "flatten") or (a(node, 1, "start_dim", 0) == 1 and a(node, 2, "end_dim", -1) == -1)):
+            return Stage("flatten", [x.name], name, name=name)
+        if t is F.adaptive_avg_pool2d:
+            return self.adaptive_avg(x, name)
+        if t in ("mean", torch.mean) and sorted(d % 4 for d in _dims(self.template(a(node, 1, "dim", ())))) == [2, 3] \
+                and self.values[x.name].dim() == 4 and a(node, 3, "dtype") is None:
+            return Stage("gap", [x.name], name, name=name)  # keepdim=False: the importer adds the flatten (see run)
+        if t in (F.softmax, torch.softmax, "softmax") and a(node, 1, "dim") is not None and node.kwargs.get("dtype") is None and len(node.args) <= 2:
+            return Stage("softmax", [x.name], name, attrs={"axis": int(self.template(a(node, 1, "dim"))) % self.values[name].dim()}, name=name)
+        if t in (F.dropout, "contiguous", "clone") or getattr(t, "__name__", "") in ("stochastic_depth", "drop_path"):
+            return Stage("identity", [x.name], name, name=name)  # eval mode: their value is their input's
+        return None
+
+    def functional_bn(self, node: Any) -> Stage | None:
+        """``F.batch_norm`` in eval (running statistics given, training False) as nn.BatchNorm2d's stage."""
+        import torch
+
+        a = self.arg
+        mean, var = (self.template(a(node, i, k)) for i, k in ((1, "running_mean"), (2, "running_var")))
+        gamma, beta = (self.template(a(node, i, k)) for i, k in ((3, "weight"), (4, "bias")))
+        training, eps = self.template(a(node, 5, "training", False)), self.template(a(node, 7, "eps", 1e-5))
+        consts = [v for v in (mean, var, gamma, beta) if v is not None]
+        if training or not all(isinstance(v, torch.Tensor) for v in consts) or mean is None or var is None:
+            return None
+        return self.bn(node.args[0], node.name, mean, var, gamma, beta, float(eps))
+
+    def run(self) -> tuple[str, str]:
+        """Walk the graph; returns (input name, output name)."""
+        import torch
+
+        input_name = output = None
+        for node in self.gm.graph.nodes:
+            v = self.values.get(node.name)
+            if node.op == "placeholder":
+                if input_name is not None:
+                    raise UnsupportedError("pipeline: models with more than one input are not supported")
+                input_name = node.name
+                self.tensors.add(node.name)
+            elif node.op == "output":
+                res = node.args[0]
+                if not self.is_t(res):
+                    raise UnsupportedError("pipeline: the model must return one tensor")
+                output = res.name
+            elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
+                self.multi[node.name] = node  # its items become stages where getitem reads them
+            elif isinstance(v, torch.Tensor) and node.op != "get_attr":  # else a constant of the templates that read it
+                self.tensors.add(node.name)
+                try:
+                    made = self.node(node)
+                except UnsupportedError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a rule that does not fit this node: say which node
+                    raise UnsupportedError(f"pipeline: cannot import node {node.name} ({node.target}): {type(e).__name__}: {e}") from e
+                if made[-1].kind == "gap" and v.dim() == 2:  # mean over H, W without keepdim
+                    made[-1].output = f"{node.name}.gap"
+                    made.append(Stage("flatten", [made[-1].output], node.name, name=node.name))
+                self.stages += made
+        if input_name is None or output is None:
+            raise UnsupportedError("pipeline: traced graph has no input or no output")
+        return input_name, output
+
+
+def import_module(model: Any, example_input: Any) -> Program:
+    """Primitive stages of ``model`` for inputs shaped like ``example_input`` (a tensor or a shape)."""
+    import torch
+    import torch.fx
+
+    shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
+    from ..torch import FxTracer
+
+    m = copy.deepcopy(model).cpu().float().eval()
+    try:  # fusekit.torch modules (a converted model) stay whole, as torch.nn's do
+        gm = torch.fx.GraphModule(m, FxTracer().trace(m))
+    except Exception as e:  # noqa: BLE001
+        raise UnsupportedError(f"pipeline: torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from None
+    gen = torch.Generator().manual_seed(0)
+    try:
+        values = _record_values(gm, torch.randn(shape, generator=gen))
+    except Exception as e:  # noqa: BLE001
+        raise UnsupportedError(f"pipeline: {type(model).__name__} fails on an input of shape {shape}: {type(e).__name__}: {e}") from None
+    imp = _Importer(gm, values)
+    input_name, output = imp.run()
+    prog = Program(imp.stages, input_name, shape, output, "torch.fx")
+    fill_shapes(prog.stages, prog.input, prog.input_shape)
+    for s in prog.stages:  # sanity: the shape rules agree with what the model computed
+        got = values.get(s.output)
+        if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(s.out_shape):
+            raise UnsupportedError(f"pipeline: shape rule of {s.name} gave {s.out_shape}, the model computed {tuple(got.shape)}")
+    return prog

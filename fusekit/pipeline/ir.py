@@ -1,19 +1,16 @@
 """The pipeline's internal representation: a flat list of :class:`Stage` records (plain data), the
-shape rules of each stage kind, and the rewrites from the importers' primitive ops to fusekit calls.
+shape rules of each stage kind, and PyTorch's implementation of each stage (fallbacks, and the
+per-stage check and choice at build).
 
-Importers (``fx_import``, ``onnx_import``) emit *primitive* stages in topological order:
+Importers (``fx_import``, ``onnx_import``, ``nn_import``) emit *primitive* stages in topological order:
 
-    conv, bn, relu, add, maxpool, avgpool, gap, flatten, linear, softmax, identity, torch
+    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, identity, torch
 
-:func:`lower` rewrites them into *lowered* stages, each with a ``pattern``:
-
-    conv_bias_relu / conv_bias_relu6 / conv_bias / conv_bias_add_relu / conv_bias_add
-                                                      (BN folded, bias (+ residual add) (+ ReLU / ReLU6) epilogues)
-    linear_bias / linear_bias_relu
-    max_pool2d / avg_pool2d / softmax                 (fusekit.ops.pool kernels; GAP is avg_pool2d
-                                                       with the whole plane as its window)
-    reshape                                           (flatten: a copy into the output buffer)
-    torch                                             (everything else: run by PyTorch, a fallback)
+``rules.lower`` rewrites them into *lowered* stages, each with a ``pattern``: a fused cuDNN graph
+(:data:`FUSEKIT_PATTERNS`: BN folded, bias, residual add and activation epilogues; scale-shift,
+activation, add and squeeze-excitation gate graphs), a fusekit pooling kernel (:data:`POOL_PATTERNS`;
+global average pooling is avg_pool2d over the whole plane), ``reshape`` (a copy) or ``torch`` (run by
+PyTorch: a fallback).
 
 Weights are kept as float64 NumPy arrays (master copies; the GPU build casts them once).
 """
@@ -28,7 +25,8 @@ import numpy as np
 
 from ..errors import UnsupportedError
 
-FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "linear_bias", "linear_bias_relu")
+FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
+                    "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate")
 POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax")
 
 
@@ -149,9 +147,9 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
         n, _, h, w = x
         kk = s.weights["w"].shape
         return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"]))
-    if k in ("bn", "relu", "identity", "softmax"):
+    if k in ("bn", "relu", "act", "identity", "softmax"):
         return x
-    if k == "add":
+    if k in ("add", "mul"):
         return tuple(np.broadcast_shapes(*[tuple(i) for i in ins]))
     if k in ("maxpool", "avgpool"):
         n, c, h, w = x
@@ -178,70 +176,100 @@ def torch_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(int(d) for d in y.shape)
 
 
-def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, Any], device: Any = None, dtype: Any = None) -> Any:
-    """Evaluate a ``kind == "torch"`` or torch-lowered stage with torch tensors (any device/dtype).
+def torch_act(y: Any, act: tuple[str, float] | None) -> Any:
+    """PyTorch's ``act`` = (activation, alpha) of y (None: y itself)."""
+    import torch.nn.functional as F
 
-    ``env``: value name -> tensor; ``fn``: the callable to use (the module's copy on the right device);
-    ``device`` / ``dtype``: where the argument template's constant tensors go (floating ones in ``dtype``)."""
+    if act is None:
+        return y
+    name, alpha = act[0], float(act[1])
+    table = {
+        "identity": lambda t: t, "relu": F.relu, "clip": lambda t: t.clamp(0.0, alpha), "silu": F.silu, "gelu": F.gelu,
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sigmoid": lambda t: t.sigmoid(), "tanh": lambda t: t.tanh(),
+        "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "leaky_relu": lambda t: F.leaky_relu(t, alpha),
+        "elu": lambda t: F.elu(t, alpha),
+    }
+    return table[name](y)
+
+
+def bind_constants(s: Stage, device: Any = None, dtype: Any = None) -> tuple[Any, Any]:
+    """A torch fallback's (args, kwargs) template with its constants (arrays, tensors) moved to
+    ``device`` (floating ones in ``dtype``) once; value references (:class:`Ref`) stay."""
+    import torch
+
+    def conv(c: Any) -> Any:
+        c = c.detach()
+        return c.to(device=device, dtype=dtype) if c.is_floating_point() else c.to(device=device)
+
+    def sub(a: Any) -> Any:
+        if isinstance(a, Ref):
+            return a
+        if isinstance(a, np.ndarray):
+            return conv(torch.from_numpy(a))
+        if isinstance(a, torch.Tensor):
+            return conv(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(e) for e in a)
+        if isinstance(a, dict):
+            return {kk: sub(v) for kk, v in a.items()}
+        return a
+
+    return sub(s.attrs.get("args", [Ref(n) for n in s.inputs])), sub(s.attrs.get("kwargs", {}))
+
+
+def _fill(a: Any, env: dict[str, Any]) -> Any:
+    if isinstance(a, Ref):
+        return env[a]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fill(e, env) for e in a)
+    if isinstance(a, dict):
+        return {k: _fill(v, env) for k, v in a.items()}
+    return a
+
+
+def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, Any], device: Any = None, dtype: Any = None,
+                    bound: tuple[Any, Any] | None = None) -> Any:
+    """Evaluate a stage with PyTorch (any device/dtype), without autograd.
+
+    ``env``: value name -> tensor; ``fn``: the callable of a ``torch`` stage (the module's copy on
+    the right device); ``weights``: the stage's weights as tensors; ``device`` / ``dtype``: where a
+    ``torch`` stage's constants go, unless ``bound`` (:func:`bind_constants`) already holds them."""
     import torch
     import torch.nn.functional as F
 
-    k = s.kind
-    if k == "conv":  # grouped convs, or fused convs cuDNN refused
-        a = s.attrs
-        y = F.conv2d(env[s.inputs[0]], weights["w"], weights.get("b"), stride=_pair(a["stride"]), padding=_pair(a["padding"]),
-                     dilation=_pair(a["dilation"]), groups=int(a.get("groups", 1)))
-        if a.get("add"):
-            y = y + env[s.inputs[1]]
-        return _relu(y, a) if a.get("relu") else y
-    if k == "linear":
-        y = F.linear(env[s.inputs[0]], weights["w"], weights.get("b"))
-        return torch.relu(y) if s.attrs.get("relu") else y
-    if k == "bn":  # a batch norm with nothing to fold into: x * scale + shift per channel
-        x = env[s.inputs[0]]
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        return x * weights["scale"].reshape(shape) + weights["shift"].reshape(shape)
+    k, a = s.kind, s.attrs
+    act = a.get("act")
     if k == "relu":
-        return _relu(env[s.inputs[0]], s.attrs)
-    if k == "maxpool":
-        a = s.attrs
-        return F.max_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
-    if k in ("avgpool", "gap"):
-        a = s.attrs
-        return F.avg_pool2d(env[s.inputs[0]], _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
-    if k == "softmax":
-        return torch.softmax(env[s.inputs[0]], int(s.attrs["axis"]))
-    if k == "add":
-        return env[s.inputs[0]] + env[s.inputs[1]]
-    if k == "torch":
-        def conv(c: Any) -> Any:
-            return c.to(device=device, dtype=dtype) if c.is_floating_point() else c.to(device=device)
-
-        def sub(a: Any) -> Any:
-            if isinstance(a, Ref):
-                return env[a]
-            if isinstance(a, np.ndarray):
-                return conv(torch.from_numpy(a))
-            if isinstance(a, torch.Tensor):
-                return conv(a)
-            if isinstance(a, (list, tuple)):
-                return type(a)(sub(e) for e in a)
-            if isinstance(a, dict):
-                return {kk: sub(v) for kk, v in a.items()}
-            return a
-
-        args = sub(s.attrs.get("args", [Ref(n) for n in s.inputs]))
-        kwargs = sub(s.attrs.get("kwargs", {}))
-        return fn(*args, **kwargs)
+        act = ("relu", 0.0) if a.get("upper_clip") is None else ("clip", float(a["upper_clip"]))
+    elif k == "act" and act is None:
+        act = (a["activation"], float(a["alpha"]))
+    x = env[s.inputs[0]] if s.inputs else None
+    with torch.no_grad():
+        if k == "conv":  # grouped convs, or fused convs cuDNN refused
+            y = F.conv2d(x, weights["w"], weights.get("b"), stride=_pair(a["stride"]), padding=_pair(a["padding"]),
+                         dilation=_pair(a["dilation"]), groups=int(a.get("groups", 1)))
+            return torch_act(y + env[s.inputs[1]] if a.get("add") else y, act)
+        if k == "linear":
+            return torch_act(F.linear(x, weights["w"], weights.get("b")), act)
+        if k == "bn":  # a batch norm with nothing to fold into: x * scale + shift per channel
+            shape = (1, -1) + (1,) * (x.dim() - 2)
+            return torch_act(x * weights["scale"].reshape(shape) + weights["shift"].reshape(shape), act)
+        if k in ("relu", "act"):
+            return torch_act(x, act)
+        if k == "maxpool":
+            return F.max_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
+        if k in ("avgpool", "gap"):
+            return F.avg_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
+        if k == "softmax":
+            return torch.softmax(x, int(a["axis"]))
+        if k == "add":
+            return torch_act(x + env[s.inputs[1]], act)
+        if k == "mul":
+            return x * env[s.inputs[1]]
+        if k == "torch":
+            args, kwargs = bound if bound is not None else bind_constants(s, device, dtype)
+            return fn(*_fill(args, env), **_fill(kwargs, env))
     raise UnsupportedError(f"pipeline: stage kind {k!r} has no torch implementation")
-
-
-def _relu(y: Any, attrs: dict[str, Any]) -> Any:
-    """torch ReLU, clipped above at ``attrs["upper_clip"]`` when set (ReLU6)."""
-    import torch
-
-    clip = attrs.get("upper_clip")
-    return torch.relu(y) if clip is None else torch.clamp(y, 0.0, float(clip))
 
 
 def torch_fallback(name: str, inputs: list[str], output: str, fn: Callable, args: list | None = None,
@@ -278,183 +306,47 @@ def fold_bn_weights(w: np.ndarray, b: np.ndarray | None, mean, var, gamma, beta,
     return w2, (b0 - np.asarray(mean, np.float64)) * scale + np.asarray(beta, np.float64)
 
 
-def _uses(stages: list[Stage], output: str) -> dict[str, int]:
-    n: dict[str, int] = {output: 1}  # the program's output counts as a use
-    for s in stages:
-        for i in s.inputs:
-            n[i] = n.get(i, 0) + 1
-    return n
-
-
-def _rename(stages: list[Stage], old: str, new: str) -> None:
+def rename(stages: list[Stage], old: str, new: str) -> None:
     for s in stages:
         s.inputs = [new if i == old else i for i in s.inputs]
         if "args" in s.attrs:
-            s.attrs["args"] = _rename_args(s.attrs["args"], old, new)
+            s.attrs["args"] = rename_args(s.attrs["args"], old, new)
         if "kwargs" in s.attrs:
-            s.attrs["kwargs"] = _rename_args(s.attrs["kwargs"], old, new)
+            s.attrs["kwargs"] = rename_args(s.attrs["kwargs"], old, new)
 
 
-def _rename_args(a: Any, old: str, new: str) -> Any:
+def rename_args(a: Any, old: str, new: str) -> Any:
     if isinstance(a, Ref):
         return Ref(new) if a == old else a
     if isinstance(a, (list, tuple)):
-        return type(a)(_rename_args(e, old, new) for e in a)
+        return type(a)(rename_args(e, old, new) for e in a)
     if isinstance(a, dict):
-        return {k: _rename_args(v, old, new) for k, v in a.items()}
+        return {k: rename_args(v, old, new) for k, v in a.items()}
     return a
 
 
-def lower(prog: Program) -> Program:
-    """Rewrite primitive stages into fusekit calls (see the module docstring); returns a new Program."""
-    stages = [Stage(s.kind, list(s.inputs), s.output, s.pattern, dict(s.weights), dict(s.attrs), list(s.in_shapes),
-                    tuple(s.out_shape), s.name, s.fn, s.reason) for s in prog.stages]
-    output = prog.output
+#: Weights a pattern takes in float32 whatever the pipeline's dtype (per-channel scale and shift).
+FLOAT32_WEIGHTS = {"channel_scale_shift_act": ("scale", "shift")}
 
-    # identities: drop, renaming their outputs to their inputs
-    for s in [s for s in stages if s.kind == "identity"]:
-        stages.remove(s)
-        if s.output == output:
-            output = s.inputs[0]
-        _rename(stages, s.output, s.inputs[0])
 
-    producer = {s.output: s for s in stages}
-
-    def single_use_conv(v: str, uses: dict[str, int]) -> Stage | None:
-        p = producer.get(v)
-        return p if p is not None and p.kind == "conv" and uses.get(v, 0) == 1 and not p.attrs.get("relu") and not p.attrs.get("add") else None
-
-    def residual_conv(a: Stage, uses: dict[str, int]) -> tuple[Stage, int] | None:
-        """(conv, index of the other operand) when the same-shape add ``a`` has a single-use conv
-        operand; broadcasting adds stay in PyTorch."""
-        if not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]):
-            return None
-        for ci, zi in ((0, 1), (1, 0)):
-            c = single_use_conv(a.inputs[ci], uses)
-            if c is not None:
-                return c, zi
-        return None
-
-    # 1. fold eval-mode batch norms into the conv before them
-    uses = _uses(stages, output)
-    for s in [s for s in stages if s.kind == "bn"]:
-        c = single_use_conv(s.inputs[0], uses)
-        if c is not None:
-            w = s.weights
-            c.weights["w"], c.weights["b"] = fold_bn_weights(c.weights["w"], c.weights.get("b"), w["mean"], w["var"], w["gamma"], w["beta"], s.attrs["epsilon"])
-            c.name += "+" + s.name
-            stages.remove(s)
-            _rename(stages, s.output, c.output)
-            if output == s.output:
-                output = c.output
-        else:  # nothing to fold into: a per-channel scale and shift, run by PyTorch
-            w = s.weights
-            scale = np.asarray(w["gamma"], np.float64) / np.sqrt(np.asarray(w["var"], np.float64) + s.attrs["epsilon"])
-            s.weights = {"scale": scale, "shift": np.asarray(w["beta"], np.float64) - np.asarray(w["mean"], np.float64) * scale}
-            s.pattern, s.reason = "torch", "batch norm not after a single-use convolution (cannot fold)"
-    producer = {s.output: s for s in stages}
-
-    # 2. residual tails: relu(conv(x) + b + z) when the add has a single-use conv operand
-    uses = _uses(stages, output)
-    for s in [s for s in stages if s.kind == "relu" and s.attrs.get("upper_clip") is None]:
-        a = producer.get(s.inputs[0])
-        if a is None or a.kind != "add" or uses.get(a.output, 0) != 1 or len(a.inputs) != 2:
-            continue
-        found = residual_conv(a, uses)
-        if found is None:
-            continue
-        c, zi = found
-        # the fused stage runs where the ReLU ran: x and z are both computed by then
-        c.inputs = [c.inputs[0], a.inputs[zi]]
-        c.attrs["add"], c.attrs["relu"] = True, True
-        c.name += f"+{a.name}+{s.name}"
-        stages.remove(a)
-        stages.remove(c)
-        stages[stages.index(s)] = c
-        old = c.output
-        c.output = s.output
-        del producer[old]
-        producer[c.output] = c
-
-    # 2b. linear residual tails: conv(x) + b + z (no activation after the add, as MobileNetV2)
-    uses = _uses(stages, output)
-    for a in [s for s in stages if s.kind == "add" and len(s.inputs) == 2]:
-        found = residual_conv(a, uses)
-        if found is None:
-            continue
-        c, zi = found
-        c.inputs = [c.inputs[0], a.inputs[zi]]
-        c.attrs["add"] = True
-        c.name += f"+{a.name}"
-        stages.remove(c)
-        stages[stages.index(a)] = c
-        del producer[c.output]
-        c.output = a.output
-        producer[c.output] = c
-        uses = _uses(stages, output)
-
-    # 3. ReLU (ReLU6 for convs) epilogues of convs and linears
-    uses = _uses(stages, output)
-    for s in [s for s in stages if s.kind == "relu"]:
-        p = producer.get(s.inputs[0])
-        clip = s.attrs.get("upper_clip")
-        if clip is not None and (p is None or p.kind != "conv" or p.attrs.get("add") or float(clip) != 6.0):
-            continue  # clipped ReLUs fuse as ReLU6 into plain conv tails only
-        if p is not None and p.kind in ("conv", "linear") and uses.get(p.output, 0) == 1 and not p.attrs.get("relu"):
-            p.attrs["relu"] = True
-            if clip is not None:
-                p.attrs["upper_clip"] = float(clip)
-            p.name += "+" + s.name
-            stages.remove(s)
-            _rename(stages, s.output, p.output)
-            if output == s.output:
-                output = p.output
-            uses = _uses(stages, output)
-
-    # 4. patterns
-    for s in stages:
-        if s.pattern:
-            continue
-        if s.kind == "conv":
-            relu, add = bool(s.attrs.get("relu")), bool(s.attrs.get("add"))
-            if add:
-                s.pattern = "conv_bias_add_relu" if relu else "conv_bias_add"
-            elif relu:
-                s.pattern = "conv_bias_relu6" if s.attrs.get("upper_clip") is not None else "conv_bias_relu"
-            else:
-                s.pattern = "conv_bias"
-            if "b" not in s.weights:
-                s.weights["b"] = np.zeros(s.weights["w"].shape[0])
-        elif s.kind == "linear":
-            s.pattern = "linear_bias_relu" if s.attrs.get("relu") else "linear_bias"
-            if "b" not in s.weights:
-                s.weights["b"] = np.zeros(s.weights["w"].shape[0])
-        elif s.kind == "maxpool":
-            s.pattern = "max_pool2d"
-        elif s.kind in ("avgpool", "gap"):
-            s.pattern = "avg_pool2d"
-        elif s.kind == "softmax":
-            s.pattern = "softmax"
-        elif s.kind == "flatten":
-            s.pattern = "reshape"
-        elif s.kind == "relu":
-            s.pattern, s.reason = "torch", ("ReLU not after a single-use convolution or linear layer" if s.attrs.get("upper_clip") is None
-                                            else f"clipped ReLU (max {s.attrs['upper_clip']}) not after a single-use convolution")
-        elif s.kind == "add":
-            s.pattern, s.reason = "torch", "add without a single-use convolution operand"
-        elif s.kind == "torch":
-            s.pattern = "torch"
-            s.reason = s.reason or "no fusekit pattern"
-        else:
-            raise UnsupportedError(f"pipeline: cannot lower stage kind {s.kind!r}")
-        if s.kind == "gap":
-            h, w = s.in_shapes[0][2:] if s.in_shapes else (None, None)
-            s.attrs.update(kernel_size=(h, w), stride=(h, w), padding=(0, 0), count_include_pad=True)
-
-    out = Program(stages, prog.input, prog.input_shape, output, prog.source)
-    fill_shapes(out.stages, out.input, out.input_shape)
-    for s in out.stages:
-        if s.kind == "gap":
-            h, w = s.in_shapes[0][2:]
-            s.attrs.update(kernel_size=(h, w), stride=(h, w))
-    return out
+def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """(operands, attributes) of a stage with a fusekit pattern, as ``fusekit.ops.<pattern>`` and the
+    oracle take them: ``values`` maps value names to arrays, ``weights`` the stage's weights (any array
+    type). The one place that says which operand and attribute each pattern reads."""
+    x = values[s.inputs[0]]
+    p, a = s.pattern, s.attrs
+    act = a.get("act") or ("identity", 0.0)
+    act_attrs = {"activation": act[0], "alpha": float(act[1])} if p.endswith("_act") or p == "act" else {}
+    if p.startswith("conv"):
+        ops = (x, weights["w"], weights["b"]) + ((values[s.inputs[1]],) if p.startswith("conv_bias_add") else ())
+        conv = {k: tuple(int(e) for e in a[k]) for k in ("padding", "stride", "dilation")}
+        return ops, {**conv, "groups": int(a.get("groups", 1)), **act_attrs}
+    if p.startswith("linear"):
+        return (x, weights["w"], weights["b"]), act_attrs
+    if p == "channel_scale_shift_act":
+        return (x, weights["scale"], weights["shift"]), act_attrs
+    if p in ("add_act", "channel_gate"):
+        return (x, values[s.inputs[1]]), act_attrs
+    if p == "act":
+        return (x,), act_attrs
+    raise UnsupportedError(f"pipeline: stage {s.name} has no fusekit pattern ({p!r})")

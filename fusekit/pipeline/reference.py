@@ -11,22 +11,15 @@ import numpy as np
 
 from ..engine import oracle
 from ..ops import pool
-from .ir import Program, Stage, pool_options, run_torch_stage
-
-
-def _conv_attrs(s: Stage) -> dict[str, Any]:
-    attrs = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
-    return {**attrs, "groups": int(s.attrs.get("groups", 1))}
+from .ir import FUSEKIT_PATTERNS, Program, Stage, fused_operands, pool_options, run_torch_stage
 
 
 def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
     xs = [env[n] for n in s.inputs]
     p = s.pattern
-    if p.startswith("conv_bias"):
-        ops = [xs[0], s.weights["w"], s.weights["b"]] + ([xs[1]] if p.startswith("conv_bias_add") else [])
-        return oracle.evaluate(p, *ops, **_conv_attrs(s))[0]
-    if p in ("linear_bias", "linear_bias_relu"):
-        return oracle.evaluate(p, xs[0], s.weights["w"], s.weights["b"])[0]
+    if p in FUSEKIT_PATTERNS:
+        ops, attrs = fused_operands(s, env, s.weights)
+        return oracle.evaluate(p, *ops, **attrs)[0]
     if p == "max_pool2d":
         return pool.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))[0]
     if p == "avg_pool2d":
@@ -42,9 +35,8 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
         if isinstance(fn, torch.nn.Module):
             fn = copy.deepcopy(fn).double()
         tenv = {n: torch.from_numpy(np.ascontiguousarray(env[n], dtype=np.float64)) for n in s.inputs}
-        with torch.no_grad():
-            y = run_torch_stage(s, tenv, fn, {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()},
-                                dtype=torch.float64)
+        y = run_torch_stage(s, tenv, fn, {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()},
+                            dtype=torch.float64)
         return y.detach().numpy().astype(np.float64)
     raise ValueError(f"pipeline reference: stage {s.name} has no pattern (lower the program first)")
 

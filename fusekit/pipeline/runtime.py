@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
 from . import reference as _reference
-from .ir import FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, pool_options, run_torch_stage
+from .ir import FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, fused_operands, pool_options, run_torch_stage
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -131,31 +131,27 @@ class Pipeline:
         import torch
 
         out = {}
+        f32 = FLOAT32_WEIGHTS.get(s.pattern, ())
         for k, v in s.weights.items():
-            t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)).to(device=self.device, dtype=self.torch_dtype)
+            dt = torch.float32 if k in f32 else self.torch_dtype
+            t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)).to(device=self.device, dtype=dt)
             out[k] = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
         return out
-
-    def _operands(self, s: Stage, w: dict[str, Any]) -> tuple[tuple, dict]:
-        """(operands, attrs) of a fusekit-pattern stage."""
-        x = self.views[s.inputs[0]]
-        if s.pattern.startswith("conv"):
-            ops = (x, w["w"], w["b"]) + ((self.views[s.inputs[1]],) if s.pattern.startswith("conv_bias_add") else ())
-            attrs = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
-            return ops, {**attrs, "groups": int(s.attrs.get("groups", 1))}
-        return (x, w["w"], w["b"]), {}
 
     def _torch_runner(self, s: Stage, w: dict[str, Any]) -> Callable[[], None]:
         import torch
 
         fn = s.fn
         if isinstance(fn, torch.nn.Module):
-            fn = copy.deepcopy(fn).to(device=self.device, dtype=self.torch_dtype).to(memory_format=torch.channels_last)
+            fn = copy.deepcopy(fn).to(device=self.device, dtype=self.torch_dtype).to(memory_format=torch.channels_last).requires_grad_(False)
         dev, tdt = self.device, self.torch_dtype
+        bound = bind_constants(s, dev, tdt) if s.kind == "torch" else None  # constants on the device once, not per call
+        if s.pattern in FLOAT32_WEIGHTS:  # PyTorch's kernel computes in the pipeline's dtype
+            w = {k: v.to(tdt) for k, v in w.items()}
         y, names, views = self.views[s.output], s.inputs, self.views
 
         def run() -> None:
-            y.copy_(run_torch_stage(s, {n: views[n] for n in names}, fn, w, dev, tdt))
+            y.copy_(run_torch_stage(s, {n: views[n] for n in names}, fn, w, dev, tdt, bound=bound))
 
         return run
 
@@ -168,7 +164,7 @@ class Pipeline:
         x = self.views[s.inputs[0]] if s.inputs else None
         a = s.attrs
         if s.pattern in FUSEKIT_PATTERNS:
-            operands, attrs = self._operands(s, w)
+            operands, attrs = fused_operands(s, self.views, w)
             try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
                 import fusekit
 

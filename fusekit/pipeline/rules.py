@@ -1,0 +1,257 @@
+"""The one set of lowering rules: primitive stages -> fusekit calls, as a table of small rules.
+
+Each :class:`Rule` looks at stages of some kinds; its ``match`` returns what it found (or None) and
+its ``rewrite`` changes the program. :data:`RULES` run in order, each over every stage; then each
+stage left gets its pattern from :func:`pattern_for` (a fused cuDNN graph, a fusekit pooling kernel,
+a reshape copy, or ``torch``: a PyTorch fallback, with the reason).
+
+Epilogues are attributes of the producing stage: ``attrs["act"] = (activation, alpha)`` (see
+``fusekit.patterns.ACTIVATIONS``) and ``attrs["add"] = True`` (a residual operand as its second
+input), so a convolution, a fully connected layer, an unfolded batch norm (a per-channel scale and
+shift) or an add carries its activation into one graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import UnsupportedError
+from .ir import Program, Stage, fill_shapes, fold_bn_weights, rename
+
+RELU = ("relu", 0.0)
+
+
+class _Ctx:
+    """The program being lowered: its stages, its output name, and look-ups over them."""
+
+    def __init__(self, prog: Program) -> None:
+        self.stages = [Stage(s.kind, list(s.inputs), s.output, s.pattern, dict(s.weights), dict(s.attrs), list(s.in_shapes),
+                             tuple(s.out_shape), s.name, s.fn, s.reason) for s in prog.stages]
+        self.output = prog.output
+        self.shapes = {prog.input: tuple(prog.input_shape)} | {s.output: tuple(s.out_shape) for s in self.stages}
+
+    def producer(self, value: str) -> Stage | None:
+        for s in self.stages:
+            if s.output == value:
+                return s
+        return None
+
+    def uses(self, value: str) -> int:
+        return sum(s.inputs.count(value) for s in self.stages) + (value == self.output)
+
+    def single_use(self, value: str, *kinds: str) -> Stage | None:
+        """The producer of ``value`` if it is of one of ``kinds`` and ``value`` has no other reader."""
+        p = self.producer(value)
+        return p if p is not None and p.kind in kinds and self.uses(value) == 1 else None
+
+    def drop(self, s: Stage, keep: str) -> None:
+        """Remove ``s``; its readers (and the program's output) read ``keep`` instead."""
+        self.stages.remove(s)
+        rename(self.stages, s.output, keep)
+        if self.output == s.output:
+            self.output = keep
+
+    def absorb(self, into: Stage, s: Stage) -> None:
+        """``into`` (an earlier stage) now computes ``s``'s value too: it moves to ``s``'s place and
+        takes its output name (its inputs are all computed by then)."""
+        self.stages.remove(into)
+        self.stages[self.stages.index(s)] = into
+        into.output, into.out_shape = s.output, s.out_shape
+        into.name += "+" + s.name
+
+    def refresh_shapes(self) -> None:
+        """Every stage's in_shapes from the value shapes (a rewrite keeps each value's shape)."""
+        for s in self.stages:
+            s.in_shapes = [self.shapes[n] for n in s.inputs]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    kinds: tuple[str, ...]
+    match: Callable[[_Ctx, Stage], Any]
+    rewrite: Callable[[_Ctx, Stage, Any], None]
+
+
+def _plain(p: Stage | None) -> Stage | None:
+    """``p`` if it has no epilogue yet."""
+    return p if p is not None and not p.attrs.get("act") and not p.attrs.get("add") else None
+
+
+# -- the rules -------------------------------------------------------------------------------------
+def _always(c: _Ctx, s: Stage) -> Any:
+    return True
+
+
+def _drop_identity(c: _Ctx, s: Stage, _: Any) -> None:
+    c.drop(s, s.inputs[0])
+
+
+def _relu_as_act(c: _Ctx, s: Stage, _: Any) -> None:
+    clip = s.attrs.pop("upper_clip", None)
+    s.kind = "act"
+    s.attrs.update(activation="relu" if clip is None else "clip", alpha=0.0 if clip is None else float(clip))
+
+
+def _bn_conv(c: _Ctx, s: Stage) -> Any:
+    return _plain(c.single_use(s.inputs[0], "conv"))
+
+
+def _fold_bn(c: _Ctx, s: Stage, conv: Stage) -> None:
+    w = s.weights
+    conv.weights["w"], conv.weights["b"] = fold_bn_weights(conv.weights["w"], conv.weights.get("b"), w["mean"], w["var"], w["gamma"],
+                                                           w["beta"], s.attrs["epsilon"])
+    conv.name += "+" + s.name
+    c.drop(s, conv.output)
+
+
+def _bn_unfolded(c: _Ctx, s: Stage) -> Any:
+    return "mean" in s.weights or None
+
+
+def _bn_scale_shift(c: _Ctx, s: Stage, _: Any) -> None:
+    w = s.weights
+    scale = np.asarray(w["gamma"], np.float64) / np.sqrt(np.asarray(w["var"], np.float64) + s.attrs["epsilon"])
+    s.weights = {"scale": scale, "shift": np.asarray(w["beta"], np.float64) - np.asarray(w["mean"], np.float64) * scale}
+
+
+def _residual_operands(c: _Ctx, a: Stage) -> tuple[Stage, int] | None:
+    """(conv, index of the other operand) of a same-shape add with a single-use plain conv operand."""
+    if len(a.inputs) != 2 or not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]) or a.attrs.get("act"):
+        return None
+    for ci, zi in ((0, 1), (1, 0)):
+        conv = _plain(c.single_use(a.inputs[ci], "conv"))
+        if conv is not None:
+            return conv, zi
+    return None
+
+
+def _act_after_residual(c: _Ctx, s: Stage) -> Any:
+    a = c.single_use(s.inputs[0], "add")
+    found = _residual_operands(c, a) if a is not None else None
+    return (a, *found) if found else None
+
+
+def _fuse_residual_act(c: _Ctx, s: Stage, m: tuple) -> None:
+    a, conv, zi = m
+    conv.inputs = [conv.inputs[0], a.inputs[zi]]
+    conv.attrs.update(add=True, act=(s.attrs["activation"], s.attrs["alpha"]))
+    conv.name += "+" + a.name
+    c.stages.remove(a)
+    c.absorb(conv, s)
+
+
+def _residual(c: _Ctx, s: Stage) -> Any:
+    return _residual_operands(c, s)
+
+
+def _fuse_residual(c: _Ctx, s: Stage, m: tuple) -> None:
+    conv, zi = m
+    conv.inputs = [conv.inputs[0], s.inputs[zi]]
+    conv.attrs["add"] = True
+    c.absorb(conv, s)
+
+
+def _act_producer(c: _Ctx, s: Stage) -> Any:
+    p = c.single_use(s.inputs[0], "conv", "linear", "bn", "add")
+    if p is None or p.attrs.get("act") or (p.kind == "bn" and "mean" in p.weights):
+        return None
+    return p
+
+
+def _fuse_act(c: _Ctx, s: Stage, p: Stage) -> None:
+    p.attrs["act"] = (s.attrs["activation"], float(s.attrs["alpha"]))
+    p.name += "+" + s.name
+    c.drop(s, p.output)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("drop identities (dropout, stochastic depth in eval)", ("identity",), _always, _drop_identity),
+    Rule("ReLU and ReLU6 as activations", ("relu",), _always, _relu_as_act),
+    Rule("fold an eval batch norm into the convolution before it", ("bn",), _bn_conv, _fold_bn),
+    Rule("a batch norm with nothing to fold into: a per-channel scale and shift", ("bn",), _bn_unfolded, _bn_scale_shift),
+    Rule("residual tail: act(conv(x) + b + z)", ("act",), _act_after_residual, _fuse_residual_act),
+    Rule("linear residual tail: conv(x) + b + z", ("add",), _residual, _fuse_residual),
+    Rule("activation epilogue of a conv, linear, scale-shift or add", ("act",), _act_producer, _fuse_act),
+)
+
+
+# -- patterns --------------------------------------------------------------------------------------
+def _conv_pattern(s: Stage) -> str:
+    act, add = s.attrs.get("act"), bool(s.attrs.get("add"))
+    if act is None:
+        return "conv_bias_add" if add else "conv_bias"
+    if tuple(act) == RELU:
+        return "conv_bias_add_relu" if add else "conv_bias_relu"
+    if tuple(act) == ("clip", 6.0) and not add:
+        return "conv_bias_relu6"
+    return "conv_bias_add_act" if add else "conv_bias_act"
+
+
+def _gate_order(s: Stage) -> list[int] | None:
+    """Input order (image, gate) of a mul of a 4-D image by an (N, C, 1, 1) gate, else None."""
+    if len(s.in_shapes) != 2 or any(len(sh) != 4 for sh in s.in_shapes):
+        return None
+    for i, j in ((0, 1), (1, 0)):
+        x, g = s.in_shapes[i], s.in_shapes[j]
+        if tuple(g) == (x[0], x[1], 1, 1) and tuple(s.out_shape) == tuple(x):
+            return [i, j]
+    return None
+
+
+def pattern_for(s: Stage) -> tuple[str, str]:
+    """(pattern, reason) of a stage the rules are done with; reason only for ``torch``."""
+    k, rank = s.kind, len(s.in_shapes[0]) if s.in_shapes else 0
+    if k == "conv":
+        return _conv_pattern(s), ""
+    if k == "linear":
+        act = s.attrs.get("act")
+        return ("linear_bias" if act is None else "linear_bias_relu" if tuple(act) == RELU else "linear_bias_act"), ""
+    if k == "bn":
+        return ("channel_scale_shift_act", "") if rank == 4 else ("torch", f"batch norm of a rank-{rank} tensor")
+    if k == "act":
+        return ("act", "") if rank in (2, 4) else ("torch", f"activation of a rank-{rank} tensor")
+    if k == "add":
+        same = len(s.in_shapes) == 2 and tuple(s.in_shapes[0]) == tuple(s.out_shape)
+        return ("add_act", "") if same and rank in (2, 4) else ("torch", "add that broadcasts its first operand, or not 2-D / 4-D")
+    if k == "mul":
+        return ("channel_gate", "") if _gate_order(s) else ("torch", "multiply other than an (N, C, 1, 1) gate over an image")
+    simple = {"maxpool": "max_pool2d", "avgpool": "avg_pool2d", "gap": "avg_pool2d", "softmax": "softmax", "flatten": "reshape"}
+    if k in simple:
+        return simple[k], ""
+    if k == "torch":
+        return "torch", s.reason or "no fusekit pattern"
+    raise UnsupportedError(f"pipeline: cannot lower stage kind {k!r} ({s.name})")
+
+
+def lower(prog: Program) -> Program:
+    """Rewrite primitive stages into fusekit calls with :data:`RULES`; returns a new Program."""
+    if any(not s.out_shape for s in prog.stages):
+        fill_shapes(prog.stages, prog.input, prog.input_shape)
+    c = _Ctx(prog)
+    for rule in RULES:
+        for s in list(c.stages):
+            if s in c.stages and s.kind in rule.kinds:
+                found = rule.match(c, s)
+                if found is not None:
+                    rule.rewrite(c, s, found)
+                    c.refresh_shapes()
+    for s in c.stages:
+        if s.kind == "mul" and _gate_order(s):
+            s.inputs = [s.inputs[i] for i in _gate_order(s)]
+        s.pattern, s.reason = pattern_for(s)
+        if s.kind in ("conv", "linear") and "b" not in s.weights:
+            s.weights["b"] = np.zeros(s.weights["w"].shape[0])
+        if s.kind == "act":
+            s.attrs["act"] = (s.attrs["activation"], float(s.attrs["alpha"]))
+        if s.kind in ("bn", "add") and s.pattern != "torch":
+            s.attrs.setdefault("act", ("identity", 0.0))
+    out = Program(c.stages, prog.input, prog.input_shape, c.output, prog.source)
+    for s in out.stages:
+        if s.kind == "gap":
+            h, w = s.in_shapes[0][2:]
+            s.attrs.update(kernel_size=(h, w), stride=(h, w), padding=(0, 0), count_include_pad=True)
+    return out
