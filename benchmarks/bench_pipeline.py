@@ -4,6 +4,10 @@ captured in a CUDA graph, and torch.compile, on torchvision models in float16 ch
 weights, eval mode).
 
     python benchmarks/bench_pipeline.py --out benchmarks/results [--quick]
+    python benchmarks/bench_pipeline.py --zoo --out benchmarks/results [--models a,timm:b] [--batches 1,32]
+                                        [--max-autotune resnet50,efficientnet_b0] [--append]
+
+--zoo: the CNN zoo (benchmarks/zoo.py), written to <GPU>-zoo.{json,md,png}.
 
 Writes <out>/<GPU name, spaces as ->-pipeline.json and -pipeline.md. Timing: warm-up, then CUDA
 events around --iters calls per trial, median over --trials, a fresh random input before each trial.
@@ -312,9 +316,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="resnet50 batch 1 only, fewer trials, no torch.compile")
     ap.add_argument("--autotune", action="store_true", help="also compile with every stage autotuned and time that")
     ap.add_argument("--cases", default="", help="model:batch list to run instead of all, e.g. resnet50:32,mobilenet_v2:32")
+    ap.add_argument("--zoo", action="store_true", help="the CNN zoo: torchvision and timm CNNs against eager, its CUDA graph and max-autotune")
+    ap.add_argument("--models", default="", help="--zoo: comma-separated models (timm ones as timm:NAME); default: the zoo's list")
+    ap.add_argument("--batches", default="1,32", help="--zoo: batch sizes")
+    ap.add_argument("--max-autotune", default="", help="--zoo: models to also time under torch.compile(mode='max-autotune') at batch >= 32")
+    ap.add_argument("--append", action="store_true", help="--zoo: keep the records already in the results file (other models' rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_pipeline: needs a CUDA GPU")
+    if args.zoo:
+        import zoo
+
+        models = args.models.split(",") if args.models else zoo.TORCHVISION_CNNS + zoo.TIMM_CNNS
+        zoo.run(args.out, models, [int(b) for b in args.batches.split(",")], args.iters, args.trials,
+                set(filter(None, args.max_autotune.split(","))), args.append)
+        return
     cases = CASES[:1] if args.quick else CASES
     if args.cases:
         cases = [(m, int(b)) for m, b in (c.split(":") for c in args.cases.split(","))]

@@ -406,6 +406,30 @@ class Pipeline:
             })
         return rows
 
+    def time_split(self) -> dict[str, Any]:
+        """Where the profiled GPU time goes: ``cudnn_ms`` (fused cuDNN graphs), ``kernel_ms`` (fusekit's
+        pooling kernels and copies), ``torch_ms`` (stages PyTorch runs: fallbacks, refusals, and stages
+        whose PyTorch kernel measured faster), ``fused_time_fraction`` (the first two over the total) and
+        ``torch_by_op``: PyTorch's time by op, largest first. Needs a built pipeline."""
+        if not self.built:
+            raise FusekitError("pipeline: time_split needs a built pipeline (fusekit.pipeline.compile)")
+        cudnn = kernel = 0.0
+        by_op: dict[str, float] = {}
+        for i, s in enumerate(self.stages):
+            ms = self.times_ms[i] or 0.0
+            if s.pattern == "torch" or self.engines[i].startswith("torch"):
+                op = s.attrs.get("op", s.kind) if s.pattern == "torch" else f"{s.pattern} (PyTorch's kernel)"
+                by_op[op] = by_op.get(op, 0.0) + ms
+            elif s.pattern in FUSEKIT_PATTERNS:
+                cudnn += ms
+            else:
+                kernel += ms
+        torch_ms = sum(by_op.values())
+        total = cudnn + kernel + torch_ms
+        return {"cudnn_ms": cudnn, "kernel_ms": kernel, "torch_ms": torch_ms,
+                "fused_time_fraction": (cudnn + kernel) / total if total else 0.0,
+                "torch_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+
     def _peaks_text(self) -> str:
         from .bench import measured_peaks
 
@@ -443,6 +467,9 @@ class Pipeline:
             f"{sum(s.fallback for s in self.stages) + len(self.build_fallbacks)} PyTorch fallbacks)",
             f"sum of stage times: {sum(total):.3f} ms (each stage replayed alone)" if total else "stage times: not measured (no GPU build)",
         ] + ([
+            "GPU time: {cudnn_ms:.3f} ms fused cuDNN graphs, {kernel_ms:.3f} ms fusekit kernels, {torch_ms:.3f} ms PyTorch "
+            "({fused_time_fraction:.0%} fused)".format(**self.time_split()),
+        ] + [f"  PyTorch {op}: {ms:.3f} ms" for op, ms in list(self.time_split()["torch_by_op"].items())[:8]] if self.built else []) + ([
             f"roofline floor (peaks measured here: {self._peaks_text()}): {sum(r['floor_ms'] for r in roof):.3f} ms, "
             f"{sum(r['bound'] == 'compute' for r in roof)} stages compute-bound, {sum(r['bound'] == 'memory' for r in roof)} memory-bound",
         ] if roof else []) + [

@@ -1,0 +1,117 @@
+"""The CNN zoo on the GPU: each activation fused into cuDNN graphs against the float64 oracle and
+against running it split; modern torchvision CNNs compiled into float16 pipelines against float32 eager."""
+
+import numpy as np
+import pytest
+
+from fusekit.engine import oracle
+from fusekit.engine.patterns import ACTIVATIONS
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+ALPHA = {"clip": 6.0, "leaky_relu": 0.1, "elu": 0.7}
+
+
+def _nhwc(shape, gen, scale=1.0):
+    return (torch.randn(shape, device="cuda", generator=gen) * scale).half().contiguous(memory_format=torch.channels_last)
+
+
+def _rel(got, want):
+    got = np.asarray(got.float().cpu().numpy() if hasattr(got, "cpu") else got, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _f64(t):
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("groups", [1, 16])
+def test_conv_bias_act_against_oracle_and_split(act, groups):
+    import fusekit
+    from fusekit import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(hash((act, groups)) % 2**31)
+    x, w = _nhwc((4, 16, 14, 14), gen, 2.0), _nhwc((32, 16 // groups, 3, 3), gen, 0.3)
+    b = (torch.randn(32, device="cuda", generator=gen) * 0.5).half()
+    alpha = ALPHA.get(act, 0.0)
+    kw = dict(padding=1, groups=groups, activation=act, alpha=alpha)
+    fused = fusekit.call("conv_bias_act", x, w, b, **kw)  # the fused graph itself (no fused-or-split choice)
+    want = oracle.evaluate("conv_bias_act", _f64(x), _f64(w), _f64(b), **kw)[0]
+    split = ops.act(ops.conv_bias(x, w, b, padding=1, groups=groups), activation=act, alpha=alpha)
+    via_ops = ops.conv_bias_act(x, w, b, **kw)
+    torch.cuda.synchronize()
+    print(f"{act} groups={groups}: fused rel {_rel(fused, want):.2e}, split rel {_rel(split, want):.2e}")
+    assert _rel(fused, want) < 5e-3 and _rel(split, want) < 5e-3 and _rel(via_ops, want) < 5e-3
+    assert fused.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("act", ["silu", "hardswish", "gelu", "sigmoid", "relu"])
+def test_pointwise_act_graphs_against_oracle(act):
+    from fusekit import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x, z = _nhwc((8, 24, 10, 10), gen, 3.0), _nhwc((8, 24, 10, 10), gen)
+    s = torch.rand((8, 24, 1, 1), device="cuda", generator=gen).half()
+    g, b = torch.rand(24, device="cuda", generator=gen) + 0.5, torch.randn(24, device="cuda", generator=gen)
+    xs = _f64(x)
+    cases = {
+        "act": (ops.act(x, activation=act), oracle.activation(xs, act)),
+        "add_act": (ops.add_act(x, z, activation=act), oracle.activation(xs + _f64(z), act)),
+        "scale_shift": (ops.channel_scale_shift_act(x, g, b, activation=act),
+                        oracle.activation(xs * _f64(g).reshape(1, -1, 1, 1) + _f64(b).reshape(1, -1, 1, 1), act)),
+        "gate": (ops.channel_gate(x, s), xs * _f64(s)),
+    }
+    torch.cuda.synchronize()
+    for name, (got, want) in cases.items():
+        assert _rel(got, want) < 2e-3, (name, _rel(got, want))
+    m, wl = torch.randn(32, 64, device="cuda", generator=gen).half(), (torch.randn(48, 64, device="cuda", generator=gen) * 0.2).half()
+    bl = torch.randn(48, device="cuda", generator=gen).half()
+    got = ops.linear_bias_act(m, wl, bl, activation=act)
+    want = oracle.activation(_f64(m) @ _f64(wl).T + _f64(bl), act)
+    assert _rel(got, want) < 5e-3
+
+
+ZOO = ["efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf", "densenet121", "shufflenet_v2_x1_0", "convnext_tiny"]
+
+
+def _calibrated(name):
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    m = tv.models.get_model(name, weights=None).cuda().float()
+    for mod in m.modules():  # BN statistics of random images: activations of order 1, as in a trained net
+        if isinstance(mod, torch.nn.BatchNorm2d):
+            mod.reset_running_stats()
+            mod.momentum = None
+    m.train()
+    with torch.no_grad():
+        m(torch.randn(16, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)))
+    return m.eval()
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_model_compiles_and_matches_float32_eager(name):
+    import copy
+
+    import fusekit.pipeline as fp
+
+    m = _calibrated(name)
+    pipe = fp.compile(m, torch.zeros(4, 3, 224, 224), dtype="float16")
+    assert pipe.graph_captured, pipe.capture_error
+    split = pipe.time_split()
+    print(f"{name}: {len(pipe.stages)} stages, fallbacks {len(pipe.program.fallbacks)}, time split {split}")
+    if name in ("efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf"):
+        assert not pipe.program.fallbacks, pipe.program.fallbacks  # every stage lowered to a fusekit pattern
+    half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(4, 3, 224, 224, device="cuda", generator=gen)
+        y = pipe(x).float()
+        with torch.no_grad():
+            want = m(x).float()
+            h = half(x.half().contiguous(memory_format=torch.channels_last)).float()
+        rel, fp16_rel = float((y - want).norm() / want.norm()), float((h - want).norm() / want.norm())
+        print(f"{name}: pipeline rel {rel:.2e}, PyTorch float16 rel {fp16_rel:.2e}")
+        assert rel < max(5e-3, 4 * fp16_rel), (rel, fp16_rel)
