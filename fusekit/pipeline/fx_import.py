@@ -67,12 +67,28 @@ def _method(name: str) -> Any:
 
 
 def _item(fn: Any, index: Any) -> Any:
-    """``fn(...)[index]``: one tensor of a node that returns several."""
+    """``fn(...)[index]``: one tensor of a node that returns several (a module if ``fn`` is one, so
+    that it moves to a device and dtype as modules do)."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        return _ModuleItem(fn, index)
+
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)[index]
 
     call.__name__ = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
     return call
+
+
+class _ModuleItem(__import__("torch").nn.Module):
+    def __init__(self, module: Any, index: Any) -> None:
+        super().__init__()
+        self.module, self.index = module, index
+        self.__name__ = f"{type(module).__name__}[{index}]"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)[self.index]
 
 
 def _module_activation(mod: Any) -> tuple[str, float] | None:
@@ -100,7 +116,7 @@ class _Importer:
     def __init__(self, gm: Any, values: dict[str, Any]) -> None:
         self.gm, self.values = gm, values
         self.tensors: set[str] = set()  # nodes whose value is a tensor
-        self.multi: dict[str, Any] = {}  # nodes whose value holds several tensors: name -> node
+        self.multi: dict[str, tuple] = {}  # nodes whose value holds several tensors: name -> (callable, args, kwargs)
         self.stages: list[Stage] = []
 
     # -- arguments ---------------------------------------------------------------------------
@@ -286,8 +302,9 @@ class _Importer:
         t, name, a = node.target, node.name, self.arg
         x = node.args[0] if node.args else None
         if t is operator.getitem and isinstance(x, torch.fx.Node) and x.name in self.multi:
-            src = self.multi[x.name]
-            return self.fallback(node, _item(self.callable_of(src), self.template(node.args[1])), f"item of {src.target}", src.args, src.kwargs)
+            fn, args, kwargs = self.multi[x.name]
+            item = _item(fn, self.template(node.args[1]))
+            return self.fallback(node, item, f"{item.__name__}: one tensor of several", args, kwargs)
         if not self.is_t(x):
             return None
         act = self.function_activation(node)
@@ -344,8 +361,13 @@ class _Importer:
                 if not self.is_t(res):
                     raise UnsupportedError("pipeline: the model must return one tensor")
                 output = res.name
-            elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
-                self.multi[node.name] = node  # its items become stages where getitem reads them
+            elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):  # items become stages where read
+                src = node.args[0] if node.target is operator.getitem and node.args else None
+                if src is not None and getattr(src, "name", None) in self.multi:  # a slice of several: still several
+                    fn, args, kwargs = self.multi[src.name]
+                    self.multi[node.name] = (_item(fn, self.template(node.args[1])), args, kwargs)
+                else:
+                    self.multi[node.name] = (self.callable_of(node), node.args, node.kwargs)
             elif isinstance(v, torch.Tensor) and node.op != "get_attr":  # else a constant of the templates that read it
                 self.tensors.add(node.name)
                 try:

@@ -1,0 +1,183 @@
+"""CPU: the pipeline's lowering rules on small models built from the forms modern CNNs use
+(functional batch norm, every activation, squeeze-excitation, chunk / split, stochastic depth,
+mean over H and W), each checked against the model's float64 eager output."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+import fusekit.pipeline as fp  # noqa: E402
+from fusekit.errors import UnsupportedError  # noqa: E402
+
+
+def _randomize_bn(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.copy_(torch.rand(mod.num_features, generator=g) - 0.5)
+            mod.running_var.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+            mod.weight.data.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+            mod.bias.data.copy_(torch.rand(mod.num_features, generator=g) - 0.5)
+    return m.eval()
+
+
+def _check(m, shape, seed=1):
+    """Lower m, compare the float64 reference with float64 eager; returns the program."""
+    x = np.random.default_rng(seed).standard_normal(shape) * 2
+    prog = fp.lower_model(m, shape)
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    got = fp.Pipeline(prog).reference(x)
+    assert np.abs(got - want).max() <= 1e-12 * max(np.abs(want).max(), 1.0), str(prog)
+    return prog
+
+
+class BNAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d form: F.batch_norm called functionally, then an activation."""
+
+    def __init__(self, c, act):
+        super().__init__(c)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.1, self.eps))
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.Hardswish(), nn.GELU(), nn.GELU(approximate="tanh"), nn.Sigmoid(), nn.Tanh(),
+                                 nn.Hardsigmoid(), nn.LeakyReLU(0.2), nn.ELU(0.5), nn.ReLU6(), nn.ReLU()], ids=str)
+def test_functional_batch_norm_folds_and_every_activation_fuses(act):
+    m = _randomize_bn(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), BNAct(8, act)))
+    prog = _check(m, (2, 3, 6, 6))
+    assert len(prog.stages) == 1 and prog.stages[0].pattern.startswith("conv_bias"), str(prog)
+    assert prog.stages[0].pattern in ("conv_bias_act", "conv_bias_relu", "conv_bias_relu6")
+
+
+@pytest.mark.parametrize("fn", [F.silu, torch.sigmoid, F.hardswish, F.gelu, lambda t: F.leaky_relu(t, 0.3), lambda t: F.elu(t, 2.0),
+                                lambda t: F.hardtanh(t, 0.0, 4.0), torch.tanh, lambda t: t.sigmoid()], ids=range(9))
+def test_functional_activations_fuse_into_the_conv(fn):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return fn(self.c(x))
+
+    prog = _check(M().eval(), (2, 3, 5, 5))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_act"] and prog.fallbacks == []
+
+
+class SE(nn.Module):
+    def __init__(self, c, r=4):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(c, c // r, 1), nn.Conv2d(c // r, c, 1)
+
+    def forward(self, x):
+        s = F.adaptive_avg_pool2d(x, 1)
+        return x * torch.sigmoid(self.fc2(F.silu(self.fc1(s))))
+
+
+def test_squeeze_excitation_is_fused_graphs_and_a_gate():
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.SiLU(), SE(16)).eval()
+    prog = _check(m, (2, 3, 7, 7))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_act", "avg_pool2d", "conv_bias_act", "conv_bias_act", "channel_gate"], str(prog)
+    assert [s.attrs.get("act") for s in prog.stages[2:4]] == [("silu", 0.0), ("sigmoid", 0.0)]
+    gate = prog.stages[4]
+    assert gate.in_shapes == [(2, 16, 7, 7), (2, 16, 1, 1)]  # image first, whichever side of the * it was on
+
+
+def test_unfolded_batch_norm_act_add_and_mean_forms():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.conv = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1)
+            self.drop = nn.Dropout2d(0.5)
+
+        def forward(self, x):
+            y = F.relu(self.bn(x))  # pre-activation (DenseNet): scale-shift-act graph
+            z = F.silu(y + self.drop(x))  # add without a conv operand, then an activation
+            z = self.conv(z)
+            return z.mean(3).mean(2) + 0 * z.mean(dim=-1).mean(-1) + z.mean((2, 3))  # int dims, negative dims, a tuple
+
+    prog = _check(_randomize_bn(M()), (2, 4, 5, 5))
+    pats = [s.pattern for s in prog.stages]
+    assert pats[:3] == ["channel_scale_shift_act", "add_act", "conv_bias"], str(prog)
+    assert "avg_pool2d" in pats and "reshape" in pats  # mean((2, 3)) without keepdim: pool then flatten
+    assert prog.stages[1].attrs["act"] == ("silu", 0.0)
+
+
+def test_stochastic_depth_and_drop_path_are_removed():
+    tv_ops = pytest.importorskip("torchvision.ops")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.sd = nn.Conv2d(3, 3, 1), tv_ops.StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return self.sd(self.c(x)) + x
+
+    prog = _check(M().eval(), (2, 3, 4, 4))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_add"], str(prog)
+
+
+@pytest.mark.parametrize("split", ["chunk", "split", "unbind"])
+def test_several_outputs_become_one_stage_per_item(split):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            if split == "chunk":
+                a, b = x.chunk(2, dim=1)
+            elif split == "split":
+                a, b = torch.split(x, [1, 3], dim=1)
+                a = a.expand(-1, 3, -1, -1)
+            else:
+                a, b = x[:, :2].unbind(1)[0:2]
+                a, b = a.unsqueeze(1), b.unsqueeze(1)
+            return torch.cat([F.relu(a), b], 1) * 2
+
+    prog = _check(M().eval(), (2, 4, 3, 3))
+    assert any("[0]" in s.attrs.get("op", "") for s in prog.stages), str(prog)
+
+
+def test_shufflenet_convnext_and_vit_lower_and_match():
+    tv = pytest.importorskip("torchvision")
+    for name, shape in (("shufflenet_v2_x0_5", (1, 3, 64, 64)), ("convnext_tiny", (1, 3, 32, 32))):
+        torch.manual_seed(0)
+        prog = _check(_randomize_bn(tv.models.get_model(name, weights=None)), shape)
+        assert prog.fallbacks  # permutes, LayerNorms, chunks: PyTorch runs them, the rest is fused
+    torch.manual_seed(0)
+    vit = tv.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
+    _check(vit, (1, 3, 32, 32))  # MultiheadAttention returns (output, weights): its first item is a stage
+
+
+def test_a_node_that_cannot_import_is_named():
+    class M(nn.Module):
+        def forward(self, x):
+            return x.chunk(2, 1)  # returns several tensors: the model must return one
+
+    with pytest.raises(UnsupportedError, match="one tensor"):
+        fp.lower_model(M(), (1, 4, 2, 2))
+
+    class N(nn.Module):
+        def forward(self, x):
+            parts = x.chunk(2, 1)
+            return torch.stack(parts).sum(0)  # reads the several tensors whole
+
+    with pytest.raises(UnsupportedError, match="several tensors"):
+        fp.lower_model(N(), (1, 4, 2, 2))
+
+
+def test_rules_are_a_table_of_small_rules():
+    import inspect
+
+    assert len(fp.RULES) >= 6 and all(isinstance(r, fp.Rule) for r in fp.RULES)
+    for r in fp.RULES:
+        for f in (r.match, r.rewrite):
+            assert len(inspect.getsource(f).splitlines()) <= 80, (r.name, f.__name__)
