@@ -462,14 +462,15 @@ class Pipeline:
         con.print(t)
         mp = self.memory_plan
         total = [m for m in self.times_ms if m is not None]
+        split = self.time_split() if self.built else None
         lines = [
             f"stages: {len(self.stages)} ({sum(s.pattern in FUSEKIT_PATTERNS for s in self.stages)} fused cuDNN graphs, "
             f"{sum(s.fallback for s in self.stages) + len(self.build_fallbacks)} PyTorch fallbacks)",
             f"sum of stage times: {sum(total):.3f} ms (each stage replayed alone)" if total else "stage times: not measured (no GPU build)",
         ] + ([
             "GPU time: {cudnn_ms:.3f} ms fused cuDNN graphs, {kernel_ms:.3f} ms fusekit kernels, {torch_ms:.3f} ms PyTorch "
-            "({fused_time_fraction:.0%} fused)".format(**self.time_split()),
-        ] + [f"  PyTorch {op}: {ms:.3f} ms" for op, ms in list(self.time_split()["torch_by_op"].items())[:8]] if self.built else []) + ([
+            "({fused_time_fraction:.0%} fused)".format(**split),
+        ] + [f"  PyTorch {op}: {ms:.3f} ms" for op, ms in list(split["torch_by_op"].items())[:8]] if split else []) + ([
             f"roofline floor (peaks measured here: {self._peaks_text()}): {sum(r['floor_ms'] for r in roof):.3f} ms, "
             f"{sum(r['bound'] == 'compute' for r in roof)} stages compute-bound, {sum(r['bound'] == 'memory' for r in roof)} memory-bound",
         ] if roof else []) + [
