@@ -181,3 +181,23 @@ def test_rules_are_a_table_of_small_rules():
     for r in fp.RULES:
         for f in (r.match, r.rewrite):
             assert len(inspect.getsource(f).splitlines()) <= 80, (r.name, f.__name__)
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 4], [-1], ["8"], [1.5], [True], None.__class__])
+def test_batch_sizes_are_checked_before_any_work(sizes):
+    from fusekit.errors import OperandError
+
+    m = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()
+    with pytest.raises(OperandError, match="batch_sizes"):
+        fp.compile(m, (1, 3, 8, 8), batch_sizes=sizes)
+
+
+def test_batch_sizes_need_the_batch_as_the_outputs_first_dimension():
+    from fusekit.errors import OperandError
+
+    class Flat(nn.Module):
+        def forward(self, x):
+            return torch.flatten(x)
+
+    with pytest.raises(OperandError, match="first dimension is the batch"):
+        fp.compile(Flat(), (1, 3, 8, 8), batch_sizes=[1, 2])

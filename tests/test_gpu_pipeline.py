@@ -285,3 +285,34 @@ def test_fusekit_nn_sequential_compiles_with_cupy_in_and_out():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     host = pipe(cp.asnumpy(x))  # NumPy in, NumPy out
     assert isinstance(host, np.ndarray) and np.array_equal(host, cp.asnumpy(y))
+
+
+def test_batch_sizes_share_weights_and_pad_smaller_batches():
+    """compile(batch_sizes=[1, 4]): one CUDA graph per size, one copy of the weights; a batch of 3 runs
+    the batch-4 graph padded and matches float32 eager row for row; 5 rows are refused by name."""
+    import fusekit.pipeline as fp
+    from fusekit.errors import OperandError
+
+    m, _ = _compiled("resnet18", 1)
+    pipes = fp.compile(m, torch.zeros(1, 3, 224, 224), batch_sizes=[4, 1])
+    assert isinstance(pipes, fp.BatchedPipelines) and pipes.batch_sizes == [1, 4]
+    p1, p4 = pipes.pipelines[1], pipes.pipelines[4]
+    assert p1.graph_captured and p4.graph_captured
+    ptr = {k: t.data_ptr() for w in p1._stage_weights for k, t in w.items()}
+    assert all(t.data_ptr() in ptr.values() for w in p4._stage_weights for t in w.values())
+    assert pipes.weight_bytes == p1.weight_bytes
+    assert p4.input_buffer.data_ptr() != p1.input_buffer.data_ptr()
+    x = torch.randn(3, 3, 224, 224, device="cuda")
+    assert pipes.pipeline_for(3) is p4 and pipes.pipeline_for(1) is p1
+    got = pipes(x)
+    assert got.shape == (3, 1000)
+    with torch.no_grad():
+        want = m(x)
+        half = _half(m)(x.half().contiguous(memory_format=torch.channels_last))
+    _check_logits(got, want, 3, half)
+    one = pipes(x[:1])  # the batch-1 graph: same logits as row 0 of the padded batch-4 run, within float16
+    _check_logits(one, want[:1], 1, half[:1])
+    with pytest.raises(OperandError, match="at most 4 rows"):
+        pipes(torch.randn(5, 3, 224, 224, device="cuda"))
+    with pytest.raises(OperandError, match="expected shape"):
+        pipes(torch.randn(2, 3, 112, 112, device="cuda"))

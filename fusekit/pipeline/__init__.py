@@ -18,7 +18,7 @@ from typing import Any
 from .ir import Program, Ref, Stage
 from .memory import MemoryPlan, plan_memory
 from .rules import RULES, Rule, lower
-from .runtime import Pipeline, compile
+from .runtime import BatchedPipelines, Pipeline, compile
 
 
 def _is_onnx(model: Any) -> bool:
@@ -60,4 +60,4 @@ def lower_model(model: Any, example_input: Any = None) -> Program:
     return lower(trace(model, example_input))
 
 
-__all__ = ["MemoryPlan", "Pipeline", "Program", "RULES", "Ref", "Rule", "Stage", "compile", "lower", "lower_model", "plan_memory", "trace"]
+__all__ = ["BatchedPipelines", "MemoryPlan", "Pipeline", "Program", "RULES", "Ref", "Rule", "Stage", "compile", "lower", "lower_model", "plan_memory", "trace"]

@@ -40,7 +40,7 @@ class Pipeline:
     tensor the caller owns; pass ``clone=False`` to :meth:`run` to get the static output buffer
     itself, overwritten by the next call)."""
 
-    def __init__(self, program: Program, *, dtype: str = "float16") -> None:
+    def __init__(self, program: Program, *, dtype: str = "float16", weight_pool: dict[tuple, Any] | None = None) -> None:
         if dtype not in ITEMSIZE:
             raise ValueError(f"pipeline: dtype must be one of {tuple(ITEMSIZE)}, got {dtype!r}")
         self.program = program
@@ -55,6 +55,8 @@ class Pipeline:
         self.capture_error: str | None = None
         self.built = False
         self.autotuned = False
+        # device weights by (stage name, operand, shape): pipelines of one model at several batch sizes share them
+        self._weight_pool: dict[tuple, Any] = {} if weight_pool is None else weight_pool
 
     # -- data ----------------------------------------------------------------------------------
     @property
@@ -134,8 +136,13 @@ class Pipeline:
         f32 = FLOAT32_WEIGHTS.get(s.pattern, ())
         for k, v in s.weights.items():
             dt = torch.float32 if k in f32 else self.torch_dtype
-            t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)).to(device=self.device, dtype=dt)
-            out[k] = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
+            key = (s.name, s.pattern, k, tuple(np.shape(v)), dt, self.device)
+            t = self._weight_pool.get(key)
+            if t is None:
+                t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)).to(device=self.device, dtype=dt)
+                t = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
+                self._weight_pool[key] = t
+            out[k] = t
         return out
 
     def _torch_runner(self, s: Stage, w: dict[str, Any]) -> Callable[[], None]:
@@ -341,19 +348,21 @@ class Pipeline:
             torch.cuda.synchronize(self.device)
 
     # -- run -----------------------------------------------------------------------------------
-    def run(self, x: Any, *, clone: bool = True) -> Any:
+    def run(self, x: Any, *, clone: bool = True, pad: bool = False) -> Any:
         """Copy ``x`` (torch tensor, CuPy or NumPy array) into the static input, unless it is that
         buffer itself, and run the forward (graph replay, or eagerly if capture failed). Returns a
         copy of the output in x's array type; with ``clone=False`` the static output buffer itself
-        (a torch tensor, overwritten by the next call)."""
+        (a torch tensor, overwritten by the next call). ``pad``: a smaller batch is accepted, the
+        rest of the input buffer zeroed, and the output's first ``len(x)`` rows returned."""
         import torch
 
         if not self.built:
             raise FusekitError("pipeline: not built for a GPU (use fusekit.pipeline.compile)")
-        shape = tuple(getattr(x, "shape", ()))
-        if shape != tuple(self.input_buffer.shape):
-            raise OperandError("pipeline", "x", f"expected shape {tuple(self.input_buffer.shape)} (shapes are fixed per compiled "
-                               f"pipeline: compile another for another batch size), got {shape}")
+        shape, static = tuple(getattr(x, "shape", ())), tuple(self.input_buffer.shape)
+        b = shape[0] if pad and len(shape) == len(static) and shape[1:] == static[1:] and 0 < shape[0] <= static[0] else static[0]
+        if shape != (b,) + static[1:]:
+            raise OperandError("pipeline", "x", f"expected shape {static} (shapes are fixed per compiled pipeline: compile "
+                               f"with batch_sizes=[...] to serve several batch sizes), got {shape}")
         kind = "torch" if isinstance(x, torch.Tensor) else ("cupy" if hasattr(x, "__cuda_array_interface__") else "numpy")
         with torch.cuda.device(self.device):
             if kind == "numpy":
@@ -362,17 +371,19 @@ class Pipeline:
                 xt = x if kind == "torch" else torch.as_tensor(x, device=self.device)
             bound = xt.data_ptr() == self.input_buffer.data_ptr() and xt.stride() == self.input_buffer.stride() and xt.dtype == self.torch_dtype
             if not bound:
-                self.input_buffer.copy_(xt)
+                self.input_buffer[:b].copy_(xt)
+                if b < static[0]:
+                    self.input_buffer[b:].zero_()
             if self._graph is not None:
                 self._graph.replay()
             else:
                 self.forward_eager()
+            out = self.output_buffer if b == static[0] else self.output_buffer[:b]
             if not clone:
-                return self.output_buffer
+                return out
             if kind == "numpy":  # NumPy has no bfloat16: those come back as float32
-                y = self.output_buffer
-                return (y.float() if y.dtype == torch.bfloat16 else y).cpu().numpy()
-            y = self.output_buffer.clone()
+                return (out.float() if out.dtype == torch.bfloat16 else out).cpu().numpy()
+            y = out.clone()
             if kind == "cupy":
                 import cupy
 
@@ -483,13 +494,84 @@ class Pipeline:
         return buf.getvalue() + "\n".join(lines) + "\n"
 
 
+class BatchedPipelines:
+    """One built :class:`Pipeline` (one CUDA graph) per batch size of one model, sharing the device
+    weights (and the process's plan cache). ``pipes(x)`` runs the smallest pipeline whose batch is
+    at least ``len(x)``, the input zero-padded and the output cut back to ``len(x)`` rows."""
+
+    def __init__(self, pipelines: dict[int, Pipeline]) -> None:
+        self.pipelines = dict(sorted(pipelines.items()))
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return list(self.pipelines)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the shared weights take on the device (each tensor once)."""
+        seen = {id(t): t for p in self.pipelines.values() for w in getattr(p, "_stage_weights", []) for t in w.values()}
+        return sum(t.numel() * t.element_size() for t in seen.values())
+
+    def pipeline_for(self, batch: int) -> Pipeline:
+        """The pipeline that serves ``batch`` rows: the smallest compiled batch size >= ``batch``."""
+        for b, p in self.pipelines.items():
+            if batch <= b:
+                return p
+        raise OperandError("pipeline", "x", f"a batch of at most {max(self.pipelines)} rows (compiled batch sizes "
+                           f"{self.batch_sizes}), got {batch}")
+
+    def run(self, x: Any, *, clone: bool = True) -> Any:
+        """``pipeline_for(len(x)).run(x, pad=True)``: see :meth:`Pipeline.run`."""
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape:
+            raise OperandError("pipeline", "x", f"an array of shape (batch, {', '.join(map(str, self._sample_shape))}), got {type(x).__name__}")
+        return self.pipeline_for(int(shape[0])).run(x, clone=clone, pad=True)
+
+    __call__ = run
+
+    @property
+    def _sample_shape(self) -> tuple[int, ...]:
+        return tuple(next(iter(self.pipelines.values())).program.input_shape[1:])
+
+    def report(self) -> str:
+        """Each batch size's :meth:`Pipeline.report`, one after another."""
+        return "\n".join(f"== batch {b} ==\n{p.report()}" for b, p in self.pipelines.items())
+
+
+def _batch_sizes(batch_sizes: Any) -> list[int]:
+    try:
+        sizes = sorted({int(b) for b in batch_sizes})
+        ok = sizes and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in batch_sizes)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or sizes[0] < 1:
+        raise OperandError("pipeline.compile", "batch_sizes", f"a non-empty list of positive ints, got {batch_sizes!r}")
+    return sizes
+
+
 def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
             capture: bool = True, choose: bool = True, verify: bool = True, device: Any = None,
-            progress: Callable[[int, int, str], None] | None = None) -> Pipeline:
+            progress: Callable[[int, int, str], None] | None = None,
+            batch_sizes: list[int] | None = None) -> Any:
     """Trace/import ``model`` (torch ``nn.Module``, ``fusekit.nn.Sequential``, ONNX path/ModelProto),
     lower it to fusekit stages, plan its buffers and build it on the GPU (warm-up, per-stage timing,
-    CUDA graph capture); see :meth:`Pipeline.build` for ``choose``, ``verify`` and ``progress``."""
+    CUDA graph capture); see :meth:`Pipeline.build` for ``choose``, ``verify`` and ``progress``.
+
+    ``batch_sizes=[1, 8, 32]``: a :class:`BatchedPipelines` with one pipeline per size (``example_input``
+    then gives the per-sample shape; its own batch is ignored) sharing weights; otherwise a :class:`Pipeline`."""
     from . import lower_model
 
-    return Pipeline(lower_model(model, example_input), dtype=dtype).build(
-        device=device, autotune=autotune, capture=capture, choose=choose, verify=verify, progress=progress)
+    kw = dict(device=device, autotune=autotune, capture=capture, choose=choose, verify=verify, progress=progress)
+    if batch_sizes is None:
+        return Pipeline(lower_model(model, example_input), dtype=dtype).build(**kw)
+    sizes = _batch_sizes(batch_sizes)
+    if example_input is None:
+        raise TypeError("pipeline.compile: batch_sizes needs an example input (tensor, array or shape) for the per-sample shape")
+    sample = tuple(int(d) for d in getattr(example_input, "shape", example_input))[1:]
+    programs = {b: lower_model(model, (b,) + sample) for b in sizes}
+    for b, prog in programs.items():
+        if prog.output_shape[:1] != (b,):
+            raise OperandError("pipeline.compile", "model", f"an output whose first dimension is the batch ({b}) to serve "
+                               f"several batch sizes, got output shape {prog.output_shape}")
+    pool: dict[tuple, Any] = {}
+    return BatchedPipelines({b: Pipeline(prog, dtype=dtype, weight_pool=pool).build(**kw) for b, prog in programs.items()})
