@@ -192,7 +192,7 @@ except ImportError:
 needs_onnx = pytest.mark.skipif(onnx is None, reason="onnx is not installed (pip install onnx)")
 
 
-def _onnx_cnn(rng, extra_sigmoid=False):
+def _onnx_cnn(rng, extra=None):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     inits = {
         "w1": f(8, 3, 3, 3) * 0.3, "g1": (rng.random(8) + 0.5).astype(np.float32), "b1": f(8) * 0.1,
@@ -206,8 +206,8 @@ def _onnx_cnn(rng, extra_sigmoid=False):
         helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2], name="pool1"),
     ]
     last = "p1"
-    if extra_sigmoid:
-        nodes.append(helper.make_node("Sigmoid", [last], ["s1"], name="sig1"))
+    if extra:
+        nodes.append(helper.make_node(extra, [last], ["s1"], name="extra1"))
         last = "s1"
     nodes += [
         helper.make_node("GlobalAveragePool", [last], ["g"], name="gap"),
@@ -224,14 +224,14 @@ def _onnx_cnn(rng, extra_sigmoid=False):
     return model, {k: v.astype(np.float64) for k, v in inits.items()}
 
 
-def _onnx_numpy(x, p, sigmoid=False):
+def _onnx_numpy(x, p, extra=None):
     F = torch.nn.functional
     t = lambda a: torch.from_numpy(a)  # noqa: E731
     y = F.conv2d(t(x), t(p["w1"]), padding=1)
     y = F.batch_norm(y, t(p["m1"]), t(p["v1"]), t(p["g1"]), t(p["b1"]), eps=1e-3)
     y = F.max_pool2d(torch.relu(y), 2)
-    if sigmoid:
-        y = torch.sigmoid(y)
+    if extra:
+        y = {"Sigmoid": torch.sigmoid, "Erf": torch.erf}[extra](y)
     y = y.mean(dim=(2, 3))
     return (y @ t(p["fw"]).T + t(p["fb"])).numpy()
 
@@ -254,13 +254,18 @@ def test_onnx_import_and_reference(rng, tmp_path):
 
 
 @needs_onnx
-def test_onnx_unsupported_node_is_a_fallback(rng):
-    model, p = _onnx_cnn(rng, extra_sigmoid=True)
+def test_onnx_node_without_a_pattern_is_a_fallback_and_activations_fuse(rng):
+    model, p = _onnx_cnn(rng, extra="Erf")
     prog = fp.lower_model(model, (2, 3, 8, 8))
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "torch", "avg_pool2d", "reshape", "linear_bias"]
-    assert len(prog.fallbacks) == 1 and "Sigmoid" in prog.fallbacks[0]
+    assert len(prog.fallbacks) == 1 and "Erf" in prog.fallbacks[0]
     x = rng.standard_normal((2, 3, 8, 8))
-    assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, sigmoid=True)) < 1e-10
+    assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, extra="Erf")) < 1e-10
+    model, p = _onnx_cnn(rng, extra="Sigmoid")
+    prog = fp.lower_model(model, (2, 3, 8, 8))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "act", "avg_pool2d", "reshape", "linear_bias"]
+    assert prog.fallbacks == [] and prog.stages[2].attrs["activation"] == "sigmoid"
+    assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, extra="Sigmoid")) < 1e-10
 
 
 @needs_onnx
@@ -284,19 +289,27 @@ def test_onnx_dilated_max_pool_matches_the_onnx_reference_evaluator(rng):
     (want,) = ReferenceEvaluator(model).run(None, {"x": x})
     got = fp.Pipeline(prog).reference(x)
     assert got.shape == want.shape and _rel(got, want) == 0.0
-    for op, attrs in (("AveragePool", dict(dilations=[2, 2])), ("MaxPool", dict(ceil_mode=1))):
-        with pytest.raises(UnsupportedError, match=op):
-            fp.lower_model(pool_model(op, kernel_shape=[3, 3], **attrs), (2, 3, 13, 11))
+    model = pool_model("MaxPool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)  # no pads: ONNX's and PyTorch's sizes agree
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x})
+    got = fp.Pipeline(fp.lower_model(model, (2, 3, 13, 11))).reference(x)
+    assert got.shape == want.shape and _rel(got, want) == 0.0
+    with pytest.raises(UnsupportedError, match="AveragePool"):
+        fp.lower_model(pool_model("AveragePool", kernel_shape=[3, 3], dilations=[2, 2]), (2, 3, 13, 11))
+    ceil_padded = helper.make_graph(  # PyTorch drops a last window that starts in the padding, ONNX keeps it
+        [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3, 3], strides=[3, 3], pads=[1, 1, 1, 1], ceil_mode=1, name="mp")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3, 14, 14])], [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)])
+    with pytest.raises(UnsupportedError, match="mp .*ceil_mode"):
+        fp.lower_model(helper.make_model(ceil_padded, opset_imports=[helper.make_opsetid("", 18)]), (2, 3, 14, 14))
 
 
 @needs_onnx
 def test_onnx_unknown_node_raises():
     graph = helper.make_graph(
-        [helper.make_node("Erf", ["x"], ["y"])], "g",
+        [helper.make_node("Hardmax", ["x"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])],
     )
-    with pytest.raises(UnsupportedError, match="Erf"):
+    with pytest.raises(UnsupportedError, match="Hardmax"):
         fp.lower_model(helper.make_model(graph))
 
 
@@ -313,6 +326,70 @@ def test_onnx_export_of_torch_model_if_available(small, rng, tmp_path):
     small.float()
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-9
     assert sum(s.pattern.startswith("conv_bias") for s in prog.stages) == 4  # the grouped conv fused too
+
+
+@needs_onnx
+@pytest.mark.parametrize("opset", [13, 18])
+def test_onnx_export_of_modern_cnn_forms_fuses_them(rng, tmp_path, opset):
+    """PyTorch's exporter spells SiLU as x * Sigmoid(x), the SE pool as ReduceMean (axes an attribute
+    before opset 18, an input from it on), hardswish / hardsigmoid as their nodes, channel shuffle
+    through Shape arithmetic and chunk as Split: each imports, the activations and gates fuse, and the
+    program matches float64 eager."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+            self.se1, self.se2 = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+            self.c2 = nn.Conv2d(8, 8, 1)
+            self.fc = nn.Linear(16, 5)
+
+        def forward(self, x):
+            F = torch.nn.functional
+            y = F.silu(self.bn1(self.c1(x)))
+            y = y * F.hardsigmoid(self.se2(F.hardswish(self.se1(y.mean((2, 3), keepdim=True)))))
+            a, b = y.chunk(2, dim=1)
+            y = torch.cat([a, F.relu(self.c2(b))], 1)
+            n, c, h, w = y.size()  # channel shuffle, as ShuffleNetV2 writes it
+            y = y.view(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)
+            return self.fc(torch.nn.functional.sigmoid(y).mean((2, 3)))
+
+    m = Net().eval()
+    _randomize_bn(m, torch.Generator().manual_seed(opset))
+    path = tmp_path / "net.onnx"
+    try:
+        torch.onnx.export(m, torch.zeros(2, 3, 12, 12), str(path), dynamo=False, opset_version=opset)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torch.onnx.export unavailable: {type(e).__name__}: {e}")
+    prog = fp.lower_model(str(path), (2, 3, 12, 12))
+    pats = [s.pattern for s in prog.stages]
+    assert "conv_bias_act" in pats and "channel_gate" in pats, pats
+    assert not any(s.attrs.get("op") in ("Sigmoid", "Mul", "ReduceMean", "HardSigmoid", "HardSwish", "Shape") for s in prog.stages if s.fallback)
+    x = rng.standard_normal((2, 3, 12, 12))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter folds BN into the conv in float32
+
+
+@needs_onnx
+def test_onnx_shape_arithmetic_folds_to_constants(rng):
+    """Shape -> Gather -> Unsqueeze -> Concat -> Reshape (a dynamic flatten) folds on a fixed input size."""
+    i64 = lambda name, vals: numpy_helper.from_array(np.asarray(vals, dtype=np.int64), name)  # noqa: E731
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Shape", ["r"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "ax0"], ["n1"]),
+        helper.make_node("Concat", ["n1", "minus1"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["r", "shape"], ["y"], name="flat"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [i64("zero", 0), i64("ax0", [0]), i64("minus1", [-1])])
+    prog = fp.lower_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), (2, 3, 4, 4))
+    assert len(prog.stages) == 2 and prog.stages[-1].kind == "flatten" and not prog.fallbacks and prog.output_shape == (2, 48)
+    x = rng.standard_normal((2, 3, 4, 4))
+    assert np.array_equal(fp.Pipeline(prog).reference(x), np.maximum(x, 0).reshape(2, 48))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -172,7 +172,8 @@ def torch_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
 
     env = {n: torch.zeros(shp, dtype=torch.float32) for n, shp in zip(s.inputs, ins)}
     with torch.no_grad():
-        y = run_torch_stage(s, env, fn=s.fn, weights={k: torch.from_numpy(v).float() for k, v in s.weights.items()})
+        y = run_torch_stage(s, env, fn=s.fn, weights={k: torch.from_numpy(v).float() for k, v in s.weights.items()},
+                            device="cpu", dtype=torch.float32)
     return tuple(int(d) for d in y.shape)
 
 
