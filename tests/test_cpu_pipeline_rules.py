@@ -201,3 +201,61 @@ def test_batch_sizes_need_the_batch_as_the_outputs_first_dimension():
 
     with pytest.raises(OperandError, match="first dimension is the batch"):
         fp.compile(Flat(), (1, 3, 8, 8), batch_sizes=[1, 2])
+
+
+class _LayerNorm2d(nn.LayerNorm):
+    """torchvision's / timm's LayerNorm2d: a LayerNorm over channels through two permutes."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class _CNBlock(nn.Module):
+    """ConvNeXt's block: depthwise 7x7, then per position LayerNorm -> Linear -> GELU -> Linear on the
+    (N, H, W, C) permute, a layer scale, the residual."""
+
+    def __init__(self, c, scale_shape):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm, self.fc1, self.act, self.fc2 = nn.LayerNorm(c, eps=1e-6), nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c)
+        self.layer_scale = nn.Parameter(torch.rand(*scale_shape) + 0.5)
+        self.timm = len(scale_shape) == 1
+
+    def forward(self, x):
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(self.act(self.fc1(self.norm(y))))
+        if self.timm:  # timm: the scale on the (N, H, W, C) value
+            return x + (y * self.layer_scale).permute(0, 3, 1, 2)
+        return x + self.layer_scale * y.permute(0, 3, 1, 2)  # torchvision: (C, 1, 1) on the image
+
+
+@pytest.mark.parametrize("scale_shape", [(16, 1, 1), (16,)])
+def test_convnext_block_lowers_to_channel_ops_without_permutes(scale_shape):
+    """The permuted region becomes channel ops on the image: the Linears 1x1 convolutions (GELU and the
+    layer scale fused into them, the residual added in the second), LayerNorm over channels the one
+    PyTorch stage, no permute left."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), _LayerNorm2d(16), _CNBlock(16, scale_shape), _CNBlock(16, scale_shape)).eval()
+    prog = _check(m, (2, 3, 32, 32))
+    pats = [s.pattern for s in prog.stages]
+    assert pats == ["conv_bias", "torch"] + ["conv_bias", "torch", "conv_bias_act", "conv_bias_add"] * 2, pats
+    assert [s.attrs["act"][0] for s in prog.stages if s.pattern == "conv_bias_act"] == ["gelu", "gelu"]
+    assert {s.attrs["op"] for s in prog.stages if s.fallback} == {"LayerNorm (channels)"}
+
+
+def test_channels_last_value_read_by_an_op_without_a_rule_is_made_real():
+    """An (N, H, W, C) permute read by something else (a sum over channels) is materialized once, as PyTorch has it."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.conv(x).permute(0, 2, 3, 1)
+            return self.fc(y).permute(0, 3, 1, 2) + y.sum(-1, keepdim=True).permute(0, 3, 1, 2)
+
+    prog = _check(M().eval(), (2, 3, 10, 10))
+    assert sum(s.attrs.get("op") == "permute" for s in prog.stages) == 1

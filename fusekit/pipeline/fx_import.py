@@ -24,7 +24,35 @@ from .ir import Program, Ref, Stage, fill_shapes, torch_fallback
 
 
 def _np(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float64)
     return t.detach().cpu().to(dtype=__import__("torch").float64).numpy().copy()
+
+
+class _Named:
+    """A value name where a rule expects an fx node."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _permutation(node: Any, template: Any) -> tuple[int, ...] | None:
+    """The dims of ``x.permute(...)`` / ``torch.permute(x, dims)`` on a 4-D value, normalized; None if not 4-D."""
+    dims = node.args[1:] if len(node.args) > 2 else (node.args[1] if len(node.args) == 2 else node.kwargs.get("dims", ()))
+    dims = template(dims)
+    dims = tuple(int(d) for d in (dims if isinstance(dims, (list, tuple)) else (dims,)))
+    return tuple(d % 4 for d in dims) if len(dims) == 4 else None
+
+
+def channel_layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> Any:
+    """LayerNorm over the channels of an (N, C, H, W) image at each position (on a channels-last image, the
+    permutes are views)."""
+    import torch.nn.functional as F
+
+    c = x.shape[1]
+    w = None if weight is None else weight.to(x.dtype)
+    b = None if bias is None else bias.to(x.dtype)
+    return F.layer_norm(x.permute(0, 2, 3, 1), (c,), w, b, eps).permute(0, 3, 1, 2)
 
 
 def _p(v: Any) -> tuple[int, int]:
@@ -117,6 +145,11 @@ class _Importer:
         self.gm, self.values = gm, values
         self.tensors: set[str] = set()  # nodes whose value is a tensor
         self.multi: dict[str, tuple] = {}  # nodes whose value holds several tensors: name -> (callable, args, kwargs)
+        self.consts: set[str] = set()  # parameters and what is computed from them alone (constants of the templates)
+        # channels-last regions: a node whose value is permute(0, 2, 3, 1) of an image -> the stage value holding
+        # the same numbers as an (N, C, H, W) image (per-position ops on it become channel ops on that image)
+        self.nhwc: dict[str, str] = {}
+        self.materialized: set[str] = set()
         self.stages: list[Stage] = []
 
     # -- arguments ---------------------------------------------------------------------------
@@ -175,6 +208,12 @@ class _Importer:
     # -- nodes -------------------------------------------------------------------------------
     def node(self, node: Any) -> list[Stage]:
         """The stages of one node whose value is a tensor."""
+        made = self.nhwc_node(node)
+        if made is not None:
+            return made
+        return self.materialize(self.plain_node(node))
+
+    def plain_node(self, node: Any) -> list[Stage]:
         if node.op == "call_module":
             mod = self.gm.get_submodule(node.target)
             tail = self.module_tail(node, mod)
@@ -192,6 +231,91 @@ class _Importer:
                 st = self.fallback(node, self.callable_of(node), f"{getattr(t, '__name__', t)} has no fusekit rule")
             return [st]
         raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
+
+    # -- channels-last regions (ConvNeXt's permute -> LayerNorm -> Linear -> GELU -> Linear -> permute) --
+    def materialize(self, made: list[Stage]) -> list[Stage]:
+        """Stages that read a channels-last region's value as the (N, H, W, C) tensor PyTorch has: the
+        permute is made real (once, before its first such reader)."""
+        import torch
+
+        pre = []
+        for st in made:
+            for n in st.inputs:
+                if n in self.nhwc and n not in self.materialized:
+                    self.materialized.add(n)
+                    pre.append(torch_fallback(f"{n}.permute", [self.nhwc[n]], n, torch.permute, [Ref(self.nhwc[n]), (0, 2, 3, 1)],
+                                              reason="an (N, H, W, C) view read by an op without a channel rule"))
+        return pre + made
+
+    def nhwc_node(self, node: Any) -> list[Stage] | None:
+        """The node as a channel op on an (N, C, H, W) image where it reads a channels-last region; None otherwise."""
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        x = node.args[0] if node.args else None
+        t, name = node.target, node.name
+        perm = _permutation(node, self.template) if t in (torch.permute, "permute") else None
+        if perm == (0, 2, 3, 1) and self.is_t(x) and self.values[x.name].dim() == 4 and x.name not in self.nhwc:
+            self.nhwc[name] = x.name
+            return []
+        if not (self.is_t(x) and x.name in self.nhwc):
+            return None
+        src, c = self.nhwc[x.name], int(self.values[x.name].shape[-1])
+        out = f"{name}.nchw"
+        mod = self.gm.get_submodule(t) if node.op == "call_module" else None
+        single = len(node.args) == 1 and not node.kwargs
+        st: Stage | None = None
+        if perm == (0, 3, 1, 2):
+            return [Stage("identity", [src], name, name=name)]
+        if isinstance(mod, nn.LayerNorm) and single and tuple(mod.normalized_shape) == (c,):
+            st = self.channel_layer_norm(src, out, name, mod.weight, mod.bias, mod.eps)
+        elif t is F.layer_norm and tuple(self.template(self.arg(node, 1, "normalized_shape"))) == (c,):
+            st = self.channel_layer_norm(src, out, name, self.template(self.arg(node, 2, "weight")),
+                                         self.template(self.arg(node, 3, "bias")), float(self.template(self.arg(node, 4, "eps", 1e-5))))
+        elif isinstance(mod, nn.Linear) and single and mod.in_features == c:
+            w = {"w": _np(mod.weight)[:, :, None, None]} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
+            st = Stage("conv", [src], out, weights=w, attrs=dict(padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1), name=name)
+        elif (mod is not None and single and _module_activation(mod) is not None) or (mod is None and self.function_activation(node)):
+            act = _module_activation(mod) if mod is not None else self.function_activation(node)
+            st = Stage("act", [src], out, attrs={"activation": act[0], "alpha": act[1]}, name=name)
+        elif (isinstance(mod, (nn.Identity, nn.modules.dropout._DropoutNd)) or type(mod).__name__ in ("StochasticDepth", "DropPath")
+              or t in (F.dropout, "contiguous", "clone")):
+            self.nhwc[name] = src
+            return []
+        else:
+            scale = self.channel_constant(node, c, last=True)
+            if scale is not None:
+                st = self.bn(_Named(src), name, np.zeros(c), np.ones(c), scale, None, 0.0)
+                st.output = out
+        if st is None:
+            return None
+        self.nhwc[name] = out
+        return [st]
+
+    def channel_layer_norm(self, src: str, out: str, name: str, weight: Any, bias: Any, eps: float) -> Stage:
+        """LayerNorm over the channels of each position, run by PyTorch on the channels-last view (no copies)."""
+        args = [Ref(src), None if weight is None else weight.detach(), None if bias is None else bias.detach(), float(eps)]
+        st = torch_fallback(name, [src], out, channel_layer_norm, args, reason="LayerNorm over channels has no fusekit pattern")
+        st.attrs["op"] = "LayerNorm (channels)"
+        return st
+
+    def channel_constant(self, node: Any, c: int, last: bool) -> Any:
+        """The per-channel factor of ``x * k`` / ``k * x`` / ``x.mul(k)`` with a constant k of C elements
+        (shape (C,) on an (N, H, W, C) value when ``last``, else (C, 1, 1) or (1, C, 1, 1)), else None."""
+        import torch
+
+        if node.target not in (operator.mul, torch.mul, "mul") or len(node.args) != 2 or node.kwargs:
+            return None
+        a, b = node.args
+        k = b if self.is_t(a) else a
+        if self.is_t(k) or not self.is_t(a if k is b else b):
+            return None
+        v = self.template(k)
+        if not isinstance(v, torch.Tensor) or v.numel() != c:
+            return None
+        ok = (tuple(v.shape) in ((c,), (1, 1, 1, c))) if last else (tuple(v.shape) in ((c, 1, 1), (1, c, 1, 1)))
+        return v.reshape(c) if ok else None
 
     def module_tail(self, node: Any, mod: Any) -> list[Stage]:
         """What a fusekit.torch layer does after itself: its own ReLU / ReLU6, a residual add + ReLU."""
@@ -256,6 +380,7 @@ class _Importer:
         return None
 
     def bn(self, x: Any, name: str, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Stage:
+        """A BN stage in eval; also y = gamma * x as mean 0, var 1, eps 0 (a layer scale)."""
         k = int(mean.shape[0])
         return Stage("bn", [x.name], name, weights={
             "mean": _np(mean), "var": _np(var), "gamma": _np(gamma) if gamma is not None else np.ones(k),
@@ -305,6 +430,12 @@ class _Importer:
             fn, args, kwargs = self.multi[x.name]
             item = _item(fn, self.template(node.args[1]))
             return self.fallback(node, item, f"{item.__name__}: one tensor of several", args, kwargs)
+        img = x if self.is_t(x) else (node.args[1] if len(node.args) == 2 and self.is_t(node.args[1]) else None)
+        if img is not None and self.values[img.name].dim() == 4:  # a layer scale: a BN stage that folds into the conv before
+            c = int(self.values[img.name].shape[1])
+            scale = self.channel_constant(node, c, last=False)
+            if scale is not None:
+                return self.bn(img, name, np.zeros(c), np.ones(c), scale, None, 0.0)
         if not self.is_t(x):
             return None
         act = self.function_activation(node)
@@ -368,7 +499,9 @@ class _Importer:
                     self.multi[node.name] = (_item(fn, self.template(node.args[1])), args, kwargs)
                 else:
                     self.multi[node.name] = (self.callable_of(node), node.args, node.kwargs)
-            elif isinstance(v, torch.Tensor) and node.op != "get_attr":  # else a constant of the templates that read it
+            elif node.op == "get_attr" or (node.all_input_nodes and all(n.name in self.consts for n in node.all_input_nodes)):
+                self.consts.add(node.name)  # a constant of the templates that read it
+            elif isinstance(v, torch.Tensor):
                 self.tensors.add(node.name)
                 try:
                     made = self.node(node)
@@ -376,7 +509,7 @@ class _Importer:
                     raise
                 except Exception as e:  # noqa: BLE001 - a rule that does not fit this node: say which node
                     raise UnsupportedError(f"pipeline: cannot import node {node.name} ({node.target}): {type(e).__name__}: {e}") from e
-                if made[-1].kind == "gap" and v.dim() == 2:  # mean over H, W without keepdim
+                if made and made[-1].kind == "gap" and v.dim() == 2:  # mean over H, W without keepdim
                     made[-1].output = f"{node.name}.gap"
                     made.append(Stage("flatten", [made[-1].output], node.name, name=node.name))
                 self.stages += made
