@@ -298,8 +298,8 @@ def test_batch_sizes_share_weights_and_pad_smaller_batches():
     assert isinstance(pipes, fp.BatchedPipelines) and pipes.batch_sizes == [1, 4]
     p1, p4 = pipes.pipelines[1], pipes.pipelines[4]
     assert p1.graph_captured and p4.graph_captured
-    ptr = {k: t.data_ptr() for w in p1._stage_weights for k, t in w.items()}
-    assert all(t.data_ptr() in ptr.values() for w in p4._stage_weights for t in w.values())
+    ptrs = {t.data_ptr() for w in p1._stage_weights for t in w.values()}
+    assert ptrs and all(t.data_ptr() in ptrs for w in p4._stage_weights for t in w.values())
     assert pipes.weight_bytes == p1.weight_bytes
     assert p4.input_buffer.data_ptr() != p1.input_buffer.data_ptr()
     x = torch.randn(3, 3, 224, 224, device="cuda")

@@ -13,6 +13,16 @@ torch = pytest.importorskip("torch")
 
 ALPHA = {"clip": 6.0, "leaky_relu": 0.1, "elu": 0.7}
 
+#: Activations lowered with scalar constants (hardswish, hardsigmoid, ELU with alpha != 1): cuDNN 9.19's
+#: runtime fusion fails to compile them on sm_90 (NVRTC), alone and as a conv epilogue; the pipeline
+#: runs such stages on PyTorch (see benchmarks/NOTES.md). A cuDNN that compiles them turns these into XPASS.
+SCALAR_CONSTANT = pytest.mark.xfail(raises=__import__("fusekit.errors", fromlist=["UnsupportedError"]).UnsupportedError, strict=False,
+                                    reason="cuDNN 9.19 on sm_90: pointwise graphs with scalar constants fail NVRTC compilation")
+
+
+def _acts(names):
+    return [pytest.param(a, marks=SCALAR_CONSTANT) if a in ("hardswish", "hardsigmoid", "elu") else a for a in names]
+
 
 def _nhwc(shape, gen, scale=1.0):
     return (torch.randn(shape, device="cuda", generator=gen) * scale).half().contiguous(memory_format=torch.channels_last)
@@ -27,7 +37,7 @@ def _f64(t):
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("act", _acts(sorted(ACTIVATIONS)))
 @pytest.mark.parametrize("groups", [1, 16])
 def test_conv_bias_act_against_oracle_and_split(act, groups):
     import fusekit
@@ -48,13 +58,12 @@ def test_conv_bias_act_against_oracle_and_split(act, groups):
     assert fused.is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("act", ["silu", "hardswish", "gelu", "sigmoid", "relu"])
+@pytest.mark.parametrize("act", _acts(["silu", "hardswish", "gelu", "sigmoid", "relu"]))
 def test_pointwise_act_graphs_against_oracle(act):
     from fusekit import ops
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     x, z = _nhwc((8, 24, 10, 10), gen, 3.0), _nhwc((8, 24, 10, 10), gen)
-    s = torch.rand((8, 24, 1, 1), device="cuda", generator=gen).half()
     g, b = torch.rand(24, device="cuda", generator=gen) + 0.5, torch.randn(24, device="cuda", generator=gen)
     xs = _f64(x)
     cases = {
@@ -62,7 +71,6 @@ def test_pointwise_act_graphs_against_oracle(act):
         "add_act": (ops.add_act(x, z, activation=act), oracle.activation(xs + _f64(z), act)),
         "scale_shift": (ops.channel_scale_shift_act(x, g, b, activation=act),
                         oracle.activation(xs * _f64(g).reshape(1, -1, 1, 1) + _f64(b).reshape(1, -1, 1, 1), act)),
-        "gate": (ops.channel_gate(x, s), xs * _f64(s)),
     }
     torch.cuda.synchronize()
     for name, (got, want) in cases.items():
@@ -72,6 +80,19 @@ def test_pointwise_act_graphs_against_oracle(act):
     got = ops.linear_bias_act(m, wl, bl, activation=act)
     want = oracle.activation(_f64(m) @ _f64(wl).T + _f64(bl), act)
     assert _rel(got, want) < 5e-3
+
+
+@pytest.mark.xfail(raises=__import__("fusekit.errors", fromlist=["UnsupportedError"]).UnsupportedError, strict=False,
+                   reason="cuDNN 9.19 on sm_90 has no engine for a per-sample (N, C, 1, 1) broadcast multiply")
+def test_channel_gate_against_oracle():
+    """Squeeze-excitation's multiply as a pointwise graph (the pipeline runs it on PyTorch where cuDNN refuses)."""
+    from fusekit import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = _nhwc((8, 24, 10, 10), gen, 3.0)
+    s = torch.rand((8, 24, 1, 1), device="cuda", generator=gen).half()
+    got = ops.channel_gate(x, s)
+    assert _rel(got, _f64(x) * _f64(s)) < 2e-3
 
 
 ZOO = ["efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf", "densenet121", "shufflenet_v2_x1_0", "convnext_tiny"]
