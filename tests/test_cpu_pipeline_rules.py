@@ -259,3 +259,55 @@ def test_channels_last_value_read_by_an_op_without_a_rule_is_made_real():
 
     prog = _check(M().eval(), (2, 3, 10, 10))
     assert sum(s.attrs.get("op") == "permute" for s in prog.stages) == 1
+
+
+def test_pytorch_stages_write_into_the_planned_buffer_as_they_compute_without_it():
+    """run_torch_stage(..., out=buffer) (what a built pipeline's PyTorch stages do: no temporary and copy
+    for elementwise stages) gives what it returns without ``out``, into a channels-last view, for every
+    kind of stage a modern CNN lowers to."""
+    from fusekit.pipeline.ir import run_torch_stage
+    from fusekit.pipeline.reference import evaluate
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.dw, self.se1, self.se2 = nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+            self.bn2 = nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            y = F.hardswish(self.bn1(self.c1(x)))
+            z = F.silu(self.dw(y))
+            z = z * torch.sigmoid(self.se2(F.relu(self.se1(z.mean((2, 3), keepdim=True)))))
+            z = F.elu(self.bn2(F.max_pool2d(z + y, 2)), 0.7)
+            return F.mish(z)
+
+    m = Net().eval()
+    _randomize_bn(m, 3)
+    prog = fp.lower_model(m, (2, 3, 12, 12))
+    x = np.random.default_rng(4).standard_normal((2, 3, 12, 12))
+    env = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in evaluate(prog, x, keep=True).items()}
+    kinds = set()
+    for s in prog.stages:
+        w = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()}
+        fn = s.fn.double() if isinstance(s.fn, nn.Module) else s.fn
+        want = run_torch_stage(s, env, fn, w, dtype=torch.float64)
+        buf = torch.full(want.shape, float("nan"), dtype=torch.float64)
+        out = buf.contiguous(memory_format=torch.channels_last) if buf.dim() == 4 else buf
+        got = run_torch_stage(s, env, fn, w, dtype=torch.float64, out=out)
+        assert got is out and torch.allclose(out, want, rtol=1e-12, atol=1e-12), s.describe()
+        kinds.add(s.kind)
+    assert {"conv", "bn", "add", "mul", "gap", "torch"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("out_format", ["channels_last", "contiguous_format"])
+@pytest.mark.parametrize("in_format", ["channels_last", "contiguous_format"])
+def test_every_activation_written_into_a_buffer_of_either_layout(in_format, out_format):
+    from fusekit.engine.patterns import ACTIVATIONS
+    from fusekit.pipeline.ir import torch_act
+
+    x = (torch.randn(2, 8, 5, 5, generator=torch.Generator().manual_seed(5)) * 3).contiguous(memory_format=getattr(torch, in_format))
+    for act in ACTIVATIONS:
+        a = (act, {"clip": 6.0, "leaky_relu": 0.1, "elu": 0.7}.get(act, 0.0))
+        out = torch.full((2, 8, 5, 5), float("nan")).contiguous(memory_format=getattr(torch, out_format))
+        assert torch_act(x, a, out) is out and torch.allclose(out, torch_act(x, a), atol=1e-6), act

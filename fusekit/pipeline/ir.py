@@ -177,20 +177,34 @@ def torch_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(int(d) for d in y.shape)
 
 
-def torch_act(y: Any, act: tuple[str, float] | None) -> Any:
-    """PyTorch's ``act`` = (activation, alpha) of y (None: y itself)."""
+def torch_act(y: Any, act: tuple[str, float] | None, out: Any = None) -> Any:
+    """PyTorch's ``act`` = (activation, alpha) of y (None: y itself); with ``out``, written into it
+    (its strides kept: a channels-last buffer of the pipeline) and returned."""
+    import torch
     import torch.nn.functional as F
 
-    if act is None:
-        return y
-    name, alpha = act[0], float(act[1])
-    table = {
-        "identity": lambda t: t, "relu": F.relu, "clip": lambda t: t.clamp(0.0, alpha), "silu": F.silu, "gelu": F.gelu,
-        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sigmoid": lambda t: t.sigmoid(), "tanh": lambda t: t.tanh(),
-        "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "leaky_relu": lambda t: F.leaky_relu(t, alpha),
-        "elu": lambda t: F.elu(t, alpha),
+    name, alpha = ("identity", 0.0) if act is None else (act[0], float(act[1]))
+    if out is None:
+        table = {
+            "identity": lambda t: t, "relu": F.relu, "clip": lambda t: t.clamp(0.0, alpha), "silu": F.silu, "gelu": F.gelu,
+            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sigmoid": lambda t: t.sigmoid(), "tanh": lambda t: t.tanh(),
+            "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "leaky_relu": lambda t: F.leaky_relu(t, alpha),
+            "elu": lambda t: F.elu(t, alpha),
+        }
+        return table[name](y)
+    aten = torch.ops.aten
+    into = {
+        "identity": lambda: out.copy_(y), "relu": lambda: torch.clamp(y, min=0.0, out=out),
+        "clip": lambda: torch.clamp(y, 0.0, alpha, out=out), "silu": lambda: aten.silu.out(y, out=out),
+        # aten.gelu.out writes wrong values into an out of another memory format (PyTorch 2.14 CPU): a copy
+        "gelu": lambda: out.copy_(F.gelu(y)), "gelu_tanh": lambda: out.copy_(F.gelu(y, approximate="tanh")),
+        "sigmoid": lambda: torch.sigmoid(y, out=out), "tanh": lambda: torch.tanh(y, out=out),
+        "hardswish": lambda: aten.hardswish.out(y, out=out), "hardsigmoid": lambda: aten.hardsigmoid.out(y, out=out),
+        "leaky_relu": lambda: aten.leaky_relu.out(y, alpha, out=out), "elu": lambda: aten.elu.out(y, alpha, 1.0, 1.0, out=out),
     }
-    return table[name](y)
+    if y is not out or name != "identity":
+        into[name]()
+    return out
 
 
 def bind_constants(s: Stage, device: Any = None, dtype: Any = None) -> tuple[Any, Any]:
@@ -229,12 +243,14 @@ def _fill(a: Any, env: dict[str, Any]) -> Any:
 
 
 def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, Any], device: Any = None, dtype: Any = None,
-                    bound: tuple[Any, Any] | None = None) -> Any:
+                    bound: tuple[Any, Any] | None = None, out: Any = None) -> Any:
     """Evaluate a stage with PyTorch (any device/dtype), without autograd.
 
     ``env``: value name -> tensor; ``fn``: the callable of a ``torch`` stage (the module's copy on
     the right device); ``weights``: the stage's weights as tensors; ``device`` / ``dtype``: where a
-    ``torch`` stage's constants go, unless ``bound`` (:func:`bind_constants`) already holds them."""
+    ``torch`` stage's constants go, unless ``bound`` (:func:`bind_constants`) already holds them.
+    ``out``: a tensor of the output's shape to write into (elementwise stages write it directly,
+    without a temporary); returned."""
     import torch
     import torch.nn.functional as F
 
@@ -245,31 +261,41 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
     elif k == "act" and act is None:
         act = (a["activation"], float(a["alpha"]))
     x = env[s.inputs[0]] if s.inputs else None
+
+    def into(y: Any) -> Any:
+        return y if out is None else out.copy_(y)
+
     with torch.no_grad():
         if k == "conv":  # grouped convs, or fused convs cuDNN refused
             y = F.conv2d(x, weights["w"], weights.get("b"), stride=_pair(a["stride"]), padding=_pair(a["padding"]),
                          dilation=_pair(a["dilation"]), groups=int(a.get("groups", 1)))
-            return torch_act(y + env[s.inputs[1]] if a.get("add") else y, act)
+            return torch_act(y + env[s.inputs[1]] if a.get("add") else y, act, out)
         if k == "linear":
-            return torch_act(F.linear(x, weights["w"], weights.get("b")), act)
+            return torch_act(F.linear(x, weights["w"], weights.get("b")), act, out)
         if k == "bn":  # a batch norm with nothing to fold into: x * scale + shift per channel
             shape = (1, -1) + (1,) * (x.dim() - 2)
-            return torch_act(x * weights["scale"].reshape(shape) + weights["shift"].reshape(shape), act)
+            scale, shift = weights["scale"].reshape(shape), weights["shift"].reshape(shape)
+            if out is None:
+                return torch_act(x * scale + shift, act)
+            torch.addcmul(shift, x, scale, out=out)
+            return torch_act(out, act, out)
         if k in ("relu", "act"):
-            return torch_act(x, act)
+            return torch_act(x, act, out)
         if k == "maxpool":
-            return F.max_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
+            return into(F.max_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k in ("avgpool", "gap"):
-            return F.avg_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s))
+            return into(F.avg_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k == "softmax":
-            return torch.softmax(x, int(a["axis"]))
+            return into(torch.softmax(x, int(a["axis"])))
         if k == "add":
-            return torch_act(x + env[s.inputs[1]], act)
+            if act is None and out is not None:
+                return torch.add(x, env[s.inputs[1]], out=out)
+            return torch_act(x + env[s.inputs[1]], act, out)
         if k == "mul":
-            return x * env[s.inputs[1]]
+            return x * env[s.inputs[1]] if out is None else torch.mul(x, env[s.inputs[1]], out=out)
         if k == "torch":
             args, kwargs = bound if bound is not None else bind_constants(s, device, dtype)
-            return fn(*_fill(args, env), **_fill(kwargs, env))
+            return into(fn(*_fill(args, env), **_fill(kwargs, env)))
     raise UnsupportedError(f"pipeline: stage kind {k!r} has no torch implementation")
 
 

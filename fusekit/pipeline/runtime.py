@@ -158,7 +158,7 @@ class Pipeline:
         y, names, views = self.views[s.output], s.inputs, self.views
 
         def run() -> None:
-            y.copy_(run_torch_stage(s, {n: views[n] for n in names}, fn, w, dev, tdt, bound=bound))
+            run_torch_stage(s, {n: views[n] for n in names}, fn, w, dev, tdt, bound=bound, out=y)
 
         return run
 
