@@ -30,6 +30,11 @@ w = cl(torch.randn(32, 32, 3, 3, device="cuda").half() * 0.1)
 def const(g, kind):
     if kind == "scalar":
         return g.tensor_scalar(3.0, cudnn.scalar_type.RUNTIME_PARAM, name="three").set_dim([1] * 4).set_stride([1] * 4), {}
+    if kind == "scalar_f32":  # a NumPy float32 value: the binding's float overload, if it picks by type
+        import numpy as np
+        return g.tensor_scalar(np.float32(3.0), cudnn.scalar_type.RUNTIME_PARAM, name="three"), {}
+    if kind == "scalar_plain":  # as created, no dims set afterwards
+        return g.tensor_scalar(3.0, cudnn.scalar_type.RUNTIME_PARAM, name="three"), {}
     if kind == "host":
         t = torch.full((1, 1, 1, 1), 3.0)
         T = g.tensor(name="three", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=FLOAT, is_pass_by_value=True)
@@ -39,7 +44,7 @@ def const(g, kind):
     return T, {T: t}
 
 
-for kind in ("scalar", "host", "device"):
+for kind in ("scalar", "scalar_f32", "scalar_plain", "host", "device"):
     for conv in (False, True):
         def build(g, kind=kind, conv=conv):
             X = g.tensor(name="x", dim=list(x.shape), stride=list(x.stride()), data_type=HALF)
