@@ -82,6 +82,27 @@ def test_pointwise_act_graphs_against_oracle(act):
     assert _rel(got, want) < 5e-3
 
 
+@pytest.mark.parametrize("groups", [1, 16])
+def test_conv_bias_hardswish_with_channel_constants_against_oracle(groups):
+    """hardswish with its constants as per-channel operands (the form cuDNN compiles), through
+    ops.conv_bias_act(activation="hardswish") too, against the float64 oracle and PyTorch."""
+    from fusekit import ops
+    from fusekit.ops.act import hardswish_constants
+
+    gen = torch.Generator(device="cuda").manual_seed(21 + groups)
+    x, w = _nhwc((4, 16, 14, 14), gen, 2.0), _nhwc((32, 16 // groups, 3, 3), gen, 0.3)
+    b = (torch.randn(32, device="cuda", generator=gen) * 0.5).half()
+    gs, gb = hardswish_constants(x, 32)
+    want = oracle.evaluate("conv_bias_hardswish", _f64(x), _f64(w), _f64(b), _f64(gs), _f64(gb), padding=(1, 1), groups=groups)[0]
+    got = ops.conv_bias_hardswish(x, w, b, gs, gb, padding=1, groups=groups)
+    via = ops.conv_bias_act(x, w, b, activation="hardswish", padding=1, groups=groups)
+    pt = torch.nn.functional.hardswish(torch.nn.functional.conv2d(x.double(), w.double(), b.double(), padding=1, groups=groups))
+    torch.cuda.synchronize()
+    assert _rel(pt, want) < 1e-12
+    assert _rel(got, want) < 5e-3 and _rel(via, want) < 5e-3
+    assert got.is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.xfail(raises=__import__("fusekit.errors", fromlist=["UnsupportedError"]).UnsupportedError, strict=False,
                    reason="cuDNN 9.19 on sm_90 has no engine for a per-sample (N, C, 1, 1) broadcast multiply")
 def test_channel_gate_against_oracle():

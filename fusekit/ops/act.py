@@ -9,7 +9,25 @@ from typing import Any
 from ..dispatch import call, fused_or_split, run
 from ..tensors import adapter_for
 from .common import tag
+from ..tensors import TensorSpec
 from .norm import affine_identity
+
+_CONSTS: dict[tuple, Any] = {}
+
+
+def hardswish_constants(x: Any, c: int) -> tuple[Any, Any]:
+    """(1/6, 1/2) as float32 channel vectors of ``c`` channels in x's array library and device (cached):
+    hardswish's constants as operands of :func:`conv_bias_hardswish`."""
+    ad = adapter_for(x)
+    key = (type(x), int(ad.describe(x)[3]), c)
+    v = _CONSTS.get(key)
+    if v is None:
+        spec = TensorSpec.build((1, c, 1, 1), "float32", int(ad.describe(x)[3]), "NCHW", view=(c,))
+        gs, gb = ad.empty(spec), ad.empty(spec)
+        gs[...] = 1.0 / 6.0
+        gb[...] = 0.5
+        v = _CONSTS[key] = (gs, gb)
+    return v
 
 _CONV_ATTRS = ("padding", "stride", "dilation", "groups")
 _ACT_ATTRS = ("activation", "alpha")
@@ -27,7 +45,21 @@ def conv_bias_act(x: Any, w: Any, b: Any, *, activation: str = "relu", alpha: fl
         b32 = adapter_for(b).astype(b, "float32")
         return call("channel_scale_shift_act", y, affine_identity(y)[0], b32, out=out, activation=activation, alpha=float(alpha))
 
-    return fused_or_split(tag("conv_bias_act", x, w, b, attrs=values), lambda: run("conv_bias_act", names, values, (x, w, b), out), split, like=x)
+    if activation == "hardswish":  # its constants as channel operands (cuDNN compiles those; scalar constants it may not)
+        def fused() -> Any:
+            return conv_bias_hardswish(x, w, b, *hardswish_constants(x, int(w.shape[0])), padding=padding, stride=stride,
+                                       dilation=dilation, groups=groups, out=out)
+    else:
+        def fused() -> Any:
+            return run("conv_bias_act", names, values, (x, w, b), out)
+    return fused_or_split(tag("conv_bias_act", x, w, b, attrs=values), fused, split, like=x)
+
+
+def conv_bias_hardswish(x: Any, w: Any, b: Any, gs: Any, gb: Any, *, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+                        groups: int = 1, out: Any = None) -> Any:
+    """``hardswish(conv2d(x, w) + b)`` as ``z * clip(z * gs + gb, 0, 1)`` in one cuDNN graph; gs, gb float32
+    (C,) hold 1/6 and 1/2 (:func:`hardswish_constants`)."""
+    return run("conv_bias_hardswish", _CONV_ATTRS, (padding, stride, dilation, groups), (x, w, b, gs, gb), out)
 
 
 def conv_bias_add_act(x: Any, w: Any, b: Any, z: Any, *, activation: str = "relu", alpha: float = 0.0, padding: Any = 0, stride: Any = 1,

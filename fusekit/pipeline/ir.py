@@ -26,7 +26,8 @@ import numpy as np
 from ..errors import UnsupportedError
 
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
-                    "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate")
+                    "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
+                    "conv_bias_hardswish")
 POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax")
 
 
@@ -353,7 +354,7 @@ def rename_args(a: Any, old: str, new: str) -> Any:
 
 
 #: Weights a pattern takes in float32 whatever the pipeline's dtype (per-channel scale and shift).
-FLOAT32_WEIGHTS = {"channel_scale_shift_act": ("scale", "shift")}
+FLOAT32_WEIGHTS = {"channel_scale_shift_act": ("scale", "shift"), "conv_bias_hardswish": ("gs", "gb")}
 
 
 def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -364,6 +365,9 @@ def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) ->
     p, a = s.pattern, s.attrs
     act = a.get("act") or ("identity", 0.0)
     act_attrs = {"activation": act[0], "alpha": float(act[1])} if p.endswith("_act") or p == "act" else {}
+    if p == "conv_bias_hardswish":
+        conv = {k: tuple(int(e) for e in a[k]) for k in ("padding", "stride", "dilation")}
+        return (x, weights["w"], weights["b"], weights["gs"], weights["gb"]), {**conv, "groups": int(a.get("groups", 1))}
     if p.startswith("conv"):
         ops = (x, weights["w"], weights["b"]) + ((values[s.inputs[1]],) if p.startswith("conv_bias_add") else ())
         conv = {k: tuple(int(e) for e in a[k]) for k in ("padding", "stride", "dilation")}

@@ -168,6 +168,32 @@ def _fuse_act(c: _Ctx, s: Stage, p: Stage) -> None:
     c.drop(s, p.output)
 
 
+def _hardsigmoid_epilogue(c: _Ctx, s: Stage) -> Any:
+    return (s.attrs.get("act") or ("",))[0] == "hardsigmoid" and not s.attrs.get("add") or None
+
+
+def _hardsigmoid_as_clip(c: _Ctx, s: Stage, _: Any) -> None:
+    """hardsigmoid(z) = clip(z / 6 + 1/2, 0, 1): the 1/6 and 1/2 folded into the weights and bias before it."""
+    w = s.weights
+    if s.kind == "bn":
+        w["scale"], w["shift"] = np.asarray(w["scale"], np.float64) / 6.0, np.asarray(w["shift"], np.float64) / 6.0 + 0.5
+    else:
+        k = np.asarray(w["w"]).shape[0]
+        b = np.asarray(w["b"], np.float64) if "b" in w else np.zeros(k)
+        w["w"], w["b"] = np.asarray(w["w"], np.float64) / 6.0, b / 6.0 + 0.5
+    s.attrs["act"] = ("clip", 1.0)
+
+
+def _hardswish_conv(c: _Ctx, s: Stage) -> Any:
+    return (s.attrs.get("act") or ("",))[0] == "hardswish" and not s.attrs.get("add") or None
+
+
+def _hardswish_constants(c: _Ctx, s: Stage, _: Any) -> None:
+    k = np.asarray(s.weights["w"]).shape[0]
+    s.weights.setdefault("b", np.zeros(k))
+    s.weights["gs"], s.weights["gb"] = np.full(k, 1.0 / 6.0), np.full(k, 0.5)
+
+
 RULES: tuple[Rule, ...] = (
     Rule("drop identities (dropout, stochastic depth in eval)", ("identity",), _always, _drop_identity),
     Rule("ReLU and ReLU6 as activations", ("relu",), _always, _relu_as_act),
@@ -176,6 +202,9 @@ RULES: tuple[Rule, ...] = (
     Rule("residual tail: act(conv(x) + b + z)", ("act",), _act_after_residual, _fuse_residual_act),
     Rule("linear residual tail: conv(x) + b + z", ("add",), _residual, _fuse_residual),
     Rule("activation epilogue of a conv, linear, scale-shift or add", ("act",), _act_producer, _fuse_act),
+    Rule("hardsigmoid epilogue as a clip, its constants folded into the weights", ("conv", "linear", "bn"), _hardsigmoid_epilogue,
+         _hardsigmoid_as_clip),
+    Rule("hardswish epilogue of a conv with its constants as channel operands", ("conv",), _hardswish_conv, _hardswish_constants),
 )
 
 
@@ -188,6 +217,8 @@ def _conv_pattern(s: Stage) -> str:
         return "conv_bias_add_relu" if add else "conv_bias_relu"
     if tuple(act) == ("clip", 6.0) and not add:
         return "conv_bias_relu6"
+    if act[0] == "hardswish" and not add:
+        return "conv_bias_hardswish"
     return "conv_bias_add_act" if add else "conv_bias_act"
 
 
