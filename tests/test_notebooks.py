@@ -13,7 +13,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 #: A notebook's CPU run should take well under this (CI: 2 cores; each takes ~2-10 s on a laptop-class CPU).
 TIME_LIMIT_S = 90
 #: Per-notebook limits where one differs from TIME_LIMIT_S (05 traces ResNet-50 and ResNet-18: ~8 s with PyTorch).
-TIME_LIMITS_S = {"05_pipeline": 60}
+TIME_LIMITS_S = {"05_pipeline": 60, "06_model_zoo": 60}
 #: Key figures exported by notebooks/execute.py (cells tagged figure:NAME -> <notebook>_<NAME>.png); README links them.
 FIGURE_TAGS = {
     "01_quickstart": ["graph", "speedup"],
@@ -21,6 +21,7 @@ FIGURE_TAGS = {
     "03_batchnorm_split": ["variants"],
     "04_training": ["loss", "reconstructions", "train_step", "train_models"],
     "05_pipeline": ["stages", "speedup", "committed"],
+    "06_model_zoo": ["stage_map", "zoo_speedup"],
 }
 
 
@@ -150,12 +151,34 @@ def check_pipeline(nb, text, cpu):
         assert _pngs(nb) >= 3
 
 
+def check_model_zoo(nb, text, cpu):
+    assert re.search(r"precomputed: \.\./benchmarks/results/[^ ]+-zoo\.json \(NVIDIA", text)
+    assert re.search(r"resnet50, batch 32: fusekit [0-9.]+ ms; best PyTorch [0-9.]+ ms \([0-9.]+x\)", text)  # the committed rows
+    if not _torchvision():
+        assert "no PyTorch here" in _first_output(nb) and _pngs(nb) >= 1
+        return
+    if cpu:
+        assert "no CUDA GPU here" in _first_output(nb)
+    # the lowering: EfficientNet-B0, MobileNetV3 and RegNetY entirely fused cuDNN graphs
+    for name in ("efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf"):
+        assert re.search(name + r": \d+ stages, 100% fused \(\d+ cuDNN graphs, \d+ fusekit kernels\); PyTorch: none", text), name
+    assert re.search(r"densenet121: \d+ stages, \d+% fused \(\d+ cuDNN graphs, \d+ fusekit kernels\); PyTorch: \d+ cat", text)
+    m = re.search(r"staged float64 reference vs PyTorch float64 \(CPU\): relative error ([0-9.e+-]+)", text)
+    assert m and float(m.group(1)) < 1e-12
+    if cpu:
+        assert _pngs(nb) >= 2
+    else:
+        assert re.search(r"measured here: EfficientNet-B0, batch 32: fusekit [0-9.]+ ms", text)
+        assert _pngs(nb) >= 2
+
+
 CHECKS = {
     "01_quickstart": check_quickstart,
     "02_autotune": check_autotune,
     "03_batchnorm_split": check_batchnorm_split,
     "04_training": check_training,
     "05_pipeline": check_pipeline,
+    "06_model_zoo": check_model_zoo,
 }
 
 
