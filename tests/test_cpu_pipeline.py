@@ -577,3 +577,32 @@ def test_fusekit_modules_with_their_own_activation_import_with_it(rng):
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu"], str(prog)
     ref = m.double()(torch.from_numpy(x)).detach().numpy()
     assert _rel(fp.reference.evaluate(prog, x), ref) < 1e-10
+
+
+@needs_onnx
+@pytest.mark.parametrize("content,match", [(b"not an onnx file at all", "could not be parsed"), (b"", "has no nodes"), (None, "is not a file")])
+def test_onnx_file_that_is_missing_truncated_or_not_onnx_is_named(tmp_path, content, match):
+    from fusekit.errors import OperandError
+
+    path = tmp_path / "model.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(OperandError, match=match):
+        fp.lower_model(str(path))
+
+
+@needs_onnx
+def test_onnx_model_lowered_for_the_wrong_channel_count_names_the_stage(rng):
+    from fusekit.errors import OperandError
+
+    model, _ = _onnx_cnn(rng)
+    with pytest.raises(OperandError, match="conv1.*expected 3 input channels"):
+        fp.lower_model(model, (2, 4, 8, 8))
+
+
+def test_reference_of_an_input_of_another_shape_is_refused(small):
+    from fusekit.errors import OperandError
+
+    prog = fp.lower_model(small, (2, 3, 20, 20))
+    with pytest.raises(OperandError, match=r"expected shape \(2, 3, 20, 20\)"):
+        fp.Pipeline(prog).reference(np.zeros((2, 3, 24, 24)))

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import UnsupportedError
+from ..errors import OperandError, UnsupportedError
 
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
                     "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
@@ -145,8 +145,13 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
     x = tuple(ins[0]) if ins else ()
     k = s.kind
     if k == "conv":
-        n, _, h, w = x
+        if len(x) != 4:
+            raise OperandError("pipeline", s.name, f"expected a 4-D (N, C, H, W) input to the convolution, got shape {x}", what="stage")
+        n, c, h, w = x
         kk = s.weights["w"].shape
+        if c != kk[1] * int(s.attrs.get("groups", 1)):
+            raise OperandError("pipeline", s.name, f"expected {kk[1] * int(s.attrs.get('groups', 1))} input channels "
+                               f"(its weights' {tuple(kk)}), got input shape {x}", what="stage")
         return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"]))
     if k in ("bn", "relu", "act", "identity", "softmax"):
         return x
@@ -161,6 +166,9 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
     if k == "flatten":
         return (x[0], int(math.prod(x[1:])))
     if k == "linear":
+        if not x or x[-1] != s.weights["w"].shape[1]:
+            raise OperandError("pipeline", s.name, f"expected {s.weights['w'].shape[1]} input features (its weights' "
+                               f"{tuple(s.weights['w'].shape)}), got input shape {x}", what="stage")
         return (*x[:-1], s.weights["w"].shape[0])
     if k == "torch":
         return torch_shape(s, ins)

@@ -14,16 +14,29 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedError
+from ..errors import OperandError, UnsupportedError
 from .ir import Program, Ref, Stage, fill_shapes, torch_fallback
 
 
 def load(model: Any) -> Any:
+    """An ``onnx.ModelProto`` as is, or the model in a file; a missing or unparsable file is an OperandError."""
+    import os
+
     import onnx
 
     if isinstance(model, onnx.ModelProto):
         return model
-    return onnx.load(str(model))
+    path = os.fspath(model) if not isinstance(model, bytes) else model.decode(errors="replace")
+    if not os.path.isfile(path):
+        raise OperandError("pipeline", "model", f"an ONNX file or onnx.ModelProto; {path!r} is not a file")
+    try:
+        m = onnx.load(path)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends: say what the file is not
+        raise OperandError("pipeline", "model", f"an ONNX model; {path!r} could not be parsed as one "
+                           f"({type(e).__name__}: {e})") from None
+    if not m.graph.node:
+        raise OperandError("pipeline", "model", f"an ONNX model with a graph; {path!r} has no nodes (truncated or not ONNX?)")
+    return m
 
 
 def input_shape(model: Any, batch: int | None = None, default_hw: int = 224) -> tuple[int, ...]:

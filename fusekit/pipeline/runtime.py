@@ -75,6 +75,10 @@ class Pipeline:
 
     def reference(self, x: Any) -> np.ndarray:
         """The staged network's output for ``x`` (NCHW host array) in NumPy float64 (CPU)."""
+        shape = tuple(np.shape(x))
+        if shape != tuple(self.program.input_shape):
+            raise OperandError("pipeline.reference", "x", f"expected shape {tuple(self.program.input_shape)} (the shape it was "
+                               f"lowered for), got {shape}")
         return _reference.evaluate(self.program, x)
 
     # -- build ---------------------------------------------------------------------------------
