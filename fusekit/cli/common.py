@@ -165,14 +165,14 @@ def parse_shape(text: str) -> tuple[str, Shape]:
 
 
 def _scalar(text: str) -> Any:
+    """true / false, an int, a float (ASCII digits only: Python's int() also reads other scripts' digits), else the text."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
+    if re.fullmatch(r"[+-]?[0-9]+", text):
+        return int(text)
+    if re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|nan)", low):
+        return float(text)
     return text
 
 

@@ -360,6 +360,9 @@ class AttrSpec:
         except (TypeError, ValueError):
             form = f"an int or a sequence of {len(d)} ints" if isinstance(d, tuple) else type(d).__name__
             raise OperandError(pattern, self.name, f"expected {form}, got {value!r}", what="attribute") from None
+        if isinstance(out, float) and (math.isnan(out) or (math.isinf(out) and out != d)):
+            raise OperandError(pattern, self.name, f"expected a finite number{' (or inf)' if d == math.inf else ''}, got {value!r}",
+                               what="attribute")
         if self.min is not None:
             vals = out if isinstance(out, tuple) else (out,)
             if any(v < self.min for v in vals):
@@ -468,6 +471,8 @@ def _freeze(v: Any) -> Any:
 
 def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     """Parse and check one pattern file's text."""
+    if not isinstance(text, str):
+        raise PatternError(source, f"expected the file's text (str), got {type(text).__name__}; decode bytes as UTF-8 first")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -501,7 +506,22 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     for aname, spec in (doc.get("attrs") or {}).items():
         spec = spec if isinstance(spec, dict) else {"default": spec}
         need("default" in spec, f"attribute '{aname}' needs a default")
-        attrs.append(AttrSpec(aname, _freeze(spec["default"]), spec.get("min")))
+        need(not set(spec) - {"default", "min"}, f"attribute '{aname}': unknown key(s) {sorted(set(spec) - {'default', 'min'})}; "
+             "allowed: default, min")
+        d, lo = spec["default"], spec.get("min")
+        scalar = (bool, int, float, str)
+        need(isinstance(d, scalar) or (isinstance(d, list) and d and all(isinstance(v, int) and not isinstance(v, bool) for v in d)),
+             f"attribute '{aname}': default {d!r} must be a bool, int, float, string or a non-empty list of ints")
+        need(not (isinstance(d, float) and math.isnan(d)), f"attribute '{aname}': default is NaN")
+        need(lo is None or (isinstance(lo, (int, float)) and not isinstance(lo, bool) and math.isfinite(lo)),
+             f"attribute '{aname}': min {lo!r} must be a finite number")
+        need(lo is None or not isinstance(d, (str, bool)), f"attribute '{aname}': a {type(d).__name__} default ({d!r}) takes no min")
+        spec_ = AttrSpec(aname, _freeze(d), lo)
+        try:
+            spec_.normalize(source, spec_.default)
+        except OperandError as e:
+            raise PatternError(source, f"attribute '{aname}': its default does not pass its own checks ({e})") from None
+        attrs.append(spec_)
     attr_names = {a.name for a in attrs}
 
     defined = {o.name for o in operands}
@@ -630,6 +650,8 @@ _WARNED_DIRS: set[str] = set()  # $FUSEKIT_PATTERNS entries already warned about
 
 def get_pattern(name: str) -> Pattern:
     """The pattern called ``name`` (loaded once per process)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise PatternError(str(name), "a pattern is named by an identifier (its file's name without .toml, in a pattern directory)")
     pat = _REGISTRY.get(name)
     if pat is None:
         for d in pattern_dirs():
@@ -642,19 +664,24 @@ def get_pattern(name: str) -> Pattern:
     return pat
 
 
-def list_patterns() -> list[str]:
-    """Names of every pattern file found (not loaded: a broken file is listed too; see :func:`scan_patterns`)."""
+def _pattern_names() -> list[str]:
+    """Names of every pattern file found (identifiers only), loadable or not."""
     names: set[str] = set()
     for d in pattern_dirs():
-        names.update(f.stem for f in d.glob("*.toml"))
+        names.update(f.stem for f in d.glob("*.toml") if f.stem.isidentifier())
     return sorted(names)
+
+
+def list_patterns() -> list[str]:
+    """Names of the patterns that load (a broken file is left out; :func:`scan_patterns` says why)."""
+    return [p.name for p in scan_patterns()[0]]
 
 
 def scan_patterns() -> tuple[list[Pattern], list[PatternError]]:
     """(every pattern that loads, by name; the PatternError of each one that does not), for listings
     that go on past a broken file."""
     good, bad = [], []
-    for name in list_patterns():
+    for name in _pattern_names():
         try:
             good.append(get_pattern(name))
         except PatternError as e:

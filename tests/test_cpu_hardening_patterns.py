@@ -1,0 +1,99 @@
+"""Patterns, attributes and the CLI's --attr values are checked where they are read: a default of the
+wrong type or out of its own bounds, NaN / infinite values, other scripts' digits, a pattern name that
+is a path, a file that cannot load, bytes given as text."""
+
+import math
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+import fusekit
+from fusekit.cli.common import parse_attr
+from fusekit.engine.patterns import PatternError, get_pattern, list_patterns, parse_pattern, scan_patterns
+from fusekit.errors import OperandError
+
+RELU = textwrap.dedent('''
+    name = "{name}"
+    summary = "s"
+    [operands]
+    x = {{ kind = "image", role = "input" }}
+    [attrs]
+    {attrs}
+    [[ops]]
+    op = "relu"
+    in = {{ input = "x" }}
+    attrs = {{ upper_clip = 6.0 }}
+    out = "y"
+    [outputs]
+    y = {{ like = "x" }}
+''')
+
+
+@pytest.mark.parametrize("attrs,match", [
+    ('padding = { default = "abc", min = 0 }', "takes no min"),
+    ('padding = { default = [1, "a"] }', "list of ints"),
+    ("padding = { default = [0, 0], min = -1.5e400 }", "finite number"),
+    ("padding = { default = [-1, 0], min = 0 }", "does not pass its own checks"),
+    ("scale = { default = nan }", "NaN"),
+    ("scale = { default = 1.0, mn = 0 }", "unknown key"),
+    ("scale = { default = {} }", "must be a bool, int, float"),
+])
+def test_attribute_defaults_are_checked_at_load(attrs, match):
+    with pytest.raises(PatternError, match=match):
+        parse_pattern(RELU.format(name="p", attrs=attrs))
+
+
+def test_a_good_default_loads():
+    p = parse_pattern(RELU.format(name="p", attrs="padding = { default = [0, 0], min = 0 }\nupper = { default = inf, min = 0.0 }"))
+    assert dict(p.normalize_attrs({}))["padding"] == (0, 0)
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf, "nan"])
+def test_nan_and_infinite_attribute_values_are_refused(value):
+    pat = parse_pattern(RELU.format(name="p", attrs="scale = { default = 1.0 }\nupper = { default = inf, min = 0.0 }"))
+    with pytest.raises(OperandError, match="finite"):
+        pat.normalize_attrs({"scale": value})
+    assert dict(pat.normalize_attrs({"upper": math.inf}))["upper"] == math.inf  # inf where the default itself is inf
+    with pytest.raises(OperandError, match="finite"):
+        pat.normalize_attrs({"upper": math.nan})
+
+
+def test_cli_oracle_refuses_nan_attribute():
+    from fusekit.cli import main
+
+    r = CliRunner().invoke(main, ["oracle", "relu", "--shape", "x=1,2,3,3", "--attr", "upper_clip=nan"])
+    assert r.exit_code != 0 and "finite" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("text", ["padding=\u0661", "padding=\u0661,\u0662", "scale=\u0663.5"])
+def test_cli_attr_values_take_ascii_digits_only(text):
+    name, value = parse_attr(text)
+    assert isinstance(value, str) or all(isinstance(v, str) for v in value)
+    with pytest.raises(OperandError):
+        get_pattern("conv_bias_relu").normalize_attrs({name: value} if name == "padding" else {"padding": value})
+
+
+@pytest.mark.parametrize("name", ["../patterns/conv_bias_relu", "conv_bias_relu.toml", "/etc/passwd", "", 42])
+def test_pattern_names_are_identifiers_not_paths(name):
+    with pytest.raises(PatternError, match="identifier"):
+        get_pattern(name)
+
+
+def test_unloadable_pattern_files_are_not_listed(tmp_path, monkeypatch):
+    (tmp_path / "broken.toml").write_bytes(b"name = \"broken\"\n\xff\xfe")
+    (tmp_path / "bad-name.toml").write_text("x")
+    monkeypatch.setenv("FUSEKIT_PATTERNS", str(tmp_path))
+    names = list_patterns()
+    assert "broken" not in names and "bad-name" not in names and "conv_bias_relu" in names
+    good, bad = scan_patterns()
+    assert any("broken" in str(e) and "UTF-8" in str(e) for e in bad)
+
+
+def test_parse_pattern_given_bytes_says_so():
+    with pytest.raises(PatternError, match="decode bytes as UTF-8"):
+        parse_pattern(RELU.format(name="p", attrs="").encode())
+
+
+def test_fusekit_exports_still_work():
+    assert "conv_bias_relu" in fusekit.list_patterns()
