@@ -4,6 +4,7 @@ can change the environment at run time), and the package version."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -46,27 +47,42 @@ def cache_dir() -> Path:
     Raises SettingError when $FUSEKIT_CACHE_DIR names a file or a path below one."""
     env = os.environ.get("FUSEKIT_CACHE_DIR")
     if env and env.lower() not in _OFF:
-        path = Path(env).expanduser()
-        blocker = _file_in_the_way(path)
-        if blocker is not None:
-            where = "is a file" if blocker == path else f"is below the file {blocker}"
-            raise SettingError("FUSEKIT_CACHE_DIR", env, f"a directory, or off / none / 0 (it {where})")
-        return path
+        return checked_cache_dir(env, "FUSEKIT_CACHE_DIR")
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("fusekit", appauthor=False))
 
 
-def cache_size() -> int:
-    """$FUSEKIT_CACHE_SIZE (default 512); SettingError unless it is an integer >= 1."""
-    raw = os.environ.get("FUSEKIT_CACHE_SIZE", "512")
-    try:
-        n = int(raw)
-    except ValueError:
+def checked_cache_dir(value: str | os.PathLike[str], setting: str = "cache_dir") -> Path:
+    """``value`` as a cache directory path; SettingError if it is a file or below one."""
+    path = Path(value).expanduser()
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        where = "is a file" if blocker == path else f"is below the file {blocker}"
+        raise SettingError(setting, str(value), f"a directory, or off / none / 0 (it {where})")
+    return path
+
+
+#: The most plans a memory cache may be asked to keep (each holds a built cuDNN plan).
+MAX_CACHE_SIZE = 1_000_000
+
+
+def checked_cache_size(value: object, setting: str = "maxsize") -> int:
+    """``value`` as a number of plans kept in memory: an int (or ASCII digits) from 1 to MAX_CACHE_SIZE."""
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
+        n = int(value.strip())
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
         n = 0
-    if n < 1:
-        raise SettingError("FUSEKIT_CACHE_SIZE", raw, "an integer >= 1 (plans kept in memory)")
+    if not 1 <= n <= MAX_CACHE_SIZE:
+        raise SettingError(setting, str(value), f"an integer from 1 to {MAX_CACHE_SIZE:,} (plans kept in memory)")
     return n
+
+
+def cache_size() -> int:
+    """$FUSEKIT_CACHE_SIZE (default 512); SettingError unless it is an integer from 1 to MAX_CACHE_SIZE."""
+    return checked_cache_size(os.environ.get("FUSEKIT_CACHE_SIZE", "512"), "FUSEKIT_CACHE_SIZE")
 
 
 def mode() -> str:

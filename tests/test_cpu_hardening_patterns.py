@@ -97,3 +97,28 @@ def test_parse_pattern_given_bytes_says_so():
 
 def test_fusekit_exports_still_work():
     assert "conv_bias_relu" in fusekit.list_patterns()
+
+
+@pytest.mark.parametrize("raw", ["1e23", "100000000000000000000000", "\u0665\u0661\u0662", "0", "-3", "abc", ""])
+def test_cache_size_setting_is_a_bounded_ascii_integer(monkeypatch, raw):
+    from fusekit import config
+    from fusekit.errors import SettingError
+
+    monkeypatch.setenv("FUSEKIT_CACHE_SIZE", raw)
+    with pytest.raises(SettingError, match="FUSEKIT_CACHE_SIZE"):
+        config.cache_size()
+
+
+@pytest.mark.parametrize("kw,match", [({"maxsize": "abc"}, "maxsize"), ({"maxsize": 0}, "maxsize"), ({"maxsize": True}, "maxsize"),
+                                      ({"maxsize": 10**9}, "maxsize"), ({"cache_dir": "FILE"}, "cache_dir")])
+def test_configure_refuses_bad_settings_at_once_and_keeps_the_old_cache(tmp_path, kw, match):
+    from fusekit.engine import cache as cache_mod
+    from fusekit.errors import SettingError
+
+    if kw.get("cache_dir") == "FILE":
+        (tmp_path / "f").write_text("x")
+        kw = {"cache_dir": tmp_path / "f" / "sub"}
+    before = cache_mod.default_cache()
+    with pytest.raises(SettingError, match=match):
+        fusekit.configure(**kw)
+    assert cache_mod.default_cache() is before

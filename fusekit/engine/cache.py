@@ -710,6 +710,10 @@ def configure(
     global _default
     old = _default
     config.tf32_policy(allow_tf32)  # checked before anything changes
+    if maxsize is not None:
+        maxsize = config.checked_cache_size(maxsize)
+    if cache_dir is not None and disk:
+        cache_dir = config.checked_cache_dir(cache_dir)
     new = PlanCache(maxsize=maxsize, store=DiskStore(cache_dir) if disk else None, mode=mode)
     config.set_allow_tf32(allow_tf32)
     _default = new
