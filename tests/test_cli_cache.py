@@ -372,7 +372,7 @@ def test_doctor_shows_invalid_settings(tmp_path):
     problems = [ln for ln in r.output.splitlines() if ln.startswith("problem ")]
     assert len(problems) == 4, r.output
     assert any(f"FUSEKIT_CACHE_DIR={str(f)!r} is invalid: expected a directory" in ln for ln in problems)
-    assert any("FUSEKIT_CACHE_SIZE='many' is invalid: expected an integer >= 1" in ln for ln in problems)
+    assert any("FUSEKIT_CACHE_SIZE='many' is invalid: expected an integer from 1 to 1,000,000" in ln for ln in problems)
     assert any("FUSEKIT_MODE='fast' is invalid: expected one of heuristic, autotune" in ln for ln in problems)
     assert any("FUSEKIT_PATTERNS" in ln and "no-such-dir" in ln for ln in problems)
     status = [ln for ln in r.output.splitlines() if ln.startswith("status ")]

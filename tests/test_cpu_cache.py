@@ -271,7 +271,7 @@ def test_env_cache_size(monkeypatch):
     # an explicit maxsize wins over the environment
     assert PlanCache(maxsize=7).maxsize == 7
     monkeypatch.setenv("FUSEKIT_CACHE_SIZE", "0")
-    with pytest.raises(SettingError, match=r"FUSEKIT_CACHE_SIZE='0' is invalid: expected an integer >= 1"):
+    with pytest.raises(SettingError, match=r"FUSEKIT_CACHE_SIZE='0' is invalid: expected an integer from 1 to 1,000,000"):
         PlanCache()
 
 
@@ -304,7 +304,7 @@ def test_bad_cache_size_is_a_setting_error(clean_env, raw):
         with pytest.raises(SettingError) as e:
             make()
         assert isinstance(e.value, FusekitError)
-        assert str(e.value) == f"FUSEKIT_CACHE_SIZE={raw!r} is invalid: expected an integer >= 1 (plans kept in memory)"
+        assert str(e.value) == f"FUSEKIT_CACHE_SIZE={raw!r} is invalid: expected an integer from 1 to 1,000,000 (plans kept in memory)"
     assert config.problems() == [str(e.value)]
 
 
