@@ -122,3 +122,41 @@ def test_configure_refuses_bad_settings_at_once_and_keeps_the_old_cache(tmp_path
     with pytest.raises(SettingError, match=match):
         fusekit.configure(**kw)
     assert cache_mod.default_cache() is before
+
+
+@pytest.mark.parametrize("operand,match", [
+    (lambda np: np.array([["a"]]), "strings"), (lambda np: object(), "Python objects"),
+    (lambda np: np.ones((1, 2, 3, 3)) + 1j, "complex values"),
+])
+def test_oracle_refuses_operands_without_real_numbers(operand, match):
+    import numpy as np
+
+    from fusekit.engine import oracle
+
+    with pytest.raises(OperandError, match=f"relu: operand 'x': expected a real-valued numeric array, got {match}"):
+        oracle.evaluate("relu", operand(np))
+
+
+def test_oracle_refuses_a_tensor_with_autograd_history_and_a_non_pattern():
+    import numpy as np
+
+    from fusekit.engine import oracle
+
+    torch = pytest.importorskip("torch")
+    with pytest.raises(OperandError, match="detach"):
+        oracle.evaluate("relu", torch.ones(1, 2, 3, 3, requires_grad=True))
+    got = oracle.evaluate("relu", torch.tensor([[[[-1.0, 2.0]]]]))[0]
+    assert np.array_equal(got, [[[[0.0, 2.0]]]])
+    with pytest.raises(OperandError, match="pattern name or Pattern, got int 42"):
+        oracle.evaluate(42, np.ones((1, 2, 3, 3)))
+
+
+def test_norm_ops_given_host_tensors_say_so():
+    from fusekit import ops
+
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.raises(OperandError, match="bn_normalize: operand 'x': expected a CUDA device array"):
+        ops.bn_normalize(x)
+    with pytest.raises(OperandError, match="bn_normalize_backward: operand 'x': expected a CUDA device array"):
+        ops.bn_normalize_backward(x, x, torch.randn(3), torch.randn(3))

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..errors import OperandError
 from .patterns import OPS, Pattern, get_pattern
 from ..tensors import logical_shape, view_shape
 
@@ -185,18 +186,36 @@ EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarr
 assert set(EVAL) == set(OPS), "every op needs an oracle"
 
 
+def _real_array(pattern: str, name: str, a: Any) -> np.ndarray:
+    """Operand ``a`` as a float64 host array; OperandError for what has no real numbers (strings, objects,
+    complex values) and for a torch tensor that requires grad (detach it)."""
+    if getattr(a, "requires_grad", False):
+        raise OperandError(pattern, name, "expected a tensor without autograd history (pass tensor.detach())")
+    if hasattr(a, "detach") and hasattr(a, "cpu"):  # a torch tensor (on any device)
+        a = a.detach().cpu().numpy()
+    elif hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):  # CuPy
+        a = a.get()
+    raw = np.asarray(a)
+    if raw.dtype.kind not in "biuf":
+        what = {"c": "complex values", "U": "strings", "S": "bytes", "O": "Python objects"}.get(raw.dtype.kind, f"dtype {raw.dtype}")
+        raise OperandError(pattern, name, f"expected a real-valued numeric array, got {what} ({type(a).__name__})")
+    return raw.astype(np.float64)
+
+
 def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
     """Run ``pattern`` in float64 on host arrays (logical NCHW dims); returns its outputs in order.
 
     Operands may be anything ``np.asarray`` takes (CuPy/torch callers pass ``.get()`` / ``.cpu()``).
     """
+    if not isinstance(pattern, (str, Pattern)):
+        raise OperandError("oracle", "pattern", f"expected a pattern name or Pattern, got {type(pattern).__name__} {pattern!r}", what="argument")
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
     if len(operands) != len(pat.operands):
         raise TypeError(f"{pat.name} takes {len(pat.operands)} operands {pat.operand_names}, got {len(operands)}")
     norm = dict(pat.normalize_attrs(attrs))
     env: dict[str, np.ndarray] = {}
     for o, a in zip(pat.operands, operands):
-        arr = np.asarray(a, dtype=np.float64)
+        arr = _real_array(pat.name, o.name, a)
         shape = logical_shape(pat.name, o.name, o.kind, arr.shape)
         env[o.name] = arr.T.reshape(shape) if o.kind == "matrix_t" else arr.reshape(shape)
     shapes = pat.infer_shapes({k: v.shape for k, v in env.items()}, norm)  # the same checks as the GPU path

@@ -9,6 +9,7 @@ from typing import Any
 from ..dispatch import call, fused_or_split, run
 from ..tensors import adapter_for
 from .common import tag
+from ..errors import OperandError
 from ..tensors import TensorSpec
 from .norm import affine_identity
 
@@ -18,11 +19,14 @@ _CONSTS: dict[tuple, Any] = {}
 def hardswish_constants(x: Any, c: int) -> tuple[Any, Any]:
     """(1/6, 1/2) as float32 channel vectors of ``c`` channels in x's array library and device (cached):
     hardswish's constants as operands of :func:`conv_bias_hardswish`."""
-    ad = adapter_for(x)
-    key = (type(x), int(ad.describe(x)[3]), c)
+    ad = adapter_for(x, "conv_bias_hardswish", "x")
+    dev = ad.describe(x)[3]
+    if dev is None:
+        raise OperandError("conv_bias_hardswish", "x", "expected a CUDA device array, got an array in host (CPU) memory")
+    key = (type(x), int(dev), c)
     v = _CONSTS.get(key)
     if v is None:
-        spec = TensorSpec.build((1, c, 1, 1), "float32", int(ad.describe(x)[3]), "NCHW", view=(c,))
+        spec = TensorSpec.build((1, c, 1, 1), "float32", int(dev), "NCHW", view=(c,))
         gs, gb = ad.empty(spec), ad.empty(spec)
         gs[...] = 1.0 / 6.0
         gb[...] = 0.5

@@ -22,7 +22,12 @@ def affine_identity(x: Any, op: str = "affine_identity", name: str = "x") -> tup
     its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call).
     ``op`` and ``name``: what an OperandError about ``x`` names (the calling op, its operand)."""
     ad = adapter_for(x, op, name)
-    c, device = int(x.shape[1]), int(ad.describe(x)[3])
+    shape, _, _, dev = ad.describe(x)
+    if dev is None:
+        raise OperandError(op, name, "expected a CUDA device array, got an array in host (CPU) memory")
+    if len(shape) < 2:
+        raise OperandError(op, name, f"expected an (N, C, ...) array, got shape {tuple(shape)}")
+    c, device = int(shape[1]), int(dev)
     key = (type(x), device, c)
     v = _IDENTITY.get(key)
     if v is None:
