@@ -606,3 +606,75 @@ def test_reference_of_an_input_of_another_shape_is_refused(small):
     prog = fp.lower_model(small, (2, 3, 20, 20))
     with pytest.raises(OperandError, match=r"expected shape \(2, 3, 20, 20\)"):
         fp.Pipeline(prog).reference(np.zeros((2, 3, 24, 24)))
+
+
+@needs_onnx
+def test_onnx_lowers_and_evaluates_without_pytorch(rng, tmp_path):
+    """An ONNX model whose nodes all have fusekit stages needs no PyTorch (torch blocked in a fresh
+    process); one with a fallback node says PyTorch is missing, naming the node."""
+    import subprocess
+    import sys
+
+    model, p = _onnx_cnn(rng)
+    onnx.save(model, str(tmp_path / "cnn.onnx"))
+    extra, _ = _onnx_cnn(rng, extra="Erf")
+    onnx.save(extra, str(tmp_path / "erf.onnx"))
+    code = f"""
+import sys
+sys.modules["torch"] = None  # import torch -> ImportError
+import numpy as np
+import fusekit.pipeline as fp
+from fusekit.errors import UnsupportedError
+prog = fp.lower_model({str(tmp_path / "cnn.onnx")!r}, (2, 3, 8, 8))
+y = fp.Pipeline(prog).reference(np.ones((2, 3, 8, 8)))
+print("shape", y.shape, [s.pattern for s in prog.stages])
+try:
+    fp.lower_model({str(tmp_path / "erf.onnx")!r}, (2, 3, 8, 8))
+except UnsupportedError as e:
+    print("refused:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "shape (2, 5)" in r.stdout and "'torch'" not in r.stdout
+    assert "refused: " in r.stdout and "Erf" in r.stdout and "PyTorch, which is not installed" in r.stdout
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from fusekit.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+@needs_onnx
+def test_cli_pipeline_refuses_what_it_would_ignore_or_could_never_allocate(rng, tmp_path):
+    model, _ = _onnx_cnn(rng)  # input (N, 3, 8, 8): spatial dims fixed
+    path = tmp_path / "cnn.onnx"
+    onnx.save(model, str(path))
+    r = _cli("pipeline", "compile", str(path), "--size", "64", "--no-gpu")
+    assert r.exit_code == 2 and "fixed spatial dims (8, 8)" in r.output and "Traceback" not in r.output
+    r = _cli("pipeline", "compile", str(path), "--batch", "1000000000000", "--no-gpu")
+    assert r.exit_code == 2 and "--batch" in r.output and "MiB" not in r.output
+    r = _cli("pipeline", "compile", str(path), "--size", "8", "--batch", "4", "--no-gpu")  # agreeing --size is fine
+    assert r.exit_code == 0 and "4x3x8x8" in r.output.replace(" ", ""), r.output
+    head = tmp_path / "head.onnx"
+    head.write_bytes(path.read_bytes()[:300])
+    r = _cli("pipeline", "compile", str(head), "--no-gpu")
+    assert r.exit_code == 1 and "could not be parsed" in r.output and "Traceback" not in r.output
+
+
+@needs_onnx
+def test_cli_pipeline_without_a_gpu_points_at_no_gpu(rng, tmp_path):
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present: compile runs")
+    except ImportError:
+        pass
+    model, _ = _onnx_cnn(rng)
+    path = tmp_path / "cnn.onnx"
+    onnx.save(model, str(path))
+    r = _cli("pipeline", "compile", str(path))
+    assert r.exit_code == 1 and "--no-gpu" in r.output and "Traceback" not in r.output

@@ -10,10 +10,23 @@ from .common import DTYPES, Group
 _DTYPES = click.Choice(list(DTYPES))
 
 
-def _shape(model: str, batch: int, size: int) -> tuple[int, ...]:
+#: Upper bounds of --batch and --size: far beyond any GPU's memory for an image model, and refused
+#: before a memory plan of exabytes is printed.
+MAX_BATCH, MAX_SIZE = 65_536, 16_384
+
+
+def _shape(model: str, batch: int, size: int | None) -> tuple[int, ...]:
+    """The input shape: --batch for dim 0; --size for dynamic H, W (224 if not given). --size on a
+    model whose H, W are fixed must agree with them."""
     from fusekit.pipeline.onnx_import import input_shape
 
-    return input_shape(model, batch=batch, default_hw=size)
+    shape = input_shape(model, batch=batch, default_hw=224 if size is None else size)
+    if size is not None:
+        static = input_shape(model, batch=batch, default_hw=-1)
+        fixed = [d for d in static[2:] if d != -1]
+        if fixed and any(d != size for d in fixed):
+            raise click.UsageError(f"--size {size}: {model}'s input has fixed spatial dims {tuple(static[2:])}; omit --size")
+    return shape
 
 
 def _fail(e: Exception) -> click.ClickException:
@@ -27,15 +40,15 @@ def pipeline() -> None:
 
 @pipeline.command("compile")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Batch size (the pipeline's fixed shape).")
+@click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True, help="Batch size (the pipeline's fixed shape).")
 @click.option("--dtype", type=_DTYPES, default="float16", show_default=True)
 @click.option("--autotune", is_flag=True, help="Autotune every fused stage before the warm-up.")
-@click.option("--size", type=click.IntRange(min=1), default=224, show_default=True, help="Image size where the ONNX input is dynamic.")
+@click.option("--size", type=click.IntRange(1, MAX_SIZE), default=None, help="Image size where the ONNX input is dynamic (default 224).")
 @click.option("--no-gpu", is_flag=True, help="Only import and lower the model (CPU): print the stage table, fallbacks and memory plan.")
-def compile_cmd(model: str, batch: int, dtype: str, autotune: bool, size: int, no_gpu: bool) -> None:
+def compile_cmd(model: str, batch: int, dtype: str, autotune: bool, size: int | None, no_gpu: bool) -> None:
     """Compile MODEL.onnx and print the pipeline's report (stages, engines, times, fallbacks, memory)."""
     import fusekit.pipeline as fp
-    from fusekit.errors import FusekitError
+    from fusekit.errors import FusekitError, NoGPUError
 
     try:
         shape = _shape(model, batch, size)
@@ -50,6 +63,8 @@ def compile_cmd(model: str, batch: int, dtype: str, autotune: bool, size: int, n
                                   progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
         else:
             pipe = fp.compile(model, shape, dtype=dtype)
+    except NoGPUError as e:
+        raise click.ClickException(f"{e}; pass --no-gpu to import and lower the model on the CPU") from None
     except (FusekitError, OSError, ValueError) as e:
         raise _fail(e) from None
     click.echo(pipe.report(), nl=False)
@@ -57,12 +72,12 @@ def compile_cmd(model: str, batch: int, dtype: str, autotune: bool, size: int, n
 
 @pipeline.command("bench")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True)
 @click.option("--dtype", type=_DTYPES, default="float16", show_default=True)
-@click.option("--size", type=click.IntRange(min=1), default=224, show_default=True, help="Image size where the ONNX input is dynamic.")
+@click.option("--size", type=click.IntRange(1, MAX_SIZE), default=None, help="Image size where the ONNX input is dynamic (default 224).")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Calls per timed trial.")
 @click.option("--trials", type=click.IntRange(min=1), default=10, show_default=True, help="Trials (the median is reported).")
-def bench_cmd(model: str, batch: int, dtype: str, size: int, iters: int, trials: int) -> None:
+def bench_cmd(model: str, batch: int, dtype: str, size: int | None, iters: int, trials: int) -> None:
     """Time MODEL.onnx as a fusekit pipeline (graph replay) vs PyTorch running the same staged
     network (BN folded, channels-last), eagerly and captured in a CUDA graph."""
     import fusekit.pipeline as fp

@@ -116,6 +116,34 @@ def _torch_ops() -> dict[str, Any]:
     }
 
 
+#: ONNX nodes that run as PyTorch fallbacks (see _torch_ops).
+FALLBACK_OPS = frozenset({
+    "Add", "MatMul", "Reshape", "LayerNormalization", "Split", "Slice", "Unsqueeze", "Squeeze", "Softplus", "Neg", "Exp", "Gather",
+    "Sigmoid", "Tanh", "Clip", "Mul", "Sub", "Div", "LeakyRelu", "HardSigmoid", "HardSwish", "Concat", "Pow", "Sqrt", "Erf", "Transpose",
+    "ReduceMean",
+})
+
+
+class _LazyTorchOps:
+    """The fallbacks' PyTorch functions, imported when the first fallback is made: a model that lowers
+    entirely to fusekit stages imports without PyTorch."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, Any] | None = None
+
+    def __contains__(self, op: str) -> bool:
+        return op in FALLBACK_OPS
+
+    def __getitem__(self, op: str) -> Any:
+        if self._fns is None:
+            try:
+                self._fns = _torch_ops()
+            except ImportError:
+                raise UnsupportedError(f"pipeline: ONNX node {op} runs on PyTorch, which is not installed "
+                                       "(pip install -e \".[torch]\")") from None
+        return self._fns[op]
+
+
 def _activation(op: str, a: dict[str, Any]) -> tuple[str, float] | None:
     """fusekit's (activation, alpha) for an ONNX activation node, None where its attributes differ from one."""
     if op in ("Sigmoid", "Tanh", "HardSwish"):
@@ -152,7 +180,7 @@ def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
     alias: dict[str, str] = {}
     stages: list[Stage] = []
     tensors = {inputs[0]}
-    ops = _torch_ops()
+    ops = _LazyTorchOps()
     sigmoid_of = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Sigmoid"}  # for x * Sigmoid(x) = SiLU
     static = _static_shapes(m, inputs[0], shape)
     ndim = {n: len(d) for n, d in static.items()}  # ranks: from ONNX's shape inference, else from the rules below
