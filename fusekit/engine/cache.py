@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import tarfile
 import tempfile
 import threading
@@ -207,6 +208,24 @@ def fusion_digest(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:40]
 
 
+def _fusion_key_problem(key: dict) -> str | None:
+    """What is wrong with a decision key's layout (as dispatch writes it), None if nothing."""
+    def array_ok(a: Any) -> bool:
+        return (isinstance(a, list) and len(a) == 3 and isinstance(a[1], str)
+                and all(isinstance(x, list) and all(type(v) is int for v in x) for x in (a[0], a[2])))
+
+    if not isinstance(key.get("tag"), str):
+        return "has no pattern tag"
+    if not isinstance(key.get("arrays"), list) or not all(array_ok(a) for a in key["arrays"]):
+        return "arrays are not [shape, dtype, strides] lists"
+    if not isinstance(key.get("attrs", []), list):
+        return "attrs are not a list"
+    cc = key.get("cc")
+    if not (isinstance(cc, list) and len(cc) == 2):
+        return "compute capability is not a pair"
+    return None
+
+
 def _decode_fusion(data: bytes, path: Path) -> dict:
     """A decision file's record, checked: format, key against its digest and file name, timings."""
     try:
@@ -218,6 +237,9 @@ def _decode_fusion(data: bytes, path: Path) -> dict:
     key = d.get("key")
     if not isinstance(key, dict) or fusion_digest(key) != d.get("key_digest") or path.stem != d.get("key_digest"):
         raise EntryError(f"{path.name}: key does not match the file it is stored in")
+    why = _fusion_key_problem(key)
+    if why:
+        raise EntryError(f"{path.name}: key {why}")
     t = (d.get("fused_ms"), d.get("split_ms"))
     if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in t):
         raise EntryError(f"{path.name}: timings {t} are not two positive numbers of milliseconds")
@@ -418,17 +440,39 @@ class DiskStore:
         return _decode(self._read_trusted(path), path)
 
     def _read_trusted(self, path: Path) -> bytes:
-        """The bytes of a store file that only this user could have written (else EntryError)."""
+        """The bytes of a store file that only this user could have written (else EntryError). Opened
+        without blocking and refused unless a regular file: a FIFO in the store is reported, not waited on."""
         self.check_dirs(path.parent)
-        with open(path, "rb") as f:
-            why = _unsafe(os.fstat(f.fileno()))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise EntryError(f"{path.name}: not a regular file")
+            why = _unsafe(st)
             if why:
                 raise EntryError(f"{path.name}: refused, {why}; {_TRUST}")
             return f.read()
 
+    def shard_problems(self) -> list[tuple[Path, str]]:
+        """[(path, problem)] for what sits in the store's plan and decision directories where a shard
+        directory belongs (a file put there by hand or by another program)."""
+        bad = []
+        for d in (self.plans_dir, self.fusion_dir):
+            if d.exists() and not d.is_dir():
+                bad.append((d, "not a directory: the store keeps its entries in this directory"))
+                continue
+            for p in sorted(d.iterdir()) if d.is_dir() else ():
+                if not p.is_dir() and not p.name.endswith(".bad"):
+                    bad.append((p, "not a directory: a shard of the store must be one"))
+        return bad
+
     def verify(self, fix: bool = False) -> list[tuple[Path, str]]:
         """[(path, problem)] for every entry that fails its checks or cannot be read; ``fix`` moves those aside."""
-        bad = []
+        bad = self.shard_problems()
+        if fix:
+            for p, _ in bad:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(p, _aside(p))
         for p, load in [(p, self.load) for p in self.entries()] + [(p, self.load_fusion) for p in self.decisions()]:
             try:
                 load(p)
