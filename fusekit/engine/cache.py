@@ -221,7 +221,7 @@ def _fusion_key_problem(key: dict) -> str | None:
     if not isinstance(key.get("attrs", []), list):
         return "attrs are not a list"
     cc = key.get("cc")
-    if not (isinstance(cc, list) and len(cc) == 2):
+    if cc is not None and not (isinstance(cc, list) and len(cc) == 2):
         return "compute capability is not a pair"
     return None
 
