@@ -340,6 +340,7 @@ def test_clear_removes_stale_leftovers_only(store):
     old = _leftover(store, LEFTOVER_AGE_S + 60, 10, "cd")
     r = invoke("cache", "clear", "--yes", "--cache-dir", store.root)
     assert r.exit_code == 0 and "removed 2 plans" in r.output and "(and 1 other file)" in r.output, r.output
+    assert "kept 1 leftover temporary file" in r.output and "a write may still be in progress" in r.output  # says what it kept
     assert young.exists() and not old.exists()
 
 

@@ -283,6 +283,9 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
         click.confirm(f"delete {plural(n, 'stored plan')} from {store.plans_dir}?", abort=True)
     removed = store.clear()
     click.echo(f"removed {plural(removed, 'plan')} from {store.plans_dir}" + (f" (and {plural(others, 'other file')})" if others else ""))
+    kept = list(_leftover_sizes(store).values())
+    if kept:
+        click.echo(f"kept {_files(kept)} younger than {_AGE}: a write may still be in progress")
 
 
 @cache_group.command("export")
