@@ -82,3 +82,21 @@ def test_a_decision_file_with_an_unexpected_key_is_reported(store, bad_key):
     assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit), r.output
     r = invoke("cache", "verify", "--cache-dir", store.root)
     assert r.exit_code == 1 and "key" in r.output and digest[:12] in r.output, r.output
+
+
+def test_concurrent_imports_count_each_new_plan_once(store, tmp_path):
+    """Eight processes importing the same export: the "new" counts they report add up to the plans
+    the store gained, and every one exits 0."""
+    import subprocess
+
+    archive = tmp_path / "plans.tar.gz"
+    assert invoke("cache", "export", archive, "--cache-dir", store.root).exit_code == 0
+    dest = tmp_path / "dest"
+    procs = [subprocess.Popen([sys.executable, "-m", "fusekit", "cache", "import", str(archive), "--cache-dir", str(dest)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(8)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    import re
+
+    news = [int(re.search(r"\((\d+) new, (\d+) replaced\)", o).group(1)) for o in outs]
+    assert sum(news) == len(list(DiskStore(dest).entries())) == 2, outs

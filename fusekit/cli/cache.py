@@ -317,7 +317,6 @@ def cache_export(file: Path, cache_dir: Path | None) -> None:
 def cache_import(file: Path, cache_dir: Path | None) -> None:
     """Add the plans of FILE (from `fusekit cache export`); entries that fail their checks are skipped and reported."""
     store = _store(cache_dir)
-    before = {p.stem for p in store.entries()}
     decisions = {p.stem for p in store.decisions()}
     try:
         n, problems = store.import_(file)
@@ -327,7 +326,7 @@ def cache_import(file: Path, cache_dir: Path | None) -> None:
         raise CliError(f"{os.fspath(file)} is not a fusekit cache export (.tar.gz): {type(e).__name__}: {e}") from None
     except OSError as e:
         raise CliError(f"cannot import {os.fspath(file)}: {e.strerror or e}") from None
-    new = len({p.stem for p in store.entries()} - before)
+    new = store.imported_new
     new_decisions = len({p.stem for p in store.decisions()} - decisions)
     click.echo(f"imported {plural(n, 'plan')} into {store.plans_dir} ({new} new, {n - new} replaced)"
                + (f"; {plural(new_decisions, 'new fused-or-split decision')}" if new_decisions else ""))

@@ -290,6 +290,7 @@ class DiskStore:
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
         self.quarantined = 0  # entries this store object moved aside
+        self.imported_new = 0  # plans the last import_ created (see import_)
         self.fault: str | None = None  # the first failure reported through fail() (then warned about)
 
     @property
@@ -357,8 +358,10 @@ class DiskStore:
         self._write_bytes(p, _encode(key, meta, blob))
         return p
 
-    def _write_bytes(self, p: Path, data: bytes) -> None:
-        """Write ``p`` (0o600) through a hidden temporary file, removed again if anything fails."""
+    def _write_bytes(self, p: Path, data: bytes, count_new: bool = False) -> bool:
+        """Write ``p`` (0o600) through a hidden temporary file, removed again if anything fails. With
+        ``count_new``: True if this call created ``p`` (linked in atomically where it did not exist),
+        False if it replaced it."""
         _mkdirs(p.parent)
         self.check_dirs(p.parent)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.stem[:8]}.", suffix=".tmp")  # mode 0o600
@@ -370,7 +373,16 @@ class DiskStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if count_new:
+                try:
+                    os.link(tmp, p)  # only where p does not exist yet: tells a new entry from a replaced one
+                except OSError:  # it exists (or no hard links here): replace it
+                    pass
+                else:
+                    os.unlink(tmp)
+                    return True
             os.replace(tmp, p)
+            return False
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -525,8 +537,11 @@ class DiskStore:
         return n
 
     def import_(self, src: str | os.PathLike[str]) -> tuple[int, list[str]]:
-        """Add the entries of an exported file; returns (imported, [problems]). Bad entries are skipped."""
+        """Add the entries of an exported file; returns (imported, [problems]). Bad entries are skipped.
+        ``imported_new`` then holds how many of the imported plans this call created (not replaced),
+        exact with other processes importing at the same time."""
         n, problems = 0, []
+        self.imported_new = 0
         with tarfile.open(src, "r:gz") as tar:
             for m in tar.getmembers():
                 if not m.isfile() or not m.name.endswith((".plan", ".json")):
@@ -547,7 +562,7 @@ class DiskStore:
                 except EntryError as e:
                     problems.append(str(e))
                     continue
-                self._write_bytes(self.path(entry.key), data)  # byte for byte, header included
+                self.imported_new += self._write_bytes(self.path(entry.key), data, count_new=True)  # byte for byte, header included
                 n += 1
         return n, problems
 
