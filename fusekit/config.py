@@ -36,8 +36,11 @@ def disk_cache_off() -> bool:
 def _file_in_the_way(path: Path) -> Path | None:
     """The existing non-directory at ``path`` or above it (so no directory can be made there), else None."""
     for p in (path, *path.parents):
-        if p.exists():
-            return None if p.is_dir() else p
+        try:
+            if p.exists():
+                return None if p.is_dir() else p
+        except OSError:  # a directory above it the user cannot enter: not a file in the way (the store's own checks say more)
+            return None
     return None
 
 

@@ -132,6 +132,9 @@ def friendly(f: F) -> F:
             raise CliError(f"no GPU: {e}") from None
         except FusekitError as e:
             raise CliError(str(e)) from None
+        except PermissionError as e:  # an unprivileged user and a directory they cannot enter or write
+            where = f" {e.filename}" if e.filename else ""
+            raise CliError(f"permission denied:{where} ({e.strerror or e}); choose another --cache-dir or $FUSEKIT_CACHE_DIR") from None
 
     return wrapper  # type: ignore[return-value]
 

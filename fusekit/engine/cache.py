@@ -323,6 +323,25 @@ class DiskStore:
             self.fault = why
             warnings.warn(f"fusekit plan cache at {self.root}: {why}; going on with plans in memory", CacheWarning, stacklevel=4)
 
+    def access_problem(self) -> str | None:
+        """Why this user could not keep plans in the store (a directory on the way they cannot enter,
+        or the nearest existing one not writable), None if they can; creates nothing."""
+        p = self.root
+        while True:
+            try:
+                if p.exists():
+                    break
+            except PermissionError:
+                return f"cannot enter {p.parent} (permission denied)"
+            if p.parent == p:
+                return None
+            p = p.parent
+        if not p.is_dir():
+            return f"{p} is not a directory"
+        if not os.access(p, os.W_OK | os.X_OK):
+            return f"{p} is not writable by this user"
+        return None
+
     def check_dirs(self, entry_dir: Path | None = None) -> None:
         """PermissionError if the store's directories (and ``entry_dir``) could hold another user's files."""
         for d in (self.root, self.plans_dir) + ((entry_dir,) if entry_dir is not None else ()):
@@ -748,10 +767,16 @@ _default: PlanCache | None = None
 
 
 def default_cache() -> PlanCache:
-    """The process-wide cache: on-disk store unless $FUSEKIT_CACHE_DIR is "off"/"none"."""
+    """The process-wide cache: on-disk store unless $FUSEKIT_CACHE_DIR is "off"/"none", or the store's
+    directory cannot be used by this user (then plans stay in memory, with one CacheWarning)."""
     global _default
     if _default is None:
-        _default = PlanCache(store=None if config.disk_cache_off() else DiskStore())
+        store = None if config.disk_cache_off() else DiskStore()
+        why = store.access_problem() if store is not None else None
+        if why:
+            warnings.warn(f"fusekit plan cache at {store.root}: {why}; going on with plans in memory", CacheWarning, stacklevel=2)
+            store = None
+        _default = PlanCache(store=store)
     return _default
 
 
