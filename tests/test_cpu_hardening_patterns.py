@@ -160,3 +160,27 @@ def test_norm_ops_given_host_tensors_say_so():
         ops.bn_normalize(x)
     with pytest.raises(OperandError, match="bn_normalize_backward: operand 'x': expected a CUDA device array"):
         ops.bn_normalize_backward(x, x, torch.randn(3), torch.randn(3))
+
+
+def test_the_readmes_pattern_example_loads_and_shadows_no_shipped_pattern(tmp_path, monkeypatch):
+    """The README's pattern file, copied as a new user would, parses, has a name of its own (copied
+    into $FUSEKIT_PATTERNS it cannot shadow a shipped pattern), and evaluates in the oracle."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    from fusekit.engine import oracle
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = next(t for t in re.findall(r"```toml\n(.*?)```", readme, re.S) if "[[ops]]" in t)
+    pat = parse_pattern(text)
+    shipped = set(list_patterns())
+    assert pat.name not in shipped
+    (tmp_path / f"{pat.name}.toml").write_text(text)
+    monkeypatch.setenv("FUSEKIT_PATTERNS", str(tmp_path))
+    assert set(list_patterns()) == shipped | {pat.name}
+    rng = np.random.default_rng(0)
+    x, w, b, z = rng.standard_normal((1, 2, 5, 5)), rng.standard_normal((3, 2, 3, 3)), rng.standard_normal(3), rng.standard_normal((1, 3, 5, 5))
+    mine = oracle.evaluate(pat.name, x, w, b, z, padding=1)[0]
+    assert np.allclose(mine, oracle.evaluate("conv_bias_add_relu", x, w, b, z, padding=1)[0])
