@@ -678,3 +678,36 @@ def test_cli_pipeline_without_a_gpu_points_at_no_gpu(rng, tmp_path):
     onnx.save(model, str(path))
     r = _cli("pipeline", "compile", str(path))
     assert r.exit_code == 1 and "--no-gpu" in r.output and "Traceback" not in r.output
+
+
+@needs_onnx
+def test_onnx_from_pytorchs_default_dynamo_exporter(rng):
+    """torch.onnx.export's default (dynamo) exporter: the pool as ReduceMean or GlobalAveragePool, the
+    flatten as a Reshape with its sizes spelled out, SiLU as x * Sigmoid(x): all fused, no fallback."""
+    pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+            self.se1, self.se2, self.fc = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1), nn.Linear(16, 5)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+
+        def forward(self, x):
+            y = torch.nn.functional.silu(self.bn(self.c1(x)))
+            y = y * torch.sigmoid(self.se2(torch.relu(self.se1(self.pool(y)))))
+            return self.fc(torch.flatten(self.pool(y), 1))
+
+    m = Net().eval()
+    _randomize_bn(m, torch.Generator().manual_seed(5))
+    try:
+        onnx_program = torch.onnx.export(m, (torch.zeros(2, 3, 12, 12),), dynamo=True, verbose=False)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"the dynamo exporter failed here: {type(e).__name__}: {e}")
+    prog = fp.lower_model(onnx_program.model_proto, (2, 3, 12, 12))
+    assert prog.fallbacks == [], prog.fallbacks
+    assert "channel_gate" in [s.pattern for s in prog.stages]
+    x = rng.standard_normal((2, 3, 12, 12))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6

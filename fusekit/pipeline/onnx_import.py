@@ -274,8 +274,7 @@ def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
             if int(a.get("axis", 1)) != 1:
                 raise UnsupportedError(f"pipeline: ONNX Flatten {name} with axis {a.get('axis')} (only 1)")
             st = Stage("flatten", [v(ins[0])], out, name=name)
-        elif op == "Reshape" and ins[1] in consts and len(consts[ins[1]]) == 2 and int(consts[ins[1]][1]) == -1 \
-                and int(consts[ins[1]][0]) in (0, shape[0]):
+        elif op == "Reshape" and ins[1] in consts and _is_flatten([int(d) for d in consts[ins[1]]], static.get(v(ins[0]))):
             st = Stage("flatten", [v(ins[0])], out, name=name)
         elif op == "Gemm":
             if a.get("transA", 0):
@@ -402,6 +401,15 @@ def _fold(node: Any, consts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise UnsupportedError(f"pipeline: ONNX node {node.name or node.op_type} ({node.op_type}) on constants could not be "
                                f"evaluated: {type(e).__name__}: {e}") from e
     return {o: np.asarray(r) for o, r in zip([o for o in node.output if o], res)}
+
+
+def _is_flatten(target: list[int], src: tuple[int, ...] | None) -> bool:
+    """Whether Reshape to ``target`` flattens an (N, ...) value of shape ``src`` to (N, -1): as the
+    TorchScript exporter writes it ([0 or N, -1]) or the dynamo exporter ([N, C*H*W], sizes spelled out)."""
+    if len(target) != 2 or src is None or len(src) < 2:
+        return False
+    n, f = target
+    return n in (0, src[0]) and f in (-1, int(np.prod(src[1:])))
 
 
 def _live(stages: list[Stage], output: str) -> list[Stage]:
