@@ -10,7 +10,8 @@ raises UnsupportedError.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -167,199 +168,279 @@ def _reduce_axes(a: dict[str, Any], ins: list[str], consts: dict[str, Any]) -> l
 
 def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
     """Primitive stages of an ONNX model, for an input of ``shape`` (default: from the graph, batch 1)."""
-    from onnx import numpy_helper
+    return _OnnxImporter(load(model), shape).run()
 
-    m = load(model)
-    g = m.graph
-    consts: dict[str, np.ndarray] = {i.name: numpy_helper.to_array(i).astype(np.float64) if numpy_helper.to_array(i).dtype.kind == "f"
-                                     else numpy_helper.to_array(i) for i in g.initializer}
-    shape = tuple(shape) if shape is not None else input_shape(m)
-    inputs = [i.name for i in g.input if i.name not in consts]
-    if len(inputs) != 1 or len(g.output) != 1:
-        raise UnsupportedError("pipeline: ONNX graphs with one input and one output only")
-    alias: dict[str, str] = {}
-    stages: list[Stage] = []
-    tensors = {inputs[0]}
-    ops = _LazyTorchOps()
-    sigmoid_of = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Sigmoid"}  # for x * Sigmoid(x) = SiLU
-    static = _static_shapes(m, inputs[0], shape)
-    ndim = {n: len(d) for n, d in static.items()}  # ranks: from ONNX's shape inference, else from the rules below
 
-    def v(name: str) -> str:
-        return alias.get(name, name)
+@dataclass
+class _Node:
+    """One ONNX node as the rules read it."""
 
-    for k, node in enumerate(g.node):
-        a = _attrs(node)
-        name = node.name or f"{node.op_type}_{k}"
-        ins = list(node.input)
-        out = node.output[0]
-        op = node.op_type
-        st: Stage | None = None
-        if op == "Shape" and v(ins[0]) in static:  # shape arithmetic on a fixed input size folds to constants
-            dims = np.asarray(static[v(ins[0])], dtype=np.int64)
-            consts[out] = dims[int(a.get("start", 0)): a.get("end", None)]
-            continue
-        if op != "Constant" and ins and all(not i or i in consts for i in ins):
-            consts.update(_fold(node, consts))
-            continue
-        if op == "Constant":
-            from onnx import numpy_helper as nh
+    node: Any
+    op: str
+    name: str
+    a: dict[str, Any]
+    ins: list[str]
+    out: str
 
-            consts[out] = nh.to_array(a["value"]) if "value" in a else np.asarray(a.get("value_float", a.get("value_int")))
-            continue
-        if op in ("Identity", "Dropout"):
-            if ins[0] in consts:
-                consts[out] = consts[ins[0]]
-            else:
-                alias[out] = v(ins[0])
-            continue
-        if op == "Conv":
-            if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-                raise UnsupportedError(f"pipeline: ONNX Conv {name}: auto_pad={a['auto_pad']!r} not supported (export with explicit pads)")
-            w = consts[ins[1]]
-            weights = {"w": w} | ({"b": consts[ins[2]]} if len(ins) > 2 and ins[2] else {})
-            st = Stage("conv", [v(ins[0])], out, weights=weights, name=name, attrs=dict(
-                padding=_sym_pads(a.get("pads"), name), stride=tuple(a.get("strides", (1, 1))),
-                dilation=tuple(a.get("dilations", (1, 1))), groups=int(a.get("group", 1))))
-        elif op == "BatchNormalization":
-            if len(node.output) > 1 and any(node.output[1:]):
-                raise UnsupportedError(f"pipeline: ONNX BatchNormalization {name} in training mode")
-            st = Stage("bn", [v(ins[0])], out, name=name, attrs={"epsilon": float(a.get("epsilon", 1e-5))}, weights={
-                "gamma": consts[ins[1]], "beta": consts[ins[2]], "mean": consts[ins[3]], "var": consts[ins[4]]})
-        elif op == "Relu":
-            st = Stage("relu", [v(ins[0])], out, name=name)
-        elif op == "Clip" and _clip_bounds(a, ins, consts)[0] == 0.0 and _clip_bounds(a, ins, consts)[1] is not None:
-            st = Stage("relu", [v(ins[0])], out, attrs={"upper_clip": _clip_bounds(a, ins, consts)[1]}, name=name)
-        elif _activation(op, a) is not None:
-            act, alpha = _activation(op, a)
-            st = Stage("act", [v(ins[0])], out, attrs={"activation": act, "alpha": alpha}, name=name)
-        elif op == "Mul" and len(ins) == 2 and any(sigmoid_of.get(ins[k]) == ins[1 - k] for k in (0, 1)):
-            x = ins[1] if sigmoid_of.get(ins[0]) == ins[1] else ins[0]
-            st = Stage("act", [v(x)], out, attrs={"activation": "silu", "alpha": 0.0}, name=name)
-        elif op == "Mul" and len(ins) == 2 and all(v(i) in tensors for i in ins):
-            st = Stage("mul", [v(ins[0]), v(ins[1])], out, name=name)
-        elif op == "ReduceMean" and ndim.get(v(ins[0])) == 4 and sorted(d % 4 for d in (_reduce_axes(a, ins, consts) or [])) == [2, 3]:
-            if int(a.get("keepdims", 1)):
-                st = Stage("gap", [v(ins[0])], out, name=name)
-            else:  # mean over H, W to (N, C): the pool, then the flatten
-                stages.append(Stage("gap", [v(ins[0])], f"{out}.gap", name=name))
-                st = Stage("flatten", [f"{out}.gap"], out, name=name)
-        elif op == "Squeeze" and ndim.get(v(ins[0])) == 4 and sorted(d % 4 for d in (_reduce_axes(a, ins, consts) or [])) == [2, 3]:
-            st = Stage("flatten", [v(ins[0])], out, name=name)
-        elif op == "Add" and len(ins) == 2 and all(v(i) in tensors for i in ins):
-            st = Stage("add", [v(ins[0]), v(ins[1])], out, name=name)
-        elif op == "Add" and len(stages) and stages[-1].kind == "linear" and stages[-1].output == v(ins[0]) \
-                and ins[1] in consts and "b" not in stages[-1].weights and consts[ins[1]].size == stages[-1].weights["w"].shape[0]:
-            lin = stages[-1]  # MatMul + Add(bias): one linear stage
-            lin.weights["b"] = consts[ins[1]].reshape(-1)
-            lin.name += "+" + name
-            alias[out] = lin.output
-            continue
-        elif op in ("MaxPool", "AveragePool"):
-            dilated = any(d != 1 for d in a.get("dilations", (1, 1)))
-            ceil = bool(a.get("ceil_mode", 0))  # PyTorch's output size is checked against ONNX's below
-            if (dilated and op == "AveragePool") or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-                raise UnsupportedError(f"pipeline: ONNX {op} {name}: auto_pad and AveragePool's dilations are not supported")
-            kind = "maxpool" if op == "MaxPool" else "avgpool"
-            at = dict(kernel_size=tuple(a["kernel_shape"]), stride=tuple(a.get("strides", (1, 1))), padding=_sym_pads(a.get("pads"), name),
-                      ceil_mode=ceil)
-            if kind == "avgpool":
-                at["count_include_pad"] = bool(a.get("count_include_pad", 0))
-            else:
-                at["dilation"] = tuple(int(d) for d in a.get("dilations", (1, 1)))
-            st = Stage(kind, [v(ins[0])], out, attrs=at, name=name)
-        elif op == "GlobalAveragePool":
-            st = Stage("gap", [v(ins[0])], out, name=name)
-        elif op == "Flatten":
-            if int(a.get("axis", 1)) != 1:
-                raise UnsupportedError(f"pipeline: ONNX Flatten {name} with axis {a.get('axis')} (only 1)")
-            st = Stage("flatten", [v(ins[0])], out, name=name)
-        elif op == "Reshape" and ins[1] in consts and _is_flatten([int(d) for d in consts[ins[1]]], static.get(v(ins[0]))):
-            st = Stage("flatten", [v(ins[0])], out, name=name)
-        elif op == "Gemm":
-            if a.get("transA", 0):
-                raise UnsupportedError(f"pipeline: ONNX Gemm {name} with transA")
-            w = consts[ins[1]] * float(a.get("alpha", 1.0))
-            w = w if a.get("transB", 0) else w.T
-            weights = {"w": np.ascontiguousarray(w)}
-            if len(ins) > 2 and ins[2]:
-                c = consts[ins[2]] * float(a.get("beta", 1.0))
-                weights["b"] = np.broadcast_to(c.reshape(-1), (w.shape[0],)).copy()
-            st = Stage("linear", [v(ins[0])], out, weights=weights, name=name)
-        elif op == "MatMul" and ins[1] in consts and consts[ins[1]].ndim == 2 and len(static.get(v(ins[0]), (0, 0, 0))) == 2:
-            st = Stage("linear", [v(ins[0])], out, weights={"w": np.ascontiguousarray(consts[ins[1]].T)}, name=name)
-        elif op == "Softmax":
-            axis = int(a.get("axis", -1 if _opset(m) >= 13 else 1))
-            st = Stage("softmax", [v(ins[0])], out, attrs={"axis": axis}, name=name)
-        elif op == "Split":  # one PyTorch stage per output read
-            axis = int(a.get("axis", 0))
-            sizes = consts[ins[1]].tolist() if len(ins) > 1 and ins[1] else a.get("split")
-            n_out = len(node.output)
-            for k, o in enumerate(node.output):
-                args = [Ref(v(ins[0])), [int(d) for d in sizes] if sizes is not None else n_out, axis, k]
-                st = torch_fallback(f"{name}[{k}]", [v(ins[0])], o, ops["Split"], args, {}, reason="ONNX Split has no fusekit pattern")
-                st.attrs["op"] = "Split"
-                if k < n_out - 1:
-                    stages.append(st)
-                    tensors.add(o)
-                    ndim[o] = ndim.get(v(ins[0]))
-            out = node.output[-1]
-        elif op in ops:
-            if op == "Concat":
-                args: list = [[Ref(v(i)) if i not in consts else consts[i] for i in ins]]
-                kwargs = {"dim": int(a.get("axis", 1))}
-            elif op == "Clip":
-                args, kwargs = [Ref(v(ins[0])), *_clip_bounds(a, ins, consts)], {}
-            elif op == "LeakyRelu":
-                args, kwargs = [Ref(v(ins[0])), float(a.get("alpha", 0.01))], {}
-            elif op == "HardSigmoid":
-                args, kwargs = [Ref(v(ins[0])), float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))], {}
-            elif op == "Transpose":
-                args, kwargs = [Ref(v(ins[0])), [int(d) for d in a["perm"]]], {}
-            elif op == "ReduceMean":
-                args, kwargs = [Ref(v(ins[0])), _reduce_axes(a, ins, consts), int(a.get("keepdims", 1))], {}
-                ins = ins[:1]
-            elif op in ("Reshape", "Unsqueeze", "Squeeze") and (len(ins) > 1 or op == "Squeeze"):
-                shape_arg = _reduce_axes(a, ins, consts) if op != "Reshape" else [int(d) for d in consts[ins[1]]]
-                args, kwargs, ins = [Ref(v(ins[0])), tuple(shape_arg) if shape_arg is not None else None], {}, ins[:1]
-                if op == "Squeeze" and shape_arg is None:
-                    args = args[:1]
-            elif op == "Unsqueeze":
-                args, kwargs = [Ref(v(ins[0])), [int(d) for d in a["axes"]]], {}
-            elif op == "LayerNormalization":
-                args = [Ref(v(ins[0])), int(a.get("axis", -1)), float(a.get("epsilon", 1e-5))] + [
-                    Ref(v(i)) if i not in consts else consts[i] for i in ins[1:] if i]
-                kwargs = {}
-            elif op == "Gather" and ins[1] in consts:
-                args, kwargs, ins = [Ref(v(ins[0])), consts[ins[1]].astype(np.int64), int(a.get("axis", 0))], {}, ins[:1]
-            elif op == "Slice":
-                starts, ends = (consts[ins[k]].tolist() for k in (1, 2))
-                axes = consts[ins[3]].tolist() if len(ins) > 3 and ins[3] else list(range(len(starts)))
-                steps = consts[ins[4]].tolist() if len(ins) > 4 and ins[4] else [1] * len(starts)
-                args, kwargs, ins = [Ref(v(ins[0])), starts, ends, axes, steps], {}, ins[:1]
-            else:
-                args, kwargs = [Ref(v(i)) if i not in consts else consts[i] for i in ins], {}
-            refs = [v(i) for i in ins if i and i not in consts]
-            st = torch_fallback(name, refs, out, ops[op], args, kwargs, reason=f"ONNX {op} has no fusekit pattern")
-            st.attrs["op"] = op
+
+_SKIP = object()  # a rule's answer for a node that adds no stage (it aliases or merges into one)
+
+
+class _OnnxImporter:
+    """One ONNX graph's nodes -> primitive stages: constants folded, each node by its rule, the rest
+    as PyTorch fallbacks (see the module docstring)."""
+
+    def __init__(self, m: Any, shape: tuple[int, ...] | None) -> None:
+        from onnx import numpy_helper
+
+        self.m, g = m, m.graph
+        arrays = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+        self.consts: dict[str, np.ndarray] = {k: a.astype(np.float64) if a.dtype.kind == "f" else a for k, a in arrays.items()}
+        self.shape = tuple(shape) if shape is not None else input_shape(m)
+        inputs = [i.name for i in g.input if i.name not in self.consts]
+        if len(inputs) != 1 or len(g.output) != 1:
+            raise UnsupportedError("pipeline: ONNX graphs with one input and one output only")
+        self.input = inputs[0]
+        self.alias: dict[str, str] = {}
+        self.stages: list[Stage] = []
+        self.tensors = {self.input}
+        self.ops = _LazyTorchOps()
+        self.sigmoid_of = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Sigmoid"}  # for x * Sigmoid(x) = SiLU
+        self.static = _static_shapes(m, self.input, self.shape)
+        self.ndim = {n: len(d) for n, d in self.static.items()}  # ranks: from ONNX's shape inference, else from the rules
+
+    def v(self, name: str) -> str:
+        return self.alias.get(name, name)
+
+    def run(self) -> Program:
+        for k, node in enumerate(self.m.graph.node):
+            n = _Node(node, node.op_type, node.name or f"{node.op_type}_{k}", _attrs(node), list(node.input), node.output[0])
+            if self.constant(n):
+                continue
+            st = self.stage(n)
+            if st is _SKIP:
+                continue
+            self.stages.append(st)
+            self.tensors.add(st.output)
+            self.ndim.setdefault(st.output, _rank(st, self.ndim))
+        return self.finish()
+
+    # -- constants and aliases ---------------------------------------------------------------
+    def constant(self, n: _Node) -> bool:
+        """Nodes that only make constants or aliases: Shape of a fixed size, nodes on constants
+        (evaluated once), Constant, Identity and Dropout."""
+        c, ins = self.consts, n.ins
+        if n.op == "Shape" and self.v(ins[0]) in self.static:
+            c[n.out] = np.asarray(self.static[self.v(ins[0])], dtype=np.int64)[int(n.a.get("start", 0)): n.a.get("end", None)]
+        elif n.op == "Constant":
+            from onnx import numpy_helper
+
+            c[n.out] = numpy_helper.to_array(n.a["value"]) if "value" in n.a else np.asarray(n.a.get("value_float", n.a.get("value_int")))
+        elif ins and all(not i or i in c for i in ins):
+            c.update(_fold(n.node, c))
+        elif n.op in ("Identity", "Dropout"):
+            self.alias[n.out] = self.v(ins[0])
         else:
-            raise UnsupportedError(f"pipeline: ONNX node {name} ({op}) is not supported")
-        stages.append(st)
-        tensors.add(out)
-        ndim.setdefault(out, _rank(st, ndim))
-    prog = Program(_live(stages, v(g.output[0].name)), inputs[0], shape, v(g.output[0].name), "onnx")
-    fill_shapes(prog.stages, prog.input, prog.input_shape)
-    for s in prog.stages:
-        if s.output in static and tuple(s.out_shape) != static[s.output]:
-            raise UnsupportedError(f"pipeline: ONNX node {s.name} ({s.kind}): its PyTorch form gives shape {tuple(s.out_shape)}, "
-                                   f"ONNX's {static[s.output]} (ceil_mode pooling with pads differs between them)")
-    for s in prog.stages:
-        if s.kind == "softmax":
-            nd = len(s.in_shapes[0])
-            if _opset(m) < 13 and s.attrs["axis"] % nd != nd - 1 and nd > 2:
-                raise UnsupportedError(f"pipeline: ONNX Softmax {s.name} (opset < 13 flattens to 2-D): only the last axis")
-            s.attrs["axis"] = s.attrs["axis"] % nd
-    return prog
+            return False
+        return True
+
+    # -- the rules ---------------------------------------------------------------------------
+    def stage(self, n: _Node) -> Any:
+        """The node's stage (or _SKIP); nodes without a rule become PyTorch fallbacks, if PyTorch has them."""
+        rule = self.RULES.get(n.op)
+        st = rule(self, n) if rule is not None else None
+        if st is None and _activation(n.op, n.a) is not None:
+            act, alpha = _activation(n.op, n.a)
+            st = Stage("act", [self.v(n.ins[0])], n.out, attrs={"activation": act, "alpha": alpha}, name=n.name)
+        if st is None and n.op in self.ops:
+            st = self.fallback(n)
+        if st is None:
+            raise UnsupportedError(f"pipeline: ONNX node {n.name} ({n.op}) is not supported")
+        return st
+
+    def conv(self, n: _Node) -> Stage:
+        a, ins = n.a, n.ins
+        if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise UnsupportedError(f"pipeline: ONNX Conv {n.name}: auto_pad={a['auto_pad']!r} not supported (export with explicit pads)")
+        weights = {"w": self.consts[ins[1]]} | ({"b": self.consts[ins[2]]} if len(ins) > 2 and ins[2] else {})
+        return Stage("conv", [self.v(ins[0])], n.out, weights=weights, name=n.name, attrs=dict(
+            padding=_sym_pads(a.get("pads"), n.name), stride=tuple(a.get("strides", (1, 1))),
+            dilation=tuple(a.get("dilations", (1, 1))), groups=int(a.get("group", 1))))
+
+    def batch_norm(self, n: _Node) -> Stage:
+        if len(n.node.output) > 1 and any(n.node.output[1:]):
+            raise UnsupportedError(f"pipeline: ONNX BatchNormalization {n.name} in training mode")
+        c = self.consts
+        return Stage("bn", [self.v(n.ins[0])], n.out, name=n.name, attrs={"epsilon": float(n.a.get("epsilon", 1e-5))}, weights={
+            "gamma": c[n.ins[1]], "beta": c[n.ins[2]], "mean": c[n.ins[3]], "var": c[n.ins[4]]})
+
+    def relu(self, n: _Node) -> Stage | None:
+        if n.op == "Relu":
+            return Stage("relu", [self.v(n.ins[0])], n.out, name=n.name)
+        lo, hi = _clip_bounds(n.a, n.ins, self.consts)
+        return Stage("relu", [self.v(n.ins[0])], n.out, attrs={"upper_clip": hi}, name=n.name) if lo == 0.0 and hi is not None else None
+
+    def mul(self, n: _Node) -> Stage | None:
+        ins, v = n.ins, self.v
+        if len(ins) == 2 and any(self.sigmoid_of.get(ins[k]) == ins[1 - k] for k in (0, 1)):
+            x = ins[1] if self.sigmoid_of.get(ins[0]) == ins[1] else ins[0]
+            return Stage("act", [v(x)], n.out, attrs={"activation": "silu", "alpha": 0.0}, name=n.name)
+        if len(ins) == 2 and all(v(i) in self.tensors for i in ins):
+            return Stage("mul", [v(ins[0]), v(ins[1])], n.out, name=n.name)
+        return None
+
+    def over_hw(self, n: _Node) -> bool:
+        return self.ndim.get(self.v(n.ins[0])) == 4 and sorted(d % 4 for d in (_reduce_axes(n.a, n.ins, self.consts) or [])) == [2, 3]
+
+    def reduce_mean(self, n: _Node) -> Stage | None:
+        if not self.over_hw(n):
+            return None
+        if int(n.a.get("keepdims", 1)):
+            return Stage("gap", [self.v(n.ins[0])], n.out, name=n.name)
+        self.stages.append(Stage("gap", [self.v(n.ins[0])], f"{n.out}.gap", name=n.name))  # to (N, C): the pool, then the flatten
+        return Stage("flatten", [f"{n.out}.gap"], n.out, name=n.name)
+
+    def squeeze(self, n: _Node) -> Stage | None:
+        return Stage("flatten", [self.v(n.ins[0])], n.out, name=n.name) if self.over_hw(n) else None
+
+    def add(self, n: _Node) -> Any:
+        ins, v, last = n.ins, self.v, self.stages[-1] if self.stages else None
+        if len(ins) == 2 and all(v(i) in self.tensors for i in ins):
+            return Stage("add", [v(ins[0]), v(ins[1])], n.out, name=n.name)
+        if last is not None and last.kind == "linear" and last.output == v(ins[0]) and ins[1] in self.consts \
+                and "b" not in last.weights and self.consts[ins[1]].size == last.weights["w"].shape[0]:
+            last.weights["b"] = self.consts[ins[1]].reshape(-1)  # MatMul + Add(bias): one linear stage
+            last.name += "+" + n.name
+            self.alias[n.out] = last.output
+            return _SKIP
+        return None
+
+    def pool(self, n: _Node) -> Stage:
+        a = n.a
+        if (any(d != 1 for d in a.get("dilations", (1, 1))) and n.op == "AveragePool") or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise UnsupportedError(f"pipeline: ONNX {n.op} {n.name}: auto_pad and AveragePool's dilations are not supported")
+        at = dict(kernel_size=tuple(a["kernel_shape"]), stride=tuple(a.get("strides", (1, 1))), padding=_sym_pads(a.get("pads"), n.name),
+                  ceil_mode=bool(a.get("ceil_mode", 0)))  # PyTorch's output size is checked against ONNX's in finish()
+        if n.op == "AveragePool":
+            at["count_include_pad"] = bool(a.get("count_include_pad", 0))
+        else:
+            at["dilation"] = tuple(int(d) for d in a.get("dilations", (1, 1)))
+        return Stage("maxpool" if n.op == "MaxPool" else "avgpool", [self.v(n.ins[0])], n.out, attrs=at, name=n.name)
+
+    def global_pool(self, n: _Node) -> Stage:
+        return Stage("gap", [self.v(n.ins[0])], n.out, name=n.name)
+
+    def flatten(self, n: _Node) -> Stage | None:
+        if n.op == "Flatten":
+            if int(n.a.get("axis", 1)) != 1:
+                raise UnsupportedError(f"pipeline: ONNX Flatten {n.name} with axis {n.a.get('axis')} (only 1)")
+        elif not (n.ins[1] in self.consts and _is_flatten([int(d) for d in self.consts[n.ins[1]]], self.static.get(self.v(n.ins[0])))):
+            return None  # another Reshape: a fallback
+        return Stage("flatten", [self.v(n.ins[0])], n.out, name=n.name)
+
+    def gemm(self, n: _Node) -> Stage:
+        a, ins = n.a, n.ins
+        if a.get("transA", 0):
+            raise UnsupportedError(f"pipeline: ONNX Gemm {n.name} with transA")
+        w = self.consts[ins[1]] * float(a.get("alpha", 1.0))
+        w = w if a.get("transB", 0) else w.T
+        weights = {"w": np.ascontiguousarray(w)}
+        if len(ins) > 2 and ins[2]:
+            c = self.consts[ins[2]] * float(a.get("beta", 1.0))
+            weights["b"] = np.broadcast_to(c.reshape(-1), (w.shape[0],)).copy()
+        return Stage("linear", [self.v(ins[0])], n.out, weights=weights, name=n.name)
+
+    def matmul(self, n: _Node) -> Stage | None:
+        w = self.consts.get(n.ins[1])
+        if w is None or w.ndim != 2 or len(self.static.get(self.v(n.ins[0]), (0, 0, 0))) != 2:
+            return None  # not a fully connected layer on rows: a fallback
+        return Stage("linear", [self.v(n.ins[0])], n.out, weights={"w": np.ascontiguousarray(w.T)}, name=n.name)
+
+    def softmax(self, n: _Node) -> Stage:
+        axis = int(n.a.get("axis", -1 if _opset(self.m) >= 13 else 1))
+        return Stage("softmax", [self.v(n.ins[0])], n.out, attrs={"axis": axis}, name=n.name)
+
+    def split(self, n: _Node) -> Stage:
+        """One PyTorch stage per output of the Split (all but the last added here)."""
+        x, outs = self.v(n.ins[0]), list(n.node.output)
+        sizes = self.consts[n.ins[1]].tolist() if len(n.ins) > 1 and n.ins[1] else n.a.get("split")
+        made = []
+        for k, o in enumerate(outs):
+            args = [Ref(x), [int(d) for d in sizes] if sizes is not None else len(outs), int(n.a.get("axis", 0)), k]
+            st = torch_fallback(f"{n.name}[{k}]", [x], o, self.ops["Split"], args, {}, reason="ONNX Split has no fusekit pattern")
+            st.attrs["op"] = "Split"
+            made.append(st)
+        for st in made[:-1]:
+            self.stages.append(st)
+            self.tensors.add(st.output)
+            self.ndim[st.output] = self.ndim.get(x)
+        return made[-1]
+
+    RULES: dict[str, Callable[["_OnnxImporter", _Node], Any]] = {
+        "Conv": conv, "BatchNormalization": batch_norm, "Relu": relu, "Clip": relu, "Mul": mul, "ReduceMean": reduce_mean,
+        "Squeeze": squeeze, "Add": add, "MaxPool": pool, "AveragePool": pool, "GlobalAveragePool": global_pool, "Flatten": flatten,
+        "Reshape": flatten, "Gemm": gemm, "MatMul": matmul, "Softmax": softmax, "Split": split,
+    }
+
+    # -- PyTorch fallbacks -------------------------------------------------------------------
+    def fallback(self, n: _Node) -> Stage:
+        args, kwargs, ins = self.fallback_call(n)
+        refs = [self.v(i) for i in ins if i and i not in self.consts]
+        st = torch_fallback(n.name, refs, n.out, self.ops[n.op], args, kwargs, reason=f"ONNX {n.op} has no fusekit pattern")
+        st.attrs["op"] = n.op
+        return st
+
+    def fallback_call(self, n: _Node) -> tuple[list, dict, list[str]]:
+        """(args, kwargs, the inputs that are values) of the PyTorch function of a fallback node."""
+        op, a, ins, c = n.op, n.a, n.ins, self.consts
+        x = Ref(self.v(ins[0]))
+
+        def val(i: str) -> Any:
+            return Ref(self.v(i)) if i not in c else c[i]
+
+        if op == "Concat":
+            return [[val(i) for i in ins]], {"dim": int(a.get("axis", 1))}, ins
+        if op == "Clip":
+            return [x, *_clip_bounds(a, ins, c)], {}, ins
+        if op == "LeakyRelu":
+            return [x, float(a.get("alpha", 0.01))], {}, ins
+        if op == "HardSigmoid":
+            return [x, float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))], {}, ins
+        if op == "Transpose":
+            return [x, [int(d) for d in a["perm"]]], {}, ins
+        if op == "ReduceMean":
+            return [x, _reduce_axes(a, ins, c), int(a.get("keepdims", 1))], {}, ins[:1]
+        if op in ("Reshape", "Unsqueeze", "Squeeze") and (len(ins) > 1 or op == "Squeeze"):
+            dims = _reduce_axes(a, ins, c) if op != "Reshape" else [int(d) for d in c[ins[1]]]
+            return ([x, tuple(dims)] if dims is not None else [x]), {}, ins[:1]
+        if op == "Unsqueeze":
+            return [x, [int(d) for d in a["axes"]]], {}, ins
+        if op == "LayerNormalization":
+            return [x, int(a.get("axis", -1)), float(a.get("epsilon", 1e-5))] + [val(i) for i in ins[1:] if i], {}, ins
+        if op == "Gather" and ins[1] in c:
+            return [x, c[ins[1]].astype(np.int64), int(a.get("axis", 0))], {}, ins[:1]
+        if op == "Slice":
+            starts, ends = (c[ins[k]].tolist() for k in (1, 2))
+            axes = c[ins[3]].tolist() if len(ins) > 3 and ins[3] else list(range(len(starts)))
+            steps = c[ins[4]].tolist() if len(ins) > 4 and ins[4] else [1] * len(starts)
+            return [x, starts, ends, axes, steps], {}, ins[:1]
+        return [val(i) for i in ins], {}, ins
+
+    # -- the program -------------------------------------------------------------------------
+    def finish(self) -> Program:
+        out = self.v(self.m.graph.output[0].name)
+        prog = Program(_live(self.stages, out), self.input, self.shape, out, "onnx")
+        fill_shapes(prog.stages, prog.input, prog.input_shape)
+        for s in prog.stages:
+            if s.output in self.static and tuple(s.out_shape) != self.static[s.output]:
+                raise UnsupportedError(f"pipeline: ONNX node {s.name} ({s.kind}): its PyTorch form gives shape {tuple(s.out_shape)}, "
+                                       f"ONNX's {self.static[s.output]} (ceil_mode pooling with pads differs between them)")
+            if s.kind == "softmax":
+                nd = len(s.in_shapes[0])
+                if _opset(self.m) < 13 and s.attrs["axis"] % nd != nd - 1 and nd > 2:
+                    raise UnsupportedError(f"pipeline: ONNX Softmax {s.name} (opset < 13 flattens to 2-D): only the last axis")
+                s.attrs["axis"] = s.attrs["axis"] % nd
+        return prog
 
 
 def _static_shapes(m: Any, input_name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
