@@ -44,6 +44,19 @@ def _permutation(node: Any, template: Any) -> tuple[int, ...] | None:
     return tuple(d % 4 for d in dims) if len(dims) == 4 else None
 
 
+def _own_forward(mod: Any) -> bool:
+    """Whether ``mod``'s class replaces the forward of the torch.nn layer it derives from (so the rules
+    for that layer would not describe it); fusekit.torch's own layers are described by them."""
+    import torch.nn as nn
+
+    if any(c.__module__ == "fusekit.torch" for c in type(mod).__mro__):
+        return False
+    for cls in type(mod).__mro__:
+        if cls.__module__.startswith("torch.nn.modules") and cls not in (nn.Module, nn.Identity, nn.Sequential):
+            return type(mod).forward is not cls.forward
+    return False
+
+
 def channel_layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> Any:
     """LayerNorm over the channels of an (N, C, H, W) image at each position (on a channels-last image, the
     permutes are views)."""
@@ -344,6 +357,9 @@ class _Importer:
     def module_stage(self, node: Any, mod: Any) -> Stage | None:
         import torch.nn as nn
 
+        if _own_forward(mod):  # e.g. timm's Conv2dSame (an nn.Conv2d padding itself in forward): run as it is
+            return None
+
         x, name = (node.args[0] if node.args else None), node.name
         residual = len(node.args) == 2 and not node.kwargs and self.is_t(x) and self.is_t(node.args[1])
         single = (len(node.args) == 1 and not node.kwargs and self.is_t(x)) or (residual and isinstance(mod, (nn.Conv2d, nn.BatchNorm2d)))
@@ -527,8 +543,24 @@ def import_module(model: Any, example_input: Any) -> Program:
     from ..torch import FxTracer
 
     m = copy.deepcopy(model).cpu().float().eval()
-    try:  # fusekit.torch modules (a converted model) stay whole, as torch.nn's do
-        gm = torch.fx.GraphModule(m, FxTracer().trace(m))
+
+    class Tracer(FxTracer):
+        """fusekit.torch modules (a converted model) stay whole, as torch.nn's do; a submodule that
+        cannot be traced (Python control flow on its input, say) stays whole too: one fallback stage."""
+
+        def call_module(self, mod: Any, forward: Any, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
+            path = self.path_of_module(mod)
+            try:
+                return super().call_module(mod, forward, args, kwargs)
+            except Exception:  # noqa: BLE001 - what it recorded before failing has no users: removed below
+                if not path:
+                    raise
+                return self.create_proxy("call_module", path, args, kwargs)
+
+    try:
+        gm = torch.fx.GraphModule(m, Tracer().trace(m))
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
     except Exception as e:  # noqa: BLE001
         raise UnsupportedError(f"pipeline: torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from None
     gen = torch.Generator().manual_seed(0)
