@@ -336,3 +336,27 @@ def test_a_submodule_fx_cannot_trace_is_one_fallback_stage():
     prog = _check(m, (2, 3, 9, 9))
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "torch", "torch", "conv_bias_act"], str(prog)
     assert [s.attrs["op"] for s in prog.stages if s.fallback] == ["SamePad", "Gate"]
+
+
+@pytest.mark.parametrize("contiguous,back", [(True, "view"), (False, "reshape"), (True, "flatten")])
+def test_channel_shuffle_is_one_stage(contiguous, back):
+    """ShuffleNet's x.view(n, g, c // g, h, w).transpose(1, 2)[.contiguous()].view(n, c, h, w): one
+    PyTorch channel_shuffle stage instead of three copies."""
+
+    class Shuffle(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 12, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            n, c, h, w = y.size()
+            y = y.view(n, 3, c // 3, h, w).transpose(1, 2)
+            if contiguous:
+                y = y.contiguous()
+            y = torch.flatten(y, 1, 2) if back == "flatten" else getattr(y, back)(n, c, h, w)
+            return torch.relu(y)
+
+    prog = _check(Shuffle().eval(), (2, 3, 6, 6))
+    assert [s.attrs.get("op") for s in prog.stages if s.fallback] == ["channel_shuffle"], str(prog)
+    assert len(prog.stages) == 3  # conv, shuffle, relu

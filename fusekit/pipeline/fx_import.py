@@ -163,6 +163,8 @@ class _Importer:
         # the same numbers as an (N, C, H, W) image (per-position ops on it become channel ops on that image)
         self.nhwc: dict[str, str] = {}
         self.materialized: set[str] = set()
+        self.shuffles: dict[str, tuple[str, int]] = {}  # a channel shuffle's last node -> (its input, groups)
+        self.shuffle_inner: set[str] = set()  # the view / transpose / contiguous nodes before it
         self.stages: list[Stage] = []
 
     # -- arguments ---------------------------------------------------------------------------
@@ -221,9 +223,10 @@ class _Importer:
     # -- nodes -------------------------------------------------------------------------------
     def node(self, node: Any) -> list[Stage]:
         """The stages of one node whose value is a tensor."""
-        made = self.nhwc_node(node)
-        if made is not None:
-            return made
+        for rule in (self.shuffle_node, self.nhwc_node):
+            made = rule(node)
+            if made is not None:
+                return made
         return self.materialize(self.plain_node(node))
 
     def plain_node(self, node: Any) -> list[Stage]:
@@ -244,6 +247,47 @@ class _Importer:
                 st = self.fallback(node, self.callable_of(node), f"{getattr(t, '__name__', t)} has no fusekit rule")
             return [st]
         raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
+
+    # -- channel shuffle (ShuffleNet): view to (n, g, c / g, h, w), transpose(1, 2), view back ------
+    def shuffle_node(self, node: Any) -> list[Stage] | None:
+        """A channel shuffle as one PyTorch ``channel_shuffle`` stage at its last node; its view,
+        transpose and contiguous make no stage. None for other nodes."""
+        import torch
+        import torch.nn.functional as F
+
+        if node.name in self.shuffle_inner:
+            return []
+        if node.name in self.shuffles:
+            x, g = self.shuffles[node.name]
+            st = torch_fallback(node.name, [x], node.name, F.channel_shuffle, [Ref(x), g], reason="channel shuffle: one PyTorch kernel")
+            st.attrs["op"] = "channel_shuffle"
+            return [st]
+        chain = self.shuffle_chain(node, torch)
+        if chain is None:
+            return None
+        x, g, inner, last = chain
+        self.shuffles[last] = (x, g)
+        self.shuffle_inner.update(inner)
+        return []
+
+    def shuffle_chain(self, node: Any, torch: Any) -> tuple[str, int, list[str], str] | None:
+        """(input, groups, inner node names, last node name) if ``node`` starts a channel shuffle."""
+        x = node.args[0] if node.args else None
+        if node.target not in ("view", "reshape") or not self.is_t(x) or len(node.users) != 1:
+            return None
+        xs, ys = tuple(self.values[x.name].shape), tuple(self.values[node.name].shape)
+        if len(xs) != 4 or len(ys) != 5 or ys[0] != xs[0] or ys[1] * ys[2] != xs[1] or ys[3:] != xs[2:] or ys[1] in (1, xs[1]):
+            return None
+        t = next(iter(node.users))
+        swap = t.target in (torch.transpose, "transpose") and sorted(int(self.template(d)) % 5 for d in t.args[1:3]) == [1, 2]
+        if not swap or len(t.users) != 1:
+            return None
+        inner, last = [node.name, t.name], next(iter(t.users))
+        if last.target == "contiguous" and len(last.users) == 1:
+            inner.append(last.name)
+            last = next(iter(last.users))
+        back = last.target in ("view", "reshape", torch.flatten, "flatten") and tuple(self.values[last.name].shape) == xs
+        return (x.name, int(ys[1]), inner, last.name) if back else None
 
     # -- channels-last regions (ConvNeXt's permute -> LayerNorm -> Linear -> GELU -> Linear -> permute) --
     def materialize(self, made: list[Stage]) -> list[Stage]:
