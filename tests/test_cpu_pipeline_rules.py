@@ -282,7 +282,7 @@ def test_pytorch_stages_write_into_the_planned_buffer_as_they_compute_without_it
             z = F.silu(self.dw(y))
             z = z * torch.sigmoid(self.se2(F.relu(self.se1(z.mean((2, 3), keepdim=True)))))
             z = F.elu(self.bn2(F.max_pool2d(z + y, 2)), 0.7)
-            return F.mish(z)
+            return torch.cat([F.mish(z), z], 1)
 
     m = Net().eval()
     _randomize_bn(m, 3)
@@ -300,6 +300,7 @@ def test_pytorch_stages_write_into_the_planned_buffer_as_they_compute_without_it
         assert got is out and torch.allclose(out, want, rtol=1e-12, atol=1e-12), s.describe()
         kinds.add(s.kind)
     assert {"conv", "bn", "add", "mul", "gap", "torch"} <= kinds, kinds
+    assert any(s.attrs.get("op") == "cat" for s in prog.stages)  # torch.cat(..., out=buffer)
 
 
 @pytest.mark.parametrize("out_format", ["channels_last", "contiguous_format"])

@@ -304,6 +304,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             return x * env[s.inputs[1]] if out is None else torch.mul(x, env[s.inputs[1]], out=out)
         if k == "torch":
             args, kwargs = bound if bound is not None else bind_constants(s, device, dtype)
+            if out is not None and fn in (torch.cat, torch.concat, torch.add, torch.mul, torch.sub):  # written in place
+                return fn(*_fill(args, env), **_fill(kwargs, env), out=out)
             return into(fn(*_fill(args, env), **_fill(kwargs, env)))
     raise UnsupportedError(f"pipeline: stage kind {k!r} has no torch implementation")
 
