@@ -9,32 +9,13 @@ from typing import Any
 from ..dispatch import call, fused_or_split, run
 from ..tensors import adapter_for
 from .common import tag
-from ..errors import OperandError
-from ..tensors import TensorSpec
-from .norm import affine_identity
-
-_CONSTS: dict[tuple, Any] = {}
+from .norm import affine_identity, channel_vectors
 
 
 def hardswish_constants(x: Any, c: int) -> tuple[Any, Any]:
     """(1/6, 1/2) as float32 channel vectors of ``c`` channels in x's array library and device (cached):
     hardswish's constants as operands of :func:`conv_bias_hardswish`."""
-    ad = adapter_for(x, "conv_bias_hardswish", "x")
-    dev = ad.describe(x)[3]
-    if dev is None:
-        raise OperandError("conv_bias_hardswish", "x", "expected a CUDA device array, got an array in host (CPU) memory")
-    key = (type(x), int(dev), c)
-    v = _CONSTS.get(key)
-    if v is None:
-        spec = TensorSpec.build((1, c, 1, 1), "float32", int(dev), "NCHW", view=(c,))
-        gs, gb = ad.empty(spec), ad.empty(spec)
-        gs[...] = 1.0 / 6.0
-        gb[...] = 0.5
-        v = _CONSTS[key] = (gs, gb)
-    return v
-
-_CONV_ATTRS = ("padding", "stride", "dilation", "groups")
-_ACT_ATTRS = ("activation", "alpha")
+    return channel_vectors(x, (1.0 / 6.0, 0.5), c, op="conv_bias_hardswish")
 
 
 def conv_bias_act(x: Any, w: Any, b: Any, *, activation: str = "relu", alpha: float = 0.0, padding: Any = 0, stride: Any = 1,

@@ -13,30 +13,41 @@ from ..errors import OperandError
 from ..tensors import TensorSpec, adapter_for, make_spec
 from .common import bias_grad, clip_attrs, tag
 
-_IDENTITY: dict[tuple, tuple[Any, Any, Any]] = {}
+_CHANNEL_VECTORS: dict[tuple, tuple[Any, ...]] = {}
 
 
-def affine_identity(x: Any, op: str = "affine_identity", name: str = "x") -> tuple[Any, Any, Any]:
-    """(ones, zeros, (scratch, scratch)) float32 channel vectors for x's channels, cached per library/device/C.
-    cuDNN's batch-norm node always applies gamma and beta; normalize-only runs it with these, and
-    its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call).
-    ``op`` and ``name``: what an OperandError about ``x`` names (the calling op, its operand)."""
+def channel_vectors(x: Any, values: tuple[float | None, ...], c: int | None = None, op: str = "channel_vectors",
+                    name: str = "x") -> tuple[Any, ...]:
+    """float32 (C,) vectors in x's array library and device, one per entry of ``values`` (filled with
+    it; None: left unset, scratch), for ``c`` channels (default x's), cached per library, device, C and
+    values: the constant operands fused graphs read like a bias. ``op`` and ``name``: what an
+    OperandError about ``x`` names (the calling op, its operand)."""
     ad = adapter_for(x, op, name)
     shape, _, _, dev = ad.describe(x)
     if dev is None:
         raise OperandError(op, name, "expected a CUDA device array, got an array in host (CPU) memory")
-    if len(shape) < 2:
+    if c is None and len(shape) < 2:
         raise OperandError(op, name, f"expected an (N, C, ...) array, got shape {tuple(shape)}")
-    c, device = int(shape[1]), int(dev)
-    key = (type(x), device, c)
-    v = _IDENTITY.get(key)
+    c = int(shape[1]) if c is None else int(c)
+    key = (type(x), int(dev), c, values)
+    v = _CHANNEL_VECTORS.get(key)
     if v is None:
-        spec = TensorSpec.build((1, c, 1, 1), "float32", device, "NCHW", view=(c,))
-        ones, zeros, scratch = ad.empty(spec), ad.empty(spec), (ad.empty(spec), ad.empty(spec))
-        ones[...] = 1.0
-        zeros[...] = 0.0
-        v = _IDENTITY[key] = (ones, zeros, scratch)
+        spec = TensorSpec.build((1, c, 1, 1), "float32", int(dev), "NCHW", view=(c,))
+        v = tuple(ad.empty(spec) for _ in values)
+        for t, fill in zip(v, values):
+            if fill is not None:
+                t[...] = fill
+        _CHANNEL_VECTORS[key] = v
     return v
+
+
+def affine_identity(x: Any, op: str = "affine_identity", name: str = "x") -> tuple[Any, Any, Any]:
+    """(ones, zeros, (scratch, scratch)) float32 channel vectors for x's channels (:func:`channel_vectors`).
+    cuDNN's batch-norm node always applies gamma and beta; normalize-only runs it with these, and
+    its backward writes the unused dgamma/dbeta into ``scratch`` (never returned, never allocated per call).
+    ``op`` and ``name``: what an OperandError about ``x`` names (the calling op, its operand)."""
+    ones, zeros, s1, s2 = channel_vectors(x, (1.0, 0.0, None, None), op=op, name=name)
+    return ones, zeros, (s1, s2)
 
 
 def bn_normalize(
