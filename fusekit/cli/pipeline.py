@@ -20,13 +20,10 @@ def _shape(model: str, batch: int, size: int | None) -> tuple[int, ...]:
     model whose H, W are fixed must agree with them."""
     from fusekit.pipeline.onnx_import import input_shape
 
-    shape = input_shape(model, batch=batch, default_hw=224 if size is None else size)
-    if size is not None:
-        static = input_shape(model, batch=batch, default_hw=-1)
-        fixed = [d for d in static[2:] if d != -1]
-        if fixed and any(d != size for d in fixed):
-            raise click.UsageError(f"--size {size}: {model}'s input has fixed spatial dims {tuple(static[2:])}; omit --size")
-    return shape
+    static = input_shape(model, batch=batch, default_hw=-1)  # -1: a dynamic dim
+    if size is not None and any(d not in (-1, size) for d in static[2:]):
+        raise click.UsageError(f"--size {size}: {model}'s input has fixed spatial dims {tuple(static[2:])}; omit --size")
+    return tuple(static[:2]) + tuple((224 if size is None else size) if d == -1 else d for d in static[2:])
 
 
 def _fail(e: Exception) -> click.ClickException:
