@@ -25,6 +25,17 @@ def timeit(fn, reps=20):
     return statistics.median(ts)
 
 
+def planned(g, out, y, pack):
+    """Graph ``g`` with ``out`` written into ``y`` (its strides as given), planned (heuristics A, then
+    FALLBACK); returns a function that executes it."""
+    out.set_output(True).set_data_type(HALF).set_dim(list(y.shape)).set_stride(list(y.stride()))
+    g.validate(); g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support(); g.build_plans()
+    ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=dev)
+    return lambda: g.execute({**pack, out: y}, ws, handle=h)
+
+
 def conv_case(n, c, hh, k, in_total, out_total):
     x, _ = slice_of(n, c, hh, hh, in_total, 0) if in_total else (torch.randn(n, c, hh, hh, device=dev, dtype=torch.float16).contiguous(memory_format=torch.channels_last), None)
     w = (torch.randn(k, c, 3, 3, device=dev, dtype=torch.float16) * 0.05).contiguous(memory_format=torch.channels_last)
@@ -39,12 +50,7 @@ def conv_case(n, c, hh, k, in_total, out_total):
     B = g.tensor(name="b", dim=list(b.shape), stride=list(b.stride()), data_type=HALF)
     C = g.conv_fprop(image=X, weight=W, padding=[1, 1], stride=[1, 1], dilation=[1, 1], compute_data_type=FLOAT)
     R = g.relu(input=g.bias(input=C, bias=B))
-    R.set_output(True).set_data_type(HALF).set_dim(list(y.shape)).set_stride(list(y.stride()))
-    g.validate(); g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support(); g.build_plans()
-    ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=dev)
-    run = lambda: g.execute({X: x, W: w, B: b, R: y}, ws, handle=h)
+    run = planned(g, R, y, {X: x, W: w, B: b})
     before = ybuf.clone() if out_total else None
     run(); torch.cuda.synchronize()
     ref = torch.relu(torch.nn.functional.conv2d(x.float(), w.float(), b.flatten().float(), padding=1))
@@ -63,12 +69,7 @@ def pointwise_case(n, c, hh, in_total):
     S = g.tensor(name="s", dim=list(s.shape), stride=list(s.stride()), data_type=FLOAT)
     T = g.tensor(name="t", dim=list(t.shape), stride=list(t.stride()), data_type=FLOAT)
     R = g.relu(input=g.add(a=g.mul(a=X, b=S), b=T))
-    R.set_output(True).set_data_type(HALF).set_dim(list(y.shape)).set_stride(list(y.stride()))
-    g.validate(); g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support(); g.build_plans()
-    ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=dev)
-    run = lambda: g.execute({X: x, S: s, T: t, R: y}, ws, handle=h)
+    run = planned(g, R, y, {X: x, S: s, T: t})
     run(); torch.cuda.synchronize()
     ref = torch.relu(x.float() * s + t)
     return g.get_execution_plan_count(), float((y.float() - ref).norm() / ref.norm()), timeit(run)
