@@ -711,3 +711,11 @@ def test_onnx_from_pytorchs_default_dynamo_exporter(rng):
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6
+
+
+def test_onnx_fallback_op_names_are_the_fallback_functions():
+    """FALLBACK_OPS (read without importing PyTorch) names exactly the ops _torch_ops implements."""
+    pytest.importorskip("torch")
+    from fusekit.pipeline.onnx_import import FALLBACK_OPS, _torch_ops
+
+    assert set(_torch_ops()) == FALLBACK_OPS
