@@ -719,3 +719,25 @@ def test_onnx_fallback_op_names_are_the_fallback_functions():
     from fusekit.pipeline.onnx_import import FALLBACK_OPS, _torch_ops
 
     assert set(_torch_ops()) == FALLBACK_OPS
+
+
+def test_global_average_pools_are_recognised_and_run_as_a_mean(rng):
+    """AdaptiveAvgPool2d(1) and an AvgPool2d whose unpadded window is the whole plane are global
+    pools (run as one mean reduction); a smaller window, padding or a divisor override are not.
+    PyTorch's run of each stage matches avg_pool2d in float64."""
+    from fusekit.pipeline.ir import is_global_pool, run_torch_stage
+
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 8, 1),
+                      nn.Upsample(scale_factor=6), nn.AvgPool2d(6), nn.Conv2d(8, 8, 1), nn.Upsample(scale_factor=6),
+                      nn.AvgPool2d(6, padding=1), nn.Upsample(scale_factor=6), nn.AvgPool2d(3),
+                      nn.AvgPool2d(2, divisor_override=3)).eval()
+    prog = fp.lower_model(m, (2, 3, 6, 6))
+    pools = [s for s in prog.stages if s.pattern == "avg_pool2d"]
+    assert [is_global_pool(s) for s in pools] == [True, True, False, False, False], [(s.kind, s.attrs) for s in pools]
+    for s in pools:
+        x = torch.from_numpy(rng.standard_normal(s.in_shapes[0]))
+        a = s.attrs
+        want = nn.functional.avg_pool2d(x, a["kernel_size"], a["stride"], a["padding"],
+                                        divisor_override=a.get("divisor_override"))
+        got = run_torch_stage(s, {s.inputs[0]: x}, None, {}, out=torch.empty(want.shape, dtype=torch.float64))
+        assert got.shape == want.shape and float((got - want).abs().max()) < 1e-12

@@ -316,3 +316,32 @@ def test_batch_sizes_share_weights_and_pad_smaller_batches():
         pipes(torch.randn(5, 3, 224, 224, device="cuda"))
     with pytest.raises(OperandError, match="expected shape"):
         pipes(torch.randn(2, 3, 112, 112, device="cuda"))
+
+
+def test_global_average_pools_run_as_a_reduction():
+    """AdaptiveAvgPool2d(1), mean over (H, W) and an AvgPool2d whose window is the whole plane run as
+    one mean reduction (not a pooling window per output), matching eager."""
+    import fusekit.pipeline as fp
+
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(16, 32, 3, padding=1)
+            self.gap, self.whole = nn.AdaptiveAvgPool2d(1), nn.AvgPool2d(28)
+            self.fc = nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(self.conv(x))
+            g = torch.sigmoid(self.gap(y))
+            return self.fc((self.whole(y * g) + y.mean((2, 3), keepdim=True)).flatten(1))
+
+    torch.manual_seed(7)
+    m = Net().eval().cuda()
+    pipe = fp.compile(m, torch.zeros(4, 16, 28, 28), dtype="float16")
+    pools = [e for s, e in zip(pipe.stages, pipe.engines) if s.pattern == "avg_pool2d"]
+    assert pools == ["torch mean"] * 3, list(zip([s.pattern for s in pipe.stages], pipe.engines))
+    x = torch.randn(4, 16, 28, 28, device="cuda")
+    y, want = pipe(x).double(), m.double()(x.double())
+    assert float((y - want).norm() / want.norm()) < 1e-2

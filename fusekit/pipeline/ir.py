@@ -140,6 +140,17 @@ def pool_options(s: Stage) -> dict[str, Any]:
             "divisor_override": a.get("divisor_override")}
 
 
+def is_global_pool(s: Stage) -> bool:
+    """An average pool whose one window is the whole unpadded plane (global average pooling)."""
+    if s.kind == "gap":
+        return True
+    if s.kind != "avgpool" or not s.in_shapes or len(s.in_shapes[0]) != 4:
+        return False
+    a, plane = s.attrs, tuple(s.in_shapes[0][2:])
+    return (_pair(a["kernel_size"]) == plane and _pair(a.get("padding", 0)) == (0, 0)
+            and tuple(s.out_shape[2:]) == (1, 1) and a.get("divisor_override") is None)
+
+
 def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
     """Output shape of stage ``s`` from its input shapes (fixed shapes only)."""
     x = tuple(ins[0]) if ins else ()
@@ -293,6 +304,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         if k == "maxpool":
             return into(F.max_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k in ("avgpool", "gap"):
+            if is_global_pool(s):  # a reduction kernel: avg_pool2d's one thread per output is slow over a whole plane
+                return torch.mean(x, (2, 3), keepdim=True) if out is None else torch.mean(x, (2, 3), keepdim=True, out=out)
             return into(F.avg_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k == "softmax":
             return into(torch.softmax(x, int(a["axis"])))

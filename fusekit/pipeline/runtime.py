@@ -23,7 +23,8 @@ import numpy as np
 from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
 from . import reference as _reference
-from .ir import FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, fused_operands, pool_options, run_torch_stage
+from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, fused_operands, is_global_pool,
+                 pool_options, run_torch_stage)
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -192,6 +193,9 @@ class Pipeline:
             k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
             return lambda: pool.max_pool2d(x, k, st, p, out=y, indices=False, **kw)
+        if s.pattern == "avg_pool2d" and is_global_pool(s):
+            self.engines[i] = "torch mean"
+            return self._torch_runner(s, w)
         if s.pattern == "avg_pool2d":
             k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
