@@ -34,6 +34,25 @@ def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (h * w * c, 1, w * c, c)
 
 
+def pitched_nhwc_strides(shape: tuple[int, ...], pitch: int) -> tuple[int, ...]:
+    """Channels-last strides with ``pitch`` elements between pixels: a channel slice of a wider
+    channels-last buffer (what a concatenation's parts are)."""
+    n, c, h, w = shape
+    return (h * w * pitch, 1, w * pitch, pitch)
+
+
+def nhwc_pitch(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The pixel pitch of a channels-last channel slice with more than one channel (pitch > C), else None."""
+    n, c, h, w = shape
+    if c < 2 or strides[1] != 1 or h * w * n == 1:
+        return None
+    pitch = strides[3] if w > 1 else strides[2] if h > 1 else strides[0]
+    pitch = pitch if w > 1 or h > 1 else pitch // (h * w)
+    if pitch <= c or not matches(strides, pitched_nhwc_strides(shape, pitch), shape):
+        return None
+    return pitch
+
+
 def row_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -62,7 +81,7 @@ class TensorSpec:
     shape users see (a bias (C,) is (1, C, 1, 1) to cuDNN, a matrix (M, N) is (1, M, N))."""
 
     shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in elements, canonical for the layout
+    strides: tuple[int, ...]  # in elements, canonical for the layout (or a channels-last channel slice's)
     dtype: str  # "float16" | "bfloat16" | "float32"
     device: int  # CUDA ordinal
     layout: str  # "NCHW" | "NHWC" (4-D; filters KCRS | KRSC) | "ROW" (row-major) | "COL" (transposed view)
@@ -152,6 +171,10 @@ def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, de
         layout = "NCHW"
     elif matches(strides, nhwc, shape):
         layout = "NHWC"
+    elif kind == "image" and (pitch := nhwc_pitch(shape, strides)) is not None:
+        # a channel slice of a wider channels-last buffer: cuDNN reads and writes it in place (its
+        # strides are part of the plan's key)
+        return TensorSpec(shape, pitched_nhwc_strides(shape, pitch), dtype, device, "NHWC", shape)
     else:
         raise OperandError(
             pattern,

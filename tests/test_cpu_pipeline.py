@@ -741,3 +741,69 @@ def test_global_average_pools_are_recognised_and_run_as_a_mean(rng):
                                         divisor_override=a.get("divisor_override"))
         got = run_torch_stage(s, {s.inputs[0]: x}, None, {}, out=torch.empty(want.shape, dtype=torch.float64))
         assert got.shape == want.shape and float((got - want).abs().max()) < 1e-12
+
+
+def test_concatenation_parts_are_planned_as_channel_slices():
+    """DenseNet's growing concatenations: every part is placed in the block's output buffer at its
+    channel offset, every prefix concatenation is a view of it, no two live values overlap, and the
+    float64 reference is unchanged."""
+    from fusekit.pipeline.memory import plan_memory
+    from fusekit.pipeline.ir import concat_parts
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.BatchNorm2d(8 + 4 * k), nn.ReLU(), nn.Conv2d(8 + 4 * k, 4, 3, padding=1))
+                                        for k in range(3))
+
+        def forward(self, x):
+            feats = [x]
+            for layer in self.layers:
+                feats.append(layer(torch.cat(feats, 1)))
+            return torch.cat(feats, 1)
+
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Block(), nn.Conv2d(20, 4, 1), nn.Flatten()).eval()
+    prog = fp.lower_model(m, (2, 3, 6, 6))
+    mp = plan_memory(prog)
+    cats = [s for s in prog.stages if concat_parts(s) is not None]
+    assert len(cats) == 4
+    final = cats[-1]
+    offsets = {p: mp.alias[p] for p in concat_parts(final)}
+    assert [o for _, o in offsets.values()] == [0, 8, 12, 16] and {r for r, _ in offsets.values()} == {final.output}
+    assert all(mp.alias[s.output] == (final.output, 0) for s in cats[:-1])  # the prefixes are views
+    assert mp.conflicts() == []
+    assert len({mp.assign[v] for v in [*offsets, final.output]}) == 1
+    x = np.random.default_rng(0).standard_normal((2, 3, 6, 6))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+
+
+def test_a_part_of_two_concatenations_is_placed_once():
+    """A value joined into two concatenations at different offsets is a slice of one of them and
+    copied into the other; the program's input is never a slice."""
+    from fusekit.pipeline.memory import plan_memory
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 1), nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            a, b = self.a(x), self.b(x)
+            return torch.cat([a, b], 1) + torch.cat([b, a], 1) + torch.cat([x, x, a[:, :2], b[:, :2]], 1)[:, :8]
+
+    m = Two().eval()
+    prog = fp.lower_model(m, (1, 3, 4, 4))
+    mp = plan_memory(prog)
+    from fusekit.pipeline.ir import concat_parts
+
+    cats = [s for s in prog.stages if concat_parts(s) is not None]
+    ab, ba, xx = cats
+    a, b = concat_parts(ab)
+    assert concat_parts(ba) == [b, a]
+    assert {mp.alias[a], mp.alias[b]} == {(ab.output, 0), (ab.output, 4)} or {mp.alias[a], mp.alias[b]} == {(ba.output, 4), (ba.output, 0)}
+    assert ab.output not in mp.alias and ba.output not in mp.alias  # neither is a slice of the other
+    assert prog.input not in mp.alias and all(r == xx.output for p, (r, _) in mp.alias.items() if p in concat_parts(xx))
+    assert mp.conflicts() == []
+    x = np.random.default_rng(1).standard_normal((1, 3, 4, 4))
+    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12

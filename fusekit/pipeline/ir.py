@@ -323,6 +323,23 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
     raise UnsupportedError(f"pipeline: stage kind {k!r} has no torch implementation")
 
 
+def concat_parts(s: Stage) -> list[str] | None:
+    """The values a channel concatenation of 4-D images joins, in order (``torch.cat(xs, 1)``); None
+    for any other stage."""
+    if s.kind != "torch" or len(s.out_shape) != 4:
+        return None
+    import torch  # a torch stage was made with PyTorch present
+
+    if s.fn not in (torch.cat, torch.concat):
+        return None
+    args, kw = s.attrs.get("args", []), s.attrs.get("kwargs", {})
+    parts = args[0] if args else kw.get("tensors")
+    dim = args[1] if len(args) > 1 else kw.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or dim not in (1, -3) or not all(isinstance(p, Ref) for p in parts):
+        return None
+    return [str(p) for p in parts]
+
+
 def torch_fallback(name: str, inputs: list[str], output: str, fn: Callable, args: list | None = None,
                    kwargs: dict | None = None, reason: str = "no fusekit pattern") -> Stage:
     """A primitive stage PyTorch runs: ``fn(*args, **kwargs)`` with Ref(value) placeholders in args."""

@@ -7,6 +7,11 @@ is a view of its buffer's first ``numel`` elements. Greedy in stage order: a sta
 the smallest free buffer that is large enough, else the largest free one (grown), else a new one;
 the buffers of values whose last reader is this stage are freed *after* its output is placed (so an
 output never shares memory with its own inputs). The input and the output get their own buffers.
+
+Channel concatenations are planned without copies where they can be: the parts of a
+``torch.cat(xs, 1)`` of images are placed as channel slices of the concatenation's buffer, so their
+producers write there directly and the concatenation itself is a view (see :func:`concat_aliases`).
+A value and the buffer it is a slice of form one group, allocated for the union of their lifetimes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .ir import Program
+from .ir import Program, concat_parts
 
 
 @dataclass
@@ -27,6 +32,12 @@ class MemoryPlan:
     numel: dict[str, int]
     itemsize: int
     pinned: tuple[str, ...] = field(default=())
+    #: value -> (the value whose buffer holds it, first channel there): concatenation parts and views
+    alias: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def root(self, v: str) -> str:
+        """The value whose own buffer holds ``v`` (``v`` itself unless it is a channel slice)."""
+        return self.alias[v][0] if v in self.alias else v
 
     @property
     def planned_bytes(self) -> int:
@@ -45,25 +56,69 @@ class MemoryPlan:
             return 0
         hi = max(b for _, b in self.intervals.values())
         lo = min(a for a, _ in self.intervals.values())
-        return max(sum(self.numel[v] for v, (a, b) in self.intervals.items() if a <= t <= b) for t in range(lo, hi + 1)) * self.itemsize
+        groups = self._group_intervals()
+        return max(sum(self.numel[v] for v, (a, b) in groups.items() if a <= t <= b) for t in range(lo, hi + 1)) * self.itemsize
+
+    def _group_intervals(self) -> dict[str, tuple[int, int]]:
+        """Each buffer-owning value's interval, widened over the values that are slices of it."""
+        out: dict[str, tuple[int, int]] = {}
+        for v, (a, b) in self.intervals.items():
+            r = self.root(v)
+            a0, b0 = out.get(r, (a, b))
+            out[r] = (min(a, a0), max(b, b0))
+        return out
 
     def conflicts(self) -> list[tuple[str, str]]:
         """Pairs of values that are live at the same time and share a buffer (must be empty)."""
-        vals = list(self.assign)
+        groups = self._group_intervals()
+        vals = list(groups)
         bad = []
         for i, a in enumerate(vals):
             for b in vals[i + 1:]:
                 if self.assign[a] == self.assign[b]:
-                    (a0, a1), (b0, b1) = self.intervals[a], self.intervals[b]
+                    (a0, a1), (b0, b1) = groups[a], groups[b]
                     if a0 <= b1 and b0 <= a1:
                         bad.append((a, b))
         return bad
 
 
+def concat_aliases(prog: Program) -> dict[str, tuple[str, int]]:
+    """Channel slices for copy-free concatenation: value -> (the value whose buffer holds it, first
+    channel). Concatenations are visited last to first; each part is placed in its concatenation's
+    buffer unless it is the input or the output, or already placed elsewhere (then the concatenation
+    copies it). A concatenation whose
+    parts already sit side by side in one buffer (DenseNet's growing prefixes) is itself a slice."""
+    producer = {s.output: s for s in prog.stages}
+    shapes = prog.shapes()
+    pinned = {prog.input, prog.output}
+    alias: dict[str, tuple[str, int]] = {}
+
+    def where(v: str) -> tuple[str, int]:
+        return alias.get(v, (v, 0))
+
+    for s in reversed(prog.stages):
+        parts = concat_parts(s)
+        if parts is None:
+            continue
+        widths = [shapes[p][1] for p in parts]
+        offsets = [sum(widths[:k]) for k in range(len(parts))]
+        placed = [where(p) for p in parts]
+        if (s.output not in alias and s.output not in pinned and all(p in alias for p in parts)
+                and len({r for r, _ in placed}) == 1 and all(o == placed[0][1] + off for (_, o), off in zip(placed, offsets))):
+            alias[s.output] = placed[0]  # its parts are already contiguous in one buffer
+            continue
+        root, base = where(s.output)
+        for p, off in zip(parts, offsets):
+            st = producer.get(p)
+            if p in alias or p in pinned or st is None or p == root:
+                continue
+            alias[p] = (root, base + off)
+    return alias
 def plan_memory(prog: Program, itemsize: int = 2) -> MemoryPlan:
     """Assign every value of ``prog`` to a buffer (see the module docstring)."""
     shapes = prog.shapes()
     numel = {v: int(math.prod(s)) for v, s in shapes.items()}
+    alias = concat_aliases(prog)
     n = len(prog.stages)
     first = {prog.input: -1}
     last = {prog.input: -1}
@@ -73,36 +128,42 @@ def plan_memory(prog: Program, itemsize: int = 2) -> MemoryPlan:
         for v in s.inputs:
             last[v] = max(last.get(v, -1), i)
     last[prog.output] = n
+    root = {v: alias[v][0] if v in alias else v for v in first}
+    group_last: dict[str, int] = {}
+    for v, r in root.items():
+        group_last[r] = max(group_last.get(r, -1), last[v])
     pinned = (prog.input, prog.output)
     sizes: list[int] = []
-    assign: dict[str, int] = {}
+    owner: dict[str, int] = {}  # buffer-owning value -> buffer
     free: list[int] = []
 
     def new(size: int) -> int:
         sizes.append(size)
         return len(sizes) - 1
 
-    assign[prog.input] = new(numel[prog.input])
+    owner[prog.input] = new(numel[prog.input])
     for i, s in enumerate(prog.stages):
-        v = s.output
-        need = numel[v]
-        if v in pinned:
-            b = new(need)
-        else:
-            fits = [f for f in free if sizes[f] >= need]
-            if fits:
-                b = min(fits, key=lambda f: sizes[f])
-            elif free:
-                b = max(free, key=lambda f: sizes[f])
-                sizes[b] = need
-            else:
+        r = root[s.output]
+        if r not in owner:
+            need = numel[r]
+            if r in pinned:
                 b = new(need)
-            if b in free:
-                free.remove(b)
-        assign[v] = b
-        dead = {w for w in set(s.inputs) | {v} if last.get(w, -1) <= i and w not in pinned}
+            else:
+                fits = [f for f in free if sizes[f] >= need]
+                if fits:
+                    b = min(fits, key=lambda f: sizes[f])
+                elif free:
+                    b = max(free, key=lambda f: sizes[f])
+                    sizes[b] = need
+                else:
+                    b = new(need)
+                if b in free:
+                    free.remove(b)
+            owner[r] = b
+        dead = {root[w] for w in set(s.inputs) | {s.output}}
         for w in dead:
-            if assign[w] not in free:
-                free.append(assign[w])
+            if group_last[w] <= i and w not in pinned and owner[w] not in free:
+                free.append(owner[w])
+    assign = {v: owner[root[v]] for v in first}
     intervals = {v: (first[v], last[v]) for v in assign}
-    return MemoryPlan(assign, sizes, intervals, {v: numel[v] for v in assign}, itemsize, pinned)
+    return MemoryPlan(assign, sizes, intervals, {v: numel[v] for v in assign}, itemsize, pinned, alias)

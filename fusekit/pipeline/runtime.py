@@ -23,8 +23,8 @@ import numpy as np
 from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
 from . import reference as _reference
-from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, fused_operands, is_global_pool,
-                 pool_options, run_torch_stage)
+from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, concat_parts, fused_operands,
+                 is_global_pool, pool_options, run_torch_stage)
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -110,6 +110,7 @@ class Pipeline:
             self.output_buffer = self.views[self.program.output]
             self.input_buffer.normal_()  # warm-up and capture read finite values
             self._fused: dict[int, tuple[tuple, dict]] = {}
+            self._noop: set[int] = set()  # stages with nothing to do (concatenations written in place)
             self._stage_weights = [self._weights(s) for s in self.stages]  # on the device, shared by both kernels of a stage
             self._runners = [self._runner(i, s) for i, s in enumerate(self.stages)]
             self.stream = torch.cuda.Stream(dev)
@@ -128,6 +129,9 @@ class Pipeline:
         return self
 
     def _view(self, name: str, shape: tuple[int, ...]) -> Any:
+        if name in self.memory_plan.alias:  # a channel slice of a concatenation's buffer
+            root, first = self.memory_plan.alias[name]
+            return self._view(root, self.program.shapes()[root])[:, first:first + shape[1]]
         flat = self._buffers[self.memory_plan.assign[name]][: int(math.prod(shape))]
         if len(shape) == 4:
             n, c, h, w = shape
@@ -167,6 +171,27 @@ class Pipeline:
 
         return run
 
+    def _concat_runner(self, i: int, s: Stage, parts: list[str]) -> Callable[[], None]:
+        """A channel concatenation: the parts not already written in place are copied into their
+        slices of the output; with none left it does nothing (its output is a view)."""
+        alias, y = self.memory_plan.alias, self.views[s.output]
+        root, base = alias.get(s.output, (s.output, 0))
+        copies, off = [], 0
+        for p in parts:
+            c = self.views[p].shape[1]
+            if alias.get(p) != (root, base + off):
+                copies.append((y[:, off:off + c], self.views[p]))
+            off += c
+        self.engines[i] = f"copy {len(copies)} of {len(parts)} parts" if copies else "in place (no copy)"
+        if not copies:
+            self._noop.add(i)
+
+        def run() -> None:
+            for dst, src in copies:
+                dst.copy_(src)
+
+        return run
+
     def _runner(self, i: int, s: Stage) -> Callable[[], None]:
         from .. import ops
         from ..ops import pool
@@ -175,6 +200,12 @@ class Pipeline:
         y = self.views[s.output]
         x = self.views[s.inputs[0]] if s.inputs else None
         a = s.attrs
+        parts = concat_parts(s)
+        if parts is not None:
+            return self._concat_runner(i, s, parts)
+        if s.pattern in POOL_PATTERNS and any(v in self.memory_plan.alias for v in (*s.inputs, s.output)):
+            self.engines[i] = "torch (channel slice)"  # fusekit's pooling kernels take dense arrays only
+            return self._torch_runner(s, w)
         if s.pattern in FUSEKIT_PATTERNS:
             operands, attrs = fused_operands(s, self.views, w)
             try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
@@ -308,7 +339,7 @@ class Pipeline:
         return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(replays))
 
     def _profile(self) -> None:
-        self.times_ms = [self._stage_ms(r) for r in self._runners]
+        self.times_ms = [0.0 if i in self._noop else self._stage_ms(r) for i, r in enumerate(self._runners)]
 
     def _choose(self) -> None:
         """Per stage, the faster of fusekit's kernel (the fused cuDNN graph, or the CuPy pooling
@@ -495,7 +526,8 @@ class Pipeline:
         ] if roof else []) + [
             f"CUDA graph: {'captured' if self.graph_captured else ('failed: ' + self.capture_error if self.capture_error else 'not captured')}",
             f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
-            f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)",
+            f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)"
+            + (f"; {len(mp.alias)} values written in place as channel slices of concatenations" if mp.alias else ""),
             "fallbacks (run by PyTorch):" if self.fallbacks else "fallbacks: none",
         ] + [f"  - {f}" for f in self.fallbacks] + (
             ["run by PyTorch because it measured faster:"] + [f"  - {c}" for c in self.choices] if self.choices else [])
