@@ -807,3 +807,36 @@ def test_a_part_of_two_concatenations_is_placed_once():
     assert mp.conflicts() == []
     x = np.random.default_rng(1).standard_normal((1, 3, 4, 4))
     assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("take", ["chunk", "split", "slice", "narrow"])
+def test_channel_views_are_slices_of_their_input(take, rng):
+    """chunk / split items, x[:, a:b] and narrow over channels are marked as channel views at
+    import and planned as slices of their input's buffer; a part that also joins a concatenation
+    is written there instead; the float64 reference is unchanged."""
+    from fusekit.pipeline.memory import plan_memory
+
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.branch = nn.Conv2d(3, 8, 1), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            a, b = {"chunk": lambda: y.chunk(2, 1), "split": lambda: y.split([4, 4], 1),
+                    "slice": lambda: (y[:, :4], y[:, 4:]), "narrow": lambda: (y.narrow(1, 0, 4), y.narrow(1, 4, 4))}[take]()
+            return torch.cat([a, self.branch(b)], 1)
+
+    m = Split().eval()
+    prog = fp.lower_model(m, (2, 3, 5, 5))
+    mp = plan_memory(prog)
+    marked = {s.output: s.attrs.get("channel_slice") for s in prog.stages if s.kind == "torch" and s.attrs.get("op") != "cat"}
+    assert sorted(marked.values()) == [0, 4], marked
+    conv = next(s for s in prog.stages if s.pattern.startswith("conv") and s.inputs == [prog.input])
+    b = next(v for v, first in marked.items() if first == 4)
+    assert mp.alias[b] == (conv.output, 4)  # the branch reads its half in place
+    a = next(v for v, first in marked.items() if first == 0)
+    assert mp.alias[a] == (prog.output, 0)  # written into the concatenation (the program output) by its copy
+    assert mp.conflicts() == []
+    x = rng.standard_normal((2, 3, 5, 5))
+    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12

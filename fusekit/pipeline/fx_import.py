@@ -204,7 +204,26 @@ class _Importer:
         args = node.args if args is None else args
         kwargs = node.kwargs if kwargs is None else kwargs
         ins = list(dict.fromkeys(self.refs(args) + self.refs(kwargs)))
-        return torch_fallback(node.name, ins, node.name, fn, list(self.template(args)), self.template(kwargs), reason)
+        st = torch_fallback(node.name, ins, node.name, fn, list(self.template(args)), self.template(kwargs), reason)
+        first = self.channel_slice_of(node.name, ins)
+        if first is not None:
+            st.attrs["channel_slice"] = first
+        return st
+
+    def channel_slice_of(self, name: str, ins: list[str]) -> int | None:
+        """The first channel if the value ``name`` is a view of channels of its one image input
+        (``chunk`` / ``split`` items, ``x[:, a:b]``, ``narrow``), else None."""
+        import torch
+
+        y, x = self.values.get(name), self.values.get(ins[0]) if len(ins) == 1 else None
+        if not (isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor) and y.dim() == x.dim() == 4):
+            return None
+        if (y.shape[0], *y.shape[2:]) != (x.shape[0], *x.shape[2:]) or y.stride() != x.stride() or x.stride(1) < 1:
+            return None
+        if y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            return None
+        first, rest = divmod(y.storage_offset() - x.storage_offset(), x.stride(1))
+        return first if rest == 0 and 0 <= first and first + y.shape[1] <= x.shape[1] else None
 
     def callable_of(self, node: Any) -> Any:
         import torch

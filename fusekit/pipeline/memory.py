@@ -10,7 +10,8 @@ output never shares memory with its own inputs). The input and the output get th
 
 Channel concatenations are planned without copies where they can be: the parts of a
 ``torch.cat(xs, 1)`` of images are placed as channel slices of the concatenation's buffer, so their
-producers write there directly and the concatenation itself is a view (see :func:`concat_aliases`).
+producers write there directly and the concatenation itself is a view; channel views (``chunk`` /
+``split`` items) are slices of their input's buffer (see :func:`channel_aliases`).
 A value and the buffer it is a slice of form one group, allocated for the union of their lifetimes.
 """
 
@@ -82,12 +83,14 @@ class MemoryPlan:
         return bad
 
 
-def concat_aliases(prog: Program) -> dict[str, tuple[str, int]]:
+def channel_aliases(prog: Program) -> dict[str, tuple[str, int]]:
     """Channel slices for copy-free concatenation: value -> (the value whose buffer holds it, first
     channel). Concatenations are visited last to first; each part is placed in its concatenation's
     buffer unless it is the input or the output, or already placed elsewhere (then the concatenation
     copies it). A concatenation whose
-    parts already sit side by side in one buffer (DenseNet's growing prefixes) is itself a slice."""
+    parts already sit side by side in one buffer (DenseNet's growing prefixes) is itself a slice.
+    Then, in stage order, a stage marked ``channel_slice`` (a ``chunk`` or ``split`` item, ``x[:, a:b]``)
+    whose output is not placed yet becomes a slice of its input's buffer."""
     producer = {s.output: s for s in prog.stages}
     shapes = prog.shapes()
     pinned = {prog.input, prog.output}
@@ -113,12 +116,17 @@ def concat_aliases(prog: Program) -> dict[str, tuple[str, int]]:
             if p in alias or p in pinned or st is None or p == root:
                 continue
             alias[p] = (root, base + off)
+    for s in prog.stages:  # channel views (chunk / split items): slices of their input's buffer
+        first = s.attrs.get("channel_slice")
+        if first is not None and s.output not in alias and s.output not in pinned:
+            root, base = where(s.inputs[0])
+            alias[s.output] = (root, base + int(first))
     return alias
 def plan_memory(prog: Program, itemsize: int = 2) -> MemoryPlan:
     """Assign every value of ``prog`` to a buffer (see the module docstring)."""
     shapes = prog.shapes()
     numel = {v: int(math.prod(s)) for v, s in shapes.items()}
-    alias = concat_aliases(prog)
+    alias = channel_aliases(prog)
     n = len(prog.stages)
     first = {prog.input: -1}
     last = {prog.input: -1}

@@ -171,6 +171,12 @@ class Pipeline:
 
         return run
 
+    def _is_view(self, s: Stage) -> bool:
+        """Whether the planned buffers make channel-view stage ``s``'s output its input's slice."""
+        alias = self.memory_plan.alias
+        root, base = alias.get(s.inputs[0], (s.inputs[0], 0))
+        return alias.get(s.output) == (root, base + int(s.attrs["channel_slice"]))
+
     def _concat_runner(self, i: int, s: Stage, parts: list[str]) -> Callable[[], None]:
         """A channel concatenation: the parts not already written in place are copied into their
         slices of the output; with none left it does nothing (its output is a view)."""
@@ -203,6 +209,10 @@ class Pipeline:
         parts = concat_parts(s)
         if parts is not None:
             return self._concat_runner(i, s, parts)
+        if "channel_slice" in s.attrs and self._is_view(s):
+            self.engines[i] = "view (no copy)"
+            self._noop.add(i)
+            return lambda: None
         if s.pattern in POOL_PATTERNS and any(v in self.memory_plan.alias for v in (*s.inputs, s.output)):
             self.engines[i] = "torch (channel slice)"  # fusekit's pooling kernels take dense arrays only
             return self._torch_runner(s, w)
