@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,7 +22,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "FUSEKIT_MODE": ("heuristic (first plan offered) or autotune (time every candidate on first use)", "heuristic"),
     "FUSEKIT_ALLOW_TF32": (
         "op families whose float32 graphs may run on TF32 tensor cores: conv, matmul, all or none (1/0), or a comma list",
-        "conv (PyTorch's defaults)",
+        "PyTorch's switches where PyTorch is imported, else conv (PyTorch's defaults)",
     ),
 }
 MODES = ("heuristic", "autotune")
@@ -102,8 +103,9 @@ class Tf32Policy:
     rounded to 10 mantissa bits: about 1e-3 relative error instead of float32's 1e-6, for several times
     the speed). The other families' float32 keys get IEEE float32 plans only. The defaults are
     PyTorch's: ``torch.backends.cudnn.allow_tf32`` (convolutions) is True and
-    ``torch.backends.cuda.matmul.allow_tf32`` (matmuls, so Linear layers) is False. fusekit reads
-    neither flag: set this policy with ``fusekit.configure(allow_tf32=...)`` or $FUSEKIT_ALLOW_TF32.
+    ``torch.backends.cuda.matmul.allow_tf32`` (matmuls, so Linear layers) is False. Where PyTorch is
+    imported fusekit follows those two switches as they are set; ``fusekit.configure(allow_tf32=...)``
+    or $FUSEKIT_ALLOW_TF32 overrides them.
     Float16 and bfloat16 keys, and graphs without a convolution or matmul, are not affected."""
 
     conv: bool = True  # conv_fprop, conv_dgrad, conv_wgrad (so transposed convolutions too)
@@ -156,14 +158,34 @@ def tf32_policy(value: Tf32Setting, name: str = "allow_tf32") -> Tf32Policy:
 _tf32_set: Tf32Policy | None = None  # what fusekit.configure(allow_tf32=...) set, if anything
 
 
+def torch_tf32_flags() -> tuple[bool, bool] | None:
+    """PyTorch's switches, (``torch.backends.cudnn.allow_tf32``, ``torch.backends.cuda.matmul.allow_tf32``;
+    the latter is what ``torch.set_float32_matmul_precision`` sets), once PyTorch is imported; else None.
+    Cheap enough for every call's dispatch key (two C getters)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return (torch._C._get_cudnn_allow_tf32(), torch._C._get_cublas_allow_tf32())
+    except AttributeError:  # a PyTorch without the getters: its public flags
+        try:
+            return (bool(torch.backends.cudnn.allow_tf32), bool(torch.backends.cuda.matmul.allow_tf32))
+        except AttributeError:  # PyTorch still importing
+            return None
+
+
 def allow_tf32() -> Tf32Policy:
     """The numerics policy in force: the one ``fusekit.configure(allow_tf32=...)`` set, else
-    $FUSEKIT_ALLOW_TF32, else PyTorch's defaults. SettingError if the variable is invalid. Read when
-    a call's plan key is made (its first call), so the policy is part of every plan key."""
+    $FUSEKIT_ALLOW_TF32, else PyTorch's own switches (:func:`torch_tf32_flags`) where PyTorch is
+    imported, else PyTorch's defaults. SettingError if the variable is invalid. Read when a call's plan
+    key is made; dispatch keys carry PyTorch's switches, so flipping one re-resolves the calls."""
     if _tf32_set is not None:
         return _tf32_set
-    raw = os.environ.get("FUSEKIT_ALLOW_TF32")
-    return Tf32Policy() if raw is None else tf32_policy(raw, "FUSEKIT_ALLOW_TF32")
+    raw = os.environ.get("FUSEKIT_ALLOW_TF32", "")
+    if raw.strip():  # set and not empty
+        return tf32_policy(raw, "FUSEKIT_ALLOW_TF32")
+    flags = torch_tf32_flags()
+    return Tf32Policy() if flags is None else Tf32Policy(conv=flags[0], matmul=flags[1])
 
 
 def set_allow_tf32(value: Tf32Setting) -> None:

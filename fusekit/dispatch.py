@@ -448,6 +448,7 @@ def _arrays_key(k: list, arrays: Sequence[Any]) -> tuple:
             k += SIGNATURES[type(a)](a)
     k.append(STREAMS[type(arrays[0])](k[device]))
     k.append(get_ident())
+    k.append(config.torch_tf32_flags())  # the numerics policy follows PyTorch's switches (config.allow_tf32)
     return tuple(k)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import sys
 import tracemalloc
 import warnings
 from collections import OrderedDict
@@ -268,7 +269,59 @@ def test_env_variable_is_read_when_asked(monkeypatch):
     assert any(p.startswith("FUSEKIT_ALLOW_TF32='fast' is invalid") for p in config.problems())
     assert ("FUSEKIT_ALLOW_TF32", "fast") in config.describe()
     monkeypatch.delenv("FUSEKIT_ALLOW_TF32")
-    assert dict(config.describe())["FUSEKIT_ALLOW_TF32"].startswith("(unset: conv")
+    assert dict(config.describe())["FUSEKIT_ALLOW_TF32"].startswith("(unset: PyTorch")
+
+
+def test_policy_follows_pytorchs_switches(world, monkeypatch):
+    """Unset, the policy is PyTorch's flags as they are now (cudnn.allow_tf32 for convolutions,
+    cuda.matmul.allow_tf32, which set_float32_matmul_precision sets, for matmuls); the variable and
+    configure() override them; without PyTorch imported, PyTorch's defaults."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv("FUSEKIT_ALLOW_TF32", raising=False)
+    fusekit.configure(disk=False)
+    cudnn_flag, matmul_precision = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("high")
+        assert config.torch_tf32_flags() == (False, True)
+        assert config.allow_tf32() == config.Tf32Policy(conv=False, matmul=True)
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("highest")
+        assert config.allow_tf32() == config.Tf32Policy(conv=True, matmul=False)
+        torch.backends.cudnn.allow_tf32 = False
+        monkeypatch.setenv("FUSEKIT_ALLOW_TF32", "all")
+        assert config.allow_tf32() == config.Tf32Policy(True, True)
+        monkeypatch.delenv("FUSEKIT_ALLOW_TF32")
+        fusekit.configure(disk=False, allow_tf32="conv")
+        assert config.allow_tf32() == config.Tf32Policy(conv=True, matmul=False)
+        fusekit.configure(disk=False)
+        assert config.allow_tf32() == config.Tf32Policy(conv=False, matmul=False)
+        monkeypatch.delitem(sys.modules, "torch")
+        assert config.torch_tf32_flags() is None and config.allow_tf32() == config.Tf32Policy()
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn_flag
+        torch.set_float32_matmul_precision(matmul_precision)
+
+
+def test_dispatch_keys_carry_pytorchs_switches(monkeypatch):
+    """A call resolved under one setting of PyTorch's flags is not reused under another: the
+    dispatch key ends with the flags."""
+    from fusekit import dispatch
+
+    flags = [(True, False)]
+    monkeypatch.setattr(config, "torch_tf32_flags", lambda: flags[0])
+    monkeypatch.setitem(dispatch.SIGNATURES, _Sig, lambda a: [a.shape, (3, 1), "float16", a.device, 0])
+    monkeypatch.setitem(dispatch.STREAMS, _Sig, lambda device: 0)
+    a = _Sig((2, 3), 0)
+    k1 = dispatch._fast_key("conv_bias", (), (), (a,), (a,), True)
+    flags[0] = (False, False)
+    k2 = dispatch._fast_key("conv_bias", (), (), (a,), (a,), True)
+    assert k1 != k2 and k1[-1] == (True, False) and k2[-1] == (False, False)
+
+
+class _Sig:
+    def __init__(self, shape, device):
+        self.shape, self.device = shape, device
 
 
 def test_configure_sets_the_policy_over_the_environment(world, monkeypatch):

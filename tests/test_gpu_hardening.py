@@ -84,6 +84,39 @@ def test_float32_linear_is_ieee_or_says_it_is_not():
         assert res["pattern_err"] < 1e-5, f"float32 linear_bias at {res['pattern_err']:.2e} relative error with no NumericsWarning: {res}"
 
 
+def test_fusekit_torch_follows_pytorchs_tf32_switches():
+    """With torch.backends.cudnn.allow_tf32 = False (no FUSEKIT_ALLOW_TF32, no configure), a float32
+    fusekit.torch.Conv2d with a fused ReLU gives IEEE float32 results, forward and backward, as
+    PyTorch's does; switched back on, the same module's plans are TF32 again (a new dispatch key)."""
+    res = child("""
+        import json, torch, fusekit, fusekit.torch as ft
+        torch.manual_seed(0)
+        conv = ft.Conv2d(32, 64, 3, padding=1, activation="relu").cuda()
+        x = torch.randn(4, 32, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+        w, b = conv.weight.detach().double(), conv.bias.detach().double()
+        xd = x.detach().double().requires_grad_()
+        ref = torch.relu(torch.nn.functional.conv2d(xd, w, b, padding=1))
+        g = torch.randn_like(ref)
+        ref.backward(g)
+        def run():
+            x.grad = None
+            y = conv(x)
+            y.backward(g.float())
+            torch.cuda.synchronize()
+            rel = lambda a, r: float((a.double() - r).norm() / r.norm())
+            key = fusekit.plan_for("conv_bias_relu", x.detach(), conv.weight.detach(), conv.bias.detach(), padding=(1, 1)).key
+            return dict(fwd=rel(y, ref), dx=rel(x.grad, xd.grad), tf32=key.tf32)
+        torch.backends.cudnn.allow_tf32 = False
+        off = run()
+        torch.backends.cudnn.allow_tf32 = True
+        on = run()
+        print(json.dumps(dict(off=off, on=on)))
+    """, FUSEKIT_ALLOW_TF32="")
+    assert res["off"]["tf32"] is False and res["on"]["tf32"] is True, res
+    assert res["off"]["fwd"] < 1e-5 and res["off"]["dx"] < 1e-4, res  # IEEE float32 (TF32: ~5e-4 forward)
+    assert res["on"]["fwd"] < 5e-3, res
+
+
 def test_policy_is_part_of_the_key_and_chooses_the_plans():
     """Under each policy: float32 conv and Linear keys record it; IEEE keys give float32 accuracy
     (under 5e-5 for the conv, whose IEEE engines include Winograd; TF32 gives ~5e-4) or warn;
