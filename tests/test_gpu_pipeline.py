@@ -379,12 +379,12 @@ def test_concatenations_are_written_in_place():
             if isinstance(mod, nn.BatchNorm2d):
                 mod.running_mean.uniform_(-1, 1)
                 mod.running_var.uniform_(0.5, 2)
-    pipe = fp.compile(m, torch.zeros(4, 8, 32, 32), dtype="float16")
+    pipe = fp.compile(m, torch.zeros(4, 8, 32, 32), dtype="float16", choose=False)  # cuDNN runs every fused stage
     cats = [e for s, e in zip(pipe.stages, pipe.engines) if s.attrs.get("op") == "cat"]
     assert cats and all(e == "in place (no copy)" for e in cats), cats
     assert pipe.memory_plan.alias and pipe.memory_plan.conflicts() == []
     convs = [e for s, e in zip(pipe.stages, pipe.engines) if s.pattern.startswith("conv") and s.output in pipe.memory_plan.alias]
-    assert convs and not any(e.startswith("torch") for e in convs), convs  # cuDNN writes the slices
+    assert convs and not any(e.startswith("torch") for e in convs), convs  # cuDNN wrote the slices (none refused)
     x = torch.randn(4, 8, 32, 32, device="cuda")
     for _ in range(2):  # replays reuse the buffers
         y, want = pipe(x).double(), m.double()(x.double())

@@ -11,6 +11,9 @@ from ..tensors import adapter_for
 from .common import tag
 from .norm import affine_identity, channel_vectors
 
+_CONV_ATTRS = ("padding", "stride", "dilation", "groups")
+_ACT_ATTRS = ("activation", "alpha")
+
 
 def hardswish_constants(x: Any, c: int) -> tuple[Any, Any]:
     """(1/6, 1/2) as float32 channel vectors of ``c`` channels in x's array library and device (cached):
