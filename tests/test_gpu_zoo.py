@@ -98,8 +98,8 @@ def test_conv_bias_hardswish_with_channel_constants_against_oracle(groups):
     via = ops.conv_bias_act(x, w, b, activation="hardswish", padding=1, groups=groups)
     pt = torch.nn.functional.hardswish(torch.nn.functional.conv2d(x.double(), w.double(), b.double(), padding=1, groups=groups))
     torch.cuda.synchronize()
-    assert _rel(pt, want) < 1e-12
     assert _rel(got, want) < 5e-3 and _rel(via, want) < 5e-3
+    assert _rel(pt, want) < 1e-7  # the oracle reads the constants as given: 1/6 rounded to float32
     assert got.is_contiguous(memory_format=torch.channels_last)
 
 
