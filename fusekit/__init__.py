@@ -19,6 +19,7 @@ from .engine.autotune import TuneOptions, TuneResult, autotune, autotune_shapes
 from .engine.cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
 from .engine.patterns import Pattern, get_pattern, list_patterns, load_pattern, parse_pattern
 from .errors import (
+    ArityError,
     CacheWarning,
     CaptureError,
     FusekitError,
@@ -62,7 +63,7 @@ __all__ = [
     "__version__",
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
     "autotune", "autotune_shapes", "configure",
-    "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
+    "ArityError", "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
     "CacheWarning", "CaptureError", "FusionWarning", "LayoutWarning", "PatternWarning", "SettingError",
     "NumericsWarning", "WorkspaceWarning",
     "call", "conv2d", "conv_bias", "conv_bias_relu", "plan_for", "release", "default_cache",

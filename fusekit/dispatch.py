@@ -41,7 +41,7 @@ from .engine.patterns import Pattern, get_pattern
 from .engine.planner import planner
 from .engine.lower import load_cudnn
 from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory, versions
-from .errors import CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
+from .errors import ArityError, CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
 from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter_for, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch", "taped"]
@@ -473,7 +473,7 @@ def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, ou
     if c is None:
         pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
         if len(operands) != len(pat.operands):
-            raise TypeError(f"{name} takes {len(pat.operands)} array operands {pat.operand_names}, got {len(operands)}")
+            raise ArityError(f"{name} takes {len(pat.operands)} array operands {pat.operand_names}, got {len(operands)}")
         operands = tuple(as_device_array(a, name, o.name) for a, o in zip(operands, pat.operands))
         outs = tuple(as_device_array(a, name, f"out[{i}]") for i, a in enumerate(outs))
         if not alloc and len(outs) != len(pat.outputs):

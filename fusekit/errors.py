@@ -26,6 +26,10 @@ class OperandError(FusekitError, ValueError):
         self.operand = operand
 
 
+class ArityError(FusekitError, TypeError):
+    """A pattern called with the wrong number of array operands."""
+
+
 class UnsupportedError(FusekitError):
     """cuDNN has no engine for a graph (after every fallback fusekit knows)."""
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from .. import config
-from ..errors import CacheWarning, FusekitError
+from ..errors import CacheWarning, FusekitError, SettingError
 from ..tensors import TensorSpec
 
 DEFAULT_HEURISTICS: tuple[str, ...] = ("A", "FALLBACK")
@@ -796,6 +796,8 @@ def configure(
     config.tf32_policy(allow_tf32)  # checked before anything changes
     if maxsize is not None:
         maxsize = config.checked_cache_size(maxsize)
+    if mode is not None and mode not in MODES:
+        raise SettingError("mode", mode, f"one of {', '.join(MODES)}")
     if cache_dir is not None and disk:
         cache_dir = config.checked_cache_dir(cache_dir)
     new = PlanCache(maxsize=maxsize, store=DiskStore(cache_dir) if disk else None, mode=mode)

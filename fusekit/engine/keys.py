@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..errors import OperandError
+from ..errors import ArityError, OperandError
 from ..tensors import ITEMSIZE, LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, logical_shape, make_spec, view_shape
 from .cache import PlanKey
 from .lower import COMPUTE_DTYPE, tf32_allowed
@@ -24,7 +24,7 @@ def check_operands(
     """Check every operand (and given output) against the pattern: (specs, attrs, alignments, adapter)."""
     name = pattern.name
     if len(operands) != len(pattern.operands):
-        raise TypeError(f"{name} takes {len(pattern.operands)} array operands {pattern.operand_names}, got {len(operands)}")
+        raise ArityError(f"{name} takes {len(pattern.operands)} array operands {pattern.operand_names}, got {len(operands)}")
     specs: dict[str, TensorSpec] = {}
     aligns = []
     first: tuple[str, TensorSpec] | None = None

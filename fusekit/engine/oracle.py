@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import OperandError
+from ..errors import ArityError, OperandError
 from .patterns import OPS, Pattern, get_pattern
 from ..tensors import logical_shape, view_shape
 
@@ -211,7 +211,7 @@ def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.n
         raise OperandError("oracle", "pattern", f"expected a pattern name or Pattern, got {type(pattern).__name__} {pattern!r}", what="argument")
     pat = get_pattern(pattern) if isinstance(pattern, str) else pattern
     if len(operands) != len(pat.operands):
-        raise TypeError(f"{pat.name} takes {len(pat.operands)} operands {pat.operand_names}, got {len(operands)}")
+        raise ArityError(f"{pat.name} takes {len(pat.operands)} operands {pat.operand_names}, got {len(operands)}")
     norm = dict(pat.normalize_attrs(attrs))
     env: dict[str, np.ndarray] = {}
     for o, a in zip(pat.operands, operands):

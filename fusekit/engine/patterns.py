@@ -485,7 +485,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     unknown = set(doc) - _TOP_KEYS
     need(not unknown, f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
     name = doc.get("name")
-    need(isinstance(name, str) and name.isidentifier(), "'name' must be an identifier string")
+    need(isinstance(name, str) and name.isidentifier(), f"'name' must be an identifier string, got {name!r}")
     source = source if source != "<memory>" else name
 
     operands = []
@@ -566,7 +566,7 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     for oname, spec in outputs.items():
         need(oname in produced, f"output '{oname}' is not produced by any op")
         like = spec.get("like") if isinstance(spec, dict) else None
-        need(isinstance(like, str) and like in raw_ops, f"output '{oname}' needs like = one of the operands {list(raw_ops)}")
+        need(isinstance(like, str) and like in raw_ops, f"output '{oname}' needs like = one of the operands {list(raw_ops)}, got {like!r}")
         out_map[oname] = like
         kind = spec.get("kind", {"matrix_t": "matrix"}.get(raw_ops[like]["kind"], raw_ops[like]["kind"]))
         need(kind in KINDS and kind != "matrix_t", f"output '{oname}' has unknown kind {kind!r}")
@@ -581,7 +581,8 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     for s in saved:
         need(s in defined, f"saved value {s!r} is not an operand or op output")
     backward = doc.get("backward", [])
-    need(isinstance(backward, list) and all(isinstance(x, str) for x in backward), "'backward' must be a list of pattern names")
+    need(isinstance(backward, list) and all(isinstance(x, str) and x.isidentifier() for x in backward),
+         f"'backward' must be a list of pattern names (identifiers), got {backward!r}")
     in_place = doc.get("in_place", {})
     need(
         isinstance(in_place, dict) and all(k in out_map and v in {o.name for o in operands} for k, v in in_place.items()),

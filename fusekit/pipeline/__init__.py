@@ -13,8 +13,10 @@ offers ``reference(x)`` (float64 NumPy evaluation of the stages) and ``memory_pl
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+from ..errors import OperandError
 from .ir import Program, Ref, Stage
 from .memory import MemoryPlan, plan_memory
 from .rules import RULES, Rule, lower
@@ -50,9 +52,26 @@ def trace(model: Any, example_input: Any = None) -> Program:
         return import_onnx(model, shape)
     from .fx_import import import_module
 
+    if not callable(getattr(model, "named_modules", None)):
+        raise OperandError("pipeline", "model", f"expected a torch nn.Module, a fusekit.nn.Sequential, an ONNX file or an "
+                           f"onnx.ModelProto, got {type(model).__name__}")
     if example_input is None:
         raise TypeError("pipeline.trace: a torch model needs an example input (tensor or shape)")
-    return import_module(model, example_input)
+    return import_module(model, example_input_shape(example_input))
+
+
+def example_input_shape(example_input: Any) -> tuple[int, ...]:
+    """The shape of an example input (an array, or a sequence of positive ints); OperandError otherwise."""
+    dims = getattr(example_input, "shape", example_input)
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__len__"):
+        raise OperandError("pipeline", "example_input", f"expected an array or a shape (a sequence of ints), got {example_input!r}")
+    try:
+        shape = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise OperandError("pipeline", "example_input", f"expected a shape of ints, got {tuple(dims)!r}") from None
+    if not shape or min(shape) < 1:
+        raise OperandError("pipeline", "example_input", f"expected a shape of positive ints, got {shape}")
+    return shape
 
 
 def lower_model(model: Any, example_input: Any = None) -> Program:

@@ -23,13 +23,16 @@ def load(model: Any) -> Any:
     """An ``onnx.ModelProto`` as is, or the model in a file; a missing or unparsable file is an OperandError."""
     import os
 
-    import onnx
-
-    if isinstance(model, onnx.ModelProto):
-        return model
+    if not isinstance(model, (str, bytes)) and not hasattr(model, "__fspath__"):
+        return model  # an onnx.ModelProto (only onnx makes one)
     path = os.fspath(model) if not isinstance(model, bytes) else model.decode(errors="replace")
     if not os.path.isfile(path):
         raise OperandError("pipeline", "model", f"an ONNX file or onnx.ModelProto; {path!r} is not a file")
+    try:
+        import onnx
+    except ImportError:
+        raise UnsupportedError(f"pipeline: reading the ONNX file {path!r} needs the onnx package "
+                               "(pip install -e \".[onnx]\")") from None
     try:
         m = onnx.load(path)
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends: say what the file is not
