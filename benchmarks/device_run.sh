@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one call of the device tool runs (see ../shared/device/README.md): install the carried
 # frontend wheel, then the requested parts, logs and results under $OUT.
-#   bash benchmarks/device_run.sh probes tests bench-conv bench-autotune bench-train bench-norm
+#   bash benchmarks/device_run.sh tests bench-conv bench-autotune bench-train bench-norm
 # Everything under $OUT is packed into $OUT/run.tgz at the end (KEEP_FILES=1: left as is).
 # realuse: the README's CLI jobs and examples/ as a new user runs them.
 # BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) and TEST_K (a pytest -k expression) narrow the test parts; tests-NAME runs tests/test_gpu_NAME.py alone.
@@ -17,10 +17,6 @@ if [ "${CAPTURE_WATCH:-1}" = 1 ]; then
 fi
 for part in "$@"; do
   case $part in
-    probes)
-      timeout 120 python3 benchmarks/probes/probe_autotune_api.py > "$OUT/probe_autotune.log" 2>&1
-      timeout 120 python3 benchmarks/probes/probe_norm_api.py > "$OUT/probe_norm.log" 2>&1
-      grep -E "^\[|plans|build|serialize|deserialize|equal|err|replay|filtered" "$OUT/probe_norm.log" "$OUT/probe_autotune.log" | cut -c1-220 | head -40 ;;
     probe-*)
       timeout ${PROBE_TIMEOUT:-120} python3 "benchmarks/probes/${part//-/_}.py" > "$OUT/${part}.log" 2>&1
       cut -c1-1200 "$OUT/${part}.log" | tail -20 ;;

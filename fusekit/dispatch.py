@@ -79,7 +79,7 @@ _LAST_OUT: dict[int, tuple[tuple[int, int], ...]] = {}
 
 def _fence_if_racing(c: _Call, arrays: Sequence[Any]) -> None:
     """Queue a fence kernel when an epilogue operand overlaps an output of the graph executed just
-    before on this stream. Seen on the H200 with cuDNN 9.19 (sixth session of 2026-12-03): a
+    before on this stream. On the H200 with cuDNN 9.19 a
     conv+bias+add+ReLU kernel started before the conv that wrote its residual had finished, when
     the two ran back to back in a CUDA graph (the output off by 1e-2); an ordinary kernel between
     them removed it. Fusekit cannot see other libraries' kernels in between: it fences anyway."""

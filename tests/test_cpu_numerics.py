@@ -413,7 +413,7 @@ def test_tf32_plan_is_chosen_when_the_policy_allows_it(world):
 
 
 def test_float32_key_with_only_tf32_plans_warns_once_per_key(world):
-    """The defect of issue 13 (a float32 Linear silently at TF32 error): now said, once per key,
+    """A float32 Linear whose only plans are TF32: now said, once per key,
     naming the pattern and the shapes."""
     world.plans = TF32_ONLY
     x, w, b = linear_operands()

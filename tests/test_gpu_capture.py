@@ -290,8 +290,8 @@ def test_first_call_of_a_thread_inside_capture_raises_capture_error():
 
 
 def test_instancenorm_backward_refuses_capture_and_runs_outside():
-    """instancenorm_backward declares not_capturable (cuDNN 9.19 left dgamma/dbeta unwritten on
-    replay, device run of 2026-12-03): inside a capture it raises CaptureError; outside it runs."""
+    """instancenorm_backward declares not_capturable (cuDNN 9.19 leaves dgamma/dbeta unwritten on
+    replay): inside a capture it raises CaptureError; outside it runs."""
     r = _run("""
         import torch, fusekit
         from fusekit import ops

@@ -156,7 +156,7 @@ def test_pattern_torch(pattern, shape, dtype, layout, rng):
 
 
 #: Residual-add convolutions with a 1x1 output: on NCHW x cuDNN 9.19 built them and returned garbage
-#: (found by the fuzzer on 2026-12-04; fusekit.engine.lower.untrusted runs them on channels-last copies).
+#: (found by the fuzzer; fusekit.engine.lower.untrusted runs them on channels-last copies).
 #: Four outputs are too few for a normwise error: on the H100 a float32 TF32 engine that truncates its
 #: inputs gave 2.2e-3 and 2.9e-3 normwise (replayed exactly on the host with truncated inputs; each
 #: element within 4.3e-4 of its magnitude), so these cases check every element against its own bound.

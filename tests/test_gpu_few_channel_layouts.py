@@ -143,8 +143,7 @@ def test_transposed_conv_to_three_channels_matches_float64(mode, lib, dtype, rou
 @pytest.mark.alone  # times the GPU: other processes' kernels would be in its figures
 def test_cupy_first_call_timing_reads_gpu_time_as_torch_does():
     """fused_or_split times both routes with Adapter.device_ms: on CuPy arrays it read the host's
-    launch rate (a 22 us dgrad timed 104 us, 5x torch's figure for the same graph, device call 2 of
-    the eleventh session); with a spin kernel queued first it reads GPU time, as on torch tensors."""
+    launch rate (a 22 us dgrad timed 104 us, 5x torch's figure for the same graph); with a spin kernel queued first it reads GPU time, as on torch tensors."""
     cp = pytest.importorskip("cupy")
     from fusekit.tensors import library
 

@@ -1,4 +1,4 @@
-"""GPU: the numerics policy on real plans (the float32 Linear of issue 13), a workspace the device
+"""GPU: the numerics policy on real plans (a float32 Linear must be IEEE or say it is not), a workspace the device
 has no room for (torch.cuda.set_per_process_memory_fraction, in a child process), eight threads on
 eight streams calling different keys at once, and a stream of new keys through a small plan cache.
 
@@ -45,8 +45,8 @@ def child(code: str, timeout: int = 300, **env: str) -> dict:
 # numerics policy
 # ----------------------------------------------------------------------------------------------
 def test_float32_linear_is_ieee_or_says_it_is_not():
-    """Issue 13: a float32 fusekit.torch.Linear (7x300 -> 77) came out at 2.9e-4 relative error
-    against float64 (TF32) without a word. Under the default policy (PyTorch's: no TF32 for
+    """A float32 fusekit.torch.Linear (7x300 -> 77) must not come out at TF32's error (2.9e-4 relative
+    to float64) without a word. Under the default policy (PyTorch's: no TF32 for
     matmuls) the module is IEEE float32 (~1e-6; it runs PyTorch's linear, cuDNN 9.19 having no IEEE
     float32 matmul plan), silently; the linear_bias pattern itself is IEEE or a NumericsWarning names the key."""
     res = child("""
@@ -366,8 +366,7 @@ def test_many_keys_through_a_small_cache_stay_bounded():
     """400 distinct keys through FUSEKIT_CACHE_SIZE=16: the memory cache and the dispatch table stay
     at 16, results stay right, host and device memory settle (benchmarks/bench_cache_memory.py
     measures 10,000 keys). The device figure is the whole GPU's used memory, so other processes
-    on the GPU must not run beside it (marked ``alone``: failed once in a five-shard device run,
-    passed alone on the same tree)."""
+    on the GPU must not run beside it (marked ``alone``: beside other GPU tests it fails)."""
     res = child("""
         import json, os, torch, fusekit
         from fusekit import dispatch
@@ -401,8 +400,8 @@ def test_float32_training_gradients_stay_within_tf32_error_under_the_default_pol
     under the default policy (TF32 convolutions, as PyTorch) every gradient is within TF32's error of
     a float64 copy, and plans that down-convert float32 inputs to 16 bits are filtered. The ReLUs are
     left out: with a random-sign upstream gradient, a TF32-sized change that flips a few ReLU masks
-    moves a bias gradient by ~1e-2 (the autoencoder bench's 1e-2 at batch 64, device run 3 of
-    2026-12-03: gone with TF32 off), which says nothing about the convolutions."""
+    moves a bias gradient by ~1e-2 (the autoencoder bench's 1e-2 at batch 64, gone with TF32
+    off), which says nothing about the convolutions."""
     import fusekit
     import fusekit.torch as ft
 

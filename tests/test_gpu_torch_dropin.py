@@ -1,4 +1,4 @@
-"""GPU: fusekit.torch as a drop-in for torch.nn (issue 12).
+"""GPU: fusekit.torch as a drop-in for torch.nn.
 
 - Each new argument (bias=False, groups, "same" / "valid" padding, non-zero padding modes, max-pool ceil_mode, transposed and Linear variants)
   forward and backward against torch.nn in float64 on the same rounded inputs and weights.

@@ -249,7 +249,7 @@ def _tiny_notebook(nbformat, path, fail=False):
 
 
 def test_execute_script_writes_copies_and_tagged_figures(tmp_path):
-    """notebooks/execute.py (what the device run calls): executed copies, PNGs of tagged cells only, exit codes."""
+    """notebooks/execute.py (what benchmarks/device_run.sh calls on a GPU): executed copies, PNGs of tagged cells only, exit codes."""
     import json
     import subprocess
     import sys
