@@ -13,7 +13,7 @@ Layers, each importing only from the ones below it:
 
 import sys as _sys
 
-from .config import __version__
+from .config import __version__, settings
 from .dispatch import call, plan_for, release
 from .engine.autotune import TuneOptions, TuneResult, autotune, autotune_shapes
 from .engine.cache import DiskStore, Plan, PlanCache, PlanKey, configure, default_cache
@@ -62,7 +62,7 @@ for _name, _mod in (("pool", pool), ("oracle", oracle), ("patterns", patterns)):
 __all__ = [
     "__version__",
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
-    "autotune", "autotune_shapes", "configure",
+    "autotune", "autotune_shapes", "configure", "settings",
     "ArityError", "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
     "CacheWarning", "CaptureError", "FusionWarning", "LayoutWarning", "PatternWarning", "SettingError",
     "NumericsWarning", "WorkspaceWarning",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -219,3 +220,66 @@ def problems() -> list[str]:
 def describe() -> list[tuple[str, str]]:
     """(variable, value or what applies when unset) for every setting (``fusekit doctor``)."""
     return [(var, os.environ.get(var, f"(unset: {unset})")) for var, (_, unset) in SETTINGS.items()]
+
+
+# ----------------------------------------------------------------------------------------------
+# tunables: knobs of the runtime's choices, read where they apply, overridden in a scope
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Tunables:
+    """The runtime's knobs, one home (read as ``config.TUNABLES.<name>``; change them in a scope with
+    :func:`settings`)."""
+
+    #: A split route (separate graphs) replaces the fused graph only when it measured at least this
+    #: fraction of the fused time (timing noise must not flip the choice).
+    split_margin: float = 0.97
+    #: Whether ``dispatch.taped`` replays recordings (False: it always runs the op).
+    tapes: bool = True
+    #: Recordings kept before the tape table starts over (keys that keep changing).
+    tape_limit: int = 4096
+    #: Whether calls execute through the frontend's raw-pointer entry (engine.lower.native_execute).
+    native_execute: bool = True
+    #: Channel counts below this run reductions on rows of several pixels (ops.common.channel_rows).
+    row_channels: int = 32
+    #: Age in seconds after which a store's temporary file counts as left over by a dead writer.
+    leftover_age_s: float = 600.0
+
+
+TUNABLES = Tunables()
+
+_TUNABLE_CHECKS: dict[str, tuple[type, float, float]] = {  # name -> (type, lowest, highest)
+    "split_margin": (float, 0.0, 1.0), "tape_limit": (int, 1, 10**7), "row_channels": (int, 1, 4096),
+    "leftover_age_s": (float, 0.0, 10**9),
+}
+
+
+def _checked_tunable(name: str, value: object) -> object:
+    if name not in _TUNABLE_CHECKS:  # a switch
+        if not isinstance(value, bool):
+            raise SettingError(name, value, "True or False")
+        return value
+    kind, lo, hi = _TUNABLE_CHECKS[name]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    if not ok or not lo <= float(value) <= hi:
+        raise SettingError(name, value, f"{'a number' if kind is float else 'an integer'} from {lo:g} to {hi:g}")
+    return kind(value)
+
+
+@contextmanager
+def settings(**overrides: object) -> Iterator[Tunables]:
+    """``with fusekit.settings(split_margin=0.9, tapes=False): ...``: the named :class:`Tunables`
+    take these values inside the block and their previous ones after it (process-wide, not per
+    thread). Unknown names and bad values raise SettingError before anything changes."""
+    known = {f.name for f in fields(Tunables)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise SettingError(unknown[0], overrides[unknown[0]], f"a tunable: one of {', '.join(sorted(known))}")
+    values = {k: _checked_tunable(k, v) for k, v in overrides.items()}
+    before = {k: getattr(TUNABLES, k) for k in values}
+    for k, v in values.items():
+        setattr(TUNABLES, k, v)
+    try:
+        yield TUNABLES
+    finally:
+        for k, v in before.items():
+            setattr(TUNABLES, k, v)

@@ -564,14 +564,10 @@ _SPLIT: set[tuple] = set()
 #: outside a capture, once per plan mode ("heuristic" plans and autotuned ones can rank differently),
 #: and kept in the plan cache's disk store, where a later process finds it instead of timing again.
 FUSION_TIMES: dict[tuple, tuple[float, float]] = {}
-#: A split runs instead of the fused graph only when it measured at least this much faster.
-SPLIT_MARGIN = 0.97
 
 
 # Recorded dispatch ("tapes")
 # ----------------------------------------------------------------------------------------------
-#: Whether :func:`taped` replays recordings (False: it always runs the op; probes and tests flip it).
-TAPES = True
 #: Recordings that must agree before a tape replays (the first calls of a key resolve plans and time
 #: fused against split graphs, and run other graphs than later ones).
 _AGREE = 2
@@ -694,7 +690,7 @@ def taped(key: tuple, op: Callable[[], Any], args: tuple) -> Any:
     ``op`` must write arrays only through fusekit calls (another write would not be replayed). An
     array it makes otherwise and passes to a call, or a result it makes itself, keeps it unrecorded.
     Tapes are dropped with the resolved calls (clear_dispatch, plan evictions)."""
-    if not TAPES:
+    if not config.TUNABLES.tapes:
         return op()
     ids = [id(a) for a in args]
     try:
@@ -718,15 +714,15 @@ def taped(key: tuple, op: Callable[[], Any], args: tuple) -> Any:
     elif last is not None and last.same(tape) and n + 1 >= _AGREE:
         _TAPES[k] = tape
     else:
-        if len(_TAPES) >= 4096:  # keys that keep changing (a momentum of 1 / steps): start over
+        if len(_TAPES) >= config.TUNABLES.tape_limit:  # keys that keep changing (a momentum of 1 / steps): start over
             _TAPES.clear()
         _TAPES[k] = (tape, n + 1)
     return result
 
 
 def _split_wins(t: tuple[float, float]) -> bool:
-    """Whether timings ``t`` = (fused ms, split ms) keep the split (:data:`SPLIT_MARGIN`)."""
-    return t[1] < SPLIT_MARGIN * t[0]
+    """Whether timings ``t`` = (fused ms, split ms) keep the split (``config.TUNABLES.split_margin``)."""
+    return t[1] < config.TUNABLES.split_margin * t[0]
 
 
 def fused_or_split(

@@ -11,7 +11,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from fusekit.engine.cache import LEFTOVER_AGE_S, DiskStore
+from fusekit.config import TUNABLES
+from fusekit.engine.cache import DiskStore
 from fusekit.cli import main
 
 
@@ -320,7 +321,7 @@ def _leftover(store: DiskStore, age_s: float, size: int, shard: str) -> os.PathL
 
 def test_ls_and_verify_report_leftovers(store):
     young = _leftover(store, 5, 1024, "ab")
-    old = _leftover(store, LEFTOVER_AGE_S + 60, 2048, "cd")
+    old = _leftover(store, TUNABLES.leftover_age_s + 60, 2048, "cd")
     r = invoke("cache", "ls", "--cache-dir", store.root)
     assert r.exit_code == 0, r.output
     assert set(_rows(r.output)) == {TUNED[:12], BUILT[:12]}
@@ -337,7 +338,7 @@ def test_ls_and_verify_report_leftovers(store):
 
 def test_clear_removes_stale_leftovers_only(store):
     young = _leftover(store, 5, 10, "ab")
-    old = _leftover(store, LEFTOVER_AGE_S + 60, 10, "cd")
+    old = _leftover(store, TUNABLES.leftover_age_s + 60, 10, "cd")
     r = invoke("cache", "clear", "--yes", "--cache-dir", store.root)
     assert r.exit_code == 0 and "removed 2 plans" in r.output and "(and 1 other file)" in r.output, r.output
     assert "kept 1 leftover temporary file" in r.output and "a write may still be in progress" in r.output  # says what it kept

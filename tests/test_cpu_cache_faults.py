@@ -16,7 +16,8 @@ from pathlib import Path
 import filelock
 import pytest
 
-from fusekit.engine.cache import LEFTOVER_AGE_S, CacheWarning, DiskStore, PlanCache
+from fusekit.config import TUNABLES
+from fusekit.engine.cache import CacheWarning, DiskStore, PlanCache
 
 from plankeys import key  # noqa: E402
 from test_cpu_store import Builder, _bad_files, _load, _no_build, _tmp_files, _write_entry  # noqa: E402
@@ -233,9 +234,9 @@ def test_leftovers_found_and_only_stale_ones_removed(tmp_path):
     store = DiskStore(tmp_path)
     _, entry = _write_entry(store, key())
     young = _leftover(store, 5, shard="ab")
-    old = _leftover(store, LEFTOVER_AGE_S + 60, shard="cd")
+    old = _leftover(store, TUNABLES.leftover_age_s + 60, shard="cd")
     assert store.leftovers() == sorted([young, old])
-    assert store.leftovers(LEFTOVER_AGE_S) == [old]
+    assert store.leftovers(TUNABLES.leftover_age_s) == [old]
     assert list(store.entries()) == [entry]  # not entries
     assert store.remove_leftovers() == [old]
     assert store.leftovers() == [young] and young.exists() and not old.exists()
@@ -246,7 +247,7 @@ def test_clear_keeps_a_live_writers_temp_file(tmp_path):
     store = DiskStore(tmp_path)
     _write_entry(store, key())
     young = _leftover(store, 5, shard="ab")
-    old = _leftover(store, LEFTOVER_AGE_S + 1, shard="cd")
+    old = _leftover(store, TUNABLES.leftover_age_s + 1, shard="cd")
     assert store.clear() == 1
     assert young.exists() and not old.exists()
 
@@ -291,7 +292,7 @@ def test_writer_killed_mid_write_leaves_a_leftover(tmp_path):
     assert left[0].stat().st_size == 1 << 16
     assert list(store.entries()) == [] and store.read(key()) is None
     assert store.remove_leftovers() == []  # young: it could be a live writer's
-    t = time.time() - LEFTOVER_AGE_S - 1
+    t = time.time() - TUNABLES.leftover_age_s - 1
     os.utime(left[0], (t, t))
     assert store.remove_leftovers() == left and store.leftovers() == []
 

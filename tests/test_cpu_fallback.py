@@ -182,7 +182,7 @@ def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, spl
     # the other plan mode decides for itself (its plans can rank the two the other way)
     cache.mode = "autotune" if mode == "heuristic" else "heuristic"
     times[fused], times[split] = split_ms, fused_ms
-    other = "split" if fused_ms < dispatch.SPLIT_MARGIN * split_ms else "fused"
+    other = "split" if fused_ms < fusekit.config.TUNABLES.split_margin * split_ms else "fused"
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == other
     assert len(dispatch.FUSION_TIMES) == 2 and dispatch.fusion_choice(tag, mode) == expect
 

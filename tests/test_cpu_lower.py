@@ -298,7 +298,7 @@ def test_native_execute_falls_back_to_graph_execute(monkeypatch, why):
 
     version = "1.33.0" if why == "other frontend" else "1.32.0"
     monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__=version))
-    monkeypatch.setattr(lower_mod, "NATIVE_EXECUTE", why != "switched off")
+    monkeypatch.setattr(fusekit.config.TUNABLES, "native_execute", why != "switched off")
     g = _FakeGraph(
         order=(1, 2, 3, 9) if why == "other slots" else (1, 2, 3), engine=object() if why == "python engine" else None,
         bindings={9: 1.0} if why == "own data" else None,

@@ -683,3 +683,38 @@ def test_refused_keys_are_remembered_within_the_cache_size_and_without_their_gra
     assert [str(w.message)[:38] for w in got] == ["fusekit: cuDNN has no NCHW engine for "]  # said once
     assert len(dispatch._NO_ENGINE) <= 4
     assert all(e.__traceback__ is None and e.__cause__ is None for e in dispatch._NO_ENGINE.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# tunables: one home, scoped overrides
+# ----------------------------------------------------------------------------------------------
+def test_settings_override_tunables_in_a_scope_and_restore_them():
+    """``with fusekit.settings(...)`` sets the named tunables inside the block only (also when the
+    block raises); the readers see the new values (the fused-or-split margin, here)."""
+    from fusekit import dispatch
+
+    before = config.TUNABLES.split_margin
+    with fusekit.settings(split_margin=0.5, tapes=False) as t:
+        assert t is config.TUNABLES and (t.split_margin, t.tapes) == (0.5, False)
+        assert dispatch._split_wins((1.0, 0.6)) is False and dispatch._split_wins((1.0, 0.4)) is True
+    assert config.TUNABLES.split_margin == before and config.TUNABLES.tapes is True
+    with pytest.raises(RuntimeError), fusekit.settings(row_channels=8):
+        assert config.TUNABLES.row_channels == 8
+        raise RuntimeError("inside")
+    assert config.TUNABLES.row_channels == 32
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"split_margn": 0.9}, r"split_margn=0.9 is invalid: expected a tunable: one of"),
+    ({"split_margin": 1.5}, r"split_margin=1.5 is invalid: expected a number from 0 to 1"),
+    ({"split_margin": float("nan")}, r"split_margin=nan is invalid"),
+    ({"tapes": "no"}, r"tapes='no' is invalid: expected True or False"),
+    ({"tape_limit": 2.5}, r"tape_limit=2.5 is invalid: expected an integer"),
+    ({"row_channels": 0}, r"row_channels=0 is invalid"),
+    ({"leftover_age_s": True}, r"leftover_age_s=True is invalid"),
+])
+def test_bad_settings_change_nothing(kw, match):
+    snapshot = dict(vars(config.TUNABLES))
+    with pytest.raises(SettingError, match=match), fusekit.settings(**{"tape_limit": 10, **kw}):
+        pass
+    assert dict(vars(config.TUNABLES)) == snapshot

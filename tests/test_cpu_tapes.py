@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import fusekit  # noqa: E402
 from fusekit import dispatch  # noqa: E402
 from fusekit.tensors import TorchAdapter  # noqa: E402
 from stand_in_calls import call, launcher  # noqa: E402
@@ -110,12 +111,11 @@ def test_tapes_off_and_cleared(fake, monkeypatch):
     dispatch.clear_dispatch()
     dispatch.taped(("sq",), lambda: op(x), (x,))
     assert len(ran) == 3, "clear_dispatch must drop the tapes (they hold resolved calls)"
-    monkeypatch.setattr(dispatch, "TAPES", False)
-    for _ in range(3):
-        dispatch.taped(("sq",), lambda: op(x), (x,))
+    with fusekit.settings(tapes=False):
+        for _ in range(3):
+            dispatch.taped(("sq",), lambda: op(x), (x,))
     assert len(ran) == 6
     monkeypatch.setattr(dispatch, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: True))
-    monkeypatch.setattr(dispatch, "TAPES", True)
     dispatch.clear_dispatch()
     for _ in range(3):
         dispatch.taped(("sq",), lambda: op(x), (x,))

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 from torchref import float64_nchw
 
+import fusekit
 from fusekit import ops
 from fusekit.ops import pool
 
@@ -123,7 +124,8 @@ def test_policy_is_part_of_the_key_and_chooses_the_plans():
     TF32-allowed keys never warn and stay within TF32's error."""
     res = child("""
         import json, warnings, torch, fusekit
-        from fusekit import ops
+        import fusekit
+from fusekit import ops
         torch.manual_seed(0)
         x = torch.randn(4, 32, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)
         w = (torch.randn(64, 32, 3, 3, device="cuda") / 17).contiguous(memory_format=torch.channels_last)
@@ -461,4 +463,4 @@ def test_first_call_times_fused_against_split_and_keeps_the_faster(monkeypatch, 
     kept = dispatch.fusion_choice(tag, mode)
     print(f"{dtype} {mode}: fused {t_fused * 1e3:.1f} us, split {t_split * 1e3:.1f} us -> {kept}")
     assert tag[0] == "conv_transpose_bias_relu" and timed_mode == mode and t_fused > 0 and t_split > 0
-    assert kept == ("split" if t_split < dispatch.SPLIT_MARGIN * t_fused else "fused")
+    assert kept == ("split" if t_split < fusekit.config.TUNABLES.split_margin * t_fused else "fused")

@@ -1076,6 +1076,7 @@ def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch):
     tv = pytest.importorskip("torchvision")
     import torch.nn.functional as F
 
+    import fusekit
     from fusekit import dispatch
 
     torch.manual_seed(0)
@@ -1085,7 +1086,7 @@ def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch):
     batches = [(cl(torch.randn(8, 3, 64, 64, device="cuda")), torch.randint(0, 10, (8,), device="cuda")) for _ in range(6)]
 
     def train(on):
-        monkeypatch.setattr(dispatch, "TAPES", on)
+        monkeypatch.setattr(fusekit.config.TUNABLES, "tapes", on)
         dispatch.clear_dispatch()
         fk.load_state_dict(init)
         opt = torch.optim.SGD(fk.parameters(), lr=0.05, momentum=0.9)

@@ -13,7 +13,8 @@ from typing import Any
 import click
 
 from fusekit import config
-from fusekit.engine.cache import LEFTOVER_AGE_S, DiskStore, Entry, EntryError, PlanKey
+from fusekit import config
+from fusekit.engine.cache import DiskStore, Entry, EntryError, PlanKey
 from fusekit.engine.patterns import get_pattern
 from fusekit.errors import FusekitError
 from fusekit.tensors import matches, nchw_strides, nhwc_strides, view_shape
@@ -103,7 +104,8 @@ def _files(sizes: list[int]) -> str:
     return f"{plural(len(sizes), 'leftover temporary file')} ({fmt_bytes(sum(sizes))})"
 
 
-_AGE = f"{LEFTOVER_AGE_S / 60:g} min"
+def _age() -> str:
+    return f"{config.TUNABLES.leftover_age_s / 60:g} min"
 
 
 def _scan(store: DiskStore) -> tuple[list[Entry], list[tuple[Path, str]]]:
@@ -213,7 +215,7 @@ def cache_ls(cache_dir: Path | None) -> None:
         con.print(f"{plural(n_bad, 'bad entry', 'bad entries')} (not listed): `fusekit cache verify` shows them, `--fix` moves them aside")
     left = _leftover_sizes(store)
     if left:
-        con.print(f"{_files(list(left.values()))} from interrupted writes: `fusekit cache verify` removes those older than {_AGE}")
+        con.print(f"{_files(list(left.values()))} from interrupted writes: `fusekit cache verify` removes those older than {_age()}")
 
 
 @cache_group.command("show")
@@ -275,7 +277,7 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
     n = sum(1 for _ in store.entries())
     others = sum(1 for p in store.plans_dir.glob("*/*") if p.suffix not in (".plan", ".tmp")) if store.plans_dir.is_dir() else 0
     others += sum(1 for p in store.fusion_dir.glob("*/*") if p.suffix != ".tmp") if store.fusion_dir.is_dir() else 0
-    others += len(store.leftovers(LEFTOVER_AGE_S))  # stale ones; clear() keeps a live writer's
+    others += len(store.leftovers(config.TUNABLES.leftover_age_s))  # stale ones; clear() keeps a live writer's
     if n == 0 and others == 0:
         click.echo(f"nothing to clear: no plans in {store.plans_dir}")
         return
@@ -285,7 +287,7 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
     click.echo(f"removed {plural(removed, 'plan')} from {store.plans_dir}" + (f" (and {plural(others, 'other file')})" if others else ""))
     kept = list(_leftover_sizes(store).values())
     if kept:
-        click.echo(f"kept {_files(kept)} younger than {_AGE}: a write may still be in progress")
+        click.echo(f"kept {_files(kept)} younger than {_age()}: a write may still be in progress")
 
 
 @cache_group.command("export")
@@ -354,9 +356,9 @@ def cache_verify(cache_dir: Path | None, fix: bool) -> None:
     removed = [sizes.get(p, 0) for p in store.remove_leftovers()]
     kept = list(_leftover_sizes(store).values())
     if removed:
-        click.echo(f"removed {_files(removed)} of interrupted writes (older than {_AGE})")
+        click.echo(f"removed {_files(removed)} of interrupted writes (older than {_age()})")
     if kept:
-        click.echo(f"kept {_files(kept)} younger than {_AGE}: a write may still be in progress")
+        click.echo(f"kept {_files(kept)} younger than {_age()}: a write may still be in progress")
     if not bad:
         also = f" and {plural(decisions, 'fused-or-split decision')}" if decisions else ""
         click.echo(f"checked {plural(total, 'stored plan')}{also} in {store.root}: none is bad")

@@ -38,7 +38,6 @@ from ..tensors import TensorSpec
 DEFAULT_HEURISTICS: tuple[str, ...] = ("A", "FALLBACK")
 #: Temporary files of interrupted writes older than this (seconds) are removed: no live writer
 #: leaves its temporary file untouched for so long.
-LEFTOVER_AGE_S = 600.0
 MODES = config.MODES
 #: /2: float32 convolution and matmul plans never down-convert inputs (entries of /1 may: rebuilt)
 ENTRY_FORMAT = "fusekit-plan/2"
@@ -458,9 +457,10 @@ class DiskStore:
                     found.append(p)
         return found
 
-    def remove_leftovers(self, min_age_s: float = LEFTOVER_AGE_S) -> list[Path]:
-        """Delete the leftovers untouched for ``min_age_s`` seconds (no live writer's); returns them."""
-        gone = self.leftovers(min_age_s)
+    def remove_leftovers(self, min_age_s: float | None = None) -> list[Path]:
+        """Delete the leftovers untouched for ``min_age_s`` seconds (default ``config.TUNABLES.leftover_age_s``;
+        no live writer's); returns them."""
+        gone = self.leftovers(config.TUNABLES.leftover_age_s if min_age_s is None else min_age_s)
         for p in gone:
             p.unlink(missing_ok=True)
         return gone

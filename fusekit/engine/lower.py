@@ -396,7 +396,6 @@ def build(
 
 
 #: Whether dispatch may execute through the frontend's native pointer-array entry (native_execute).
-NATIVE_EXECUTE = True
 
 
 def native_execute(graph: Any, uids: Sequence[int]) -> tuple | None:
@@ -409,7 +408,7 @@ def native_execute(graph: Any, uids: Sequence[int]) -> tuple | None:
 
     frontend 1.32 only (the entry is private): None for other versions, a python engine, a graph that
     binds data of its own, or slots other than ``uids``; the caller then uses ``graph.execute``."""
-    if not NATIVE_EXECUTE:
+    if not config.TUNABLES.native_execute:
         return None
     try:
         if not str(load_cudnn().__version__).startswith("1.32."):

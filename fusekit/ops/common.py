@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .. import config
 from ..dispatch import call, fused_or_split
 from ..tensors import TensorSpec, adapter_for, matches, nhwc_strides
 
 #: Per-channel sums over fewer channels than this read their channels-last operands as rows of
 #: several pixels (see :func:`_pixels_per_row`).
-ROW_CHANNELS = 32
 #: Convolution gradients whose few-channel side (the dgrad output, the wgrad image) is channels-last
 #: with more than one and fewer than this many channels also time a route through an NCHW copy
 #: (see :func:`few_channels_last`).
@@ -79,12 +79,12 @@ def bias_grad(dy: Any) -> Any:
 
 def _pixels_per_row(*arrays: Any) -> int:
     """k such that the per-channel sums of ``arrays`` (same shape, dense channels-last (N, C, H, W),
-    C < ROW_CHANNELS) run on their memory read as (N*H*W / k, k*C, 1, 1), the k*C sums folded to C;
+    C < config.TUNABLES.row_channels) run on their memory read as (N*H*W / k, k*C, 1, 1), the k*C sums folded to C;
     1 where that does not apply. cuDNN's reductions give each row of threads a tile of channels, most
     of it idle when C is a few: ReLU backward + bias gradient of a 64x3x64x64 float32 image took
     22.9 us, 9.2 us as rows of 16 pixels; 256x3x64x64 float16 64.9 -> 10.7 us (H200, probe_bias_grad_view)."""
     shape = arrays[0].shape
-    if len(shape) != 4 or not 0 < shape[1] < ROW_CHANNELS:
+    if len(shape) != 4 or not 0 < shape[1] < config.TUNABLES.row_channels:
         return 1
     n, c, h, w = (int(d) for d in shape)
     p, k = n * h * w, 1
@@ -92,7 +92,7 @@ def _pixels_per_row(*arrays: Any) -> int:
         return 1
     if not _dense_channels_last(*arrays):
         return 1
-    while k * c < ROW_CHANNELS and p % (2 * k) == 0:
+    while k * c < config.TUNABLES.row_channels and p % (2 * k) == 0:
         k *= 2
     return k
 
