@@ -575,7 +575,7 @@ def host_kernels(tmp_path_factory):
     libs = {}
     for dtype in pool.FLOAT_DTYPES:
         src, so = d / f"pool_{dtype}.cpp", d / f"pool_{dtype}.so"
-        src.write_text(SHIM + (HOST_F16 if dtype == "float16" else pool._PRELUDE[dtype]) + pool._BODY)
+        src.write_text(SHIM + (HOST_F16 if dtype == "float16" else pool.dtype_prelude(dtype)) + pool.kernel_file("pool.cu"))
         r = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", str(src), "-o", str(so)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
         libs[dtype] = ctypes.CDLL(str(so))
@@ -844,3 +844,23 @@ def test_reference_copies_are_nchw_whatever_the_strides_of_size1_dims(shape, rng
     assert y.stride() == tensors.nchw_strides(tuple(y.shape))
     y.backward(float64_nchw(torch.ones_like(y)))
     assert leaf.grad.stride() == tensors.nchw_strides(shape)
+
+
+def test_cuda_sources_ship_as_package_files():
+    """The kernels' CUDA C lives in fusekit/ops/kernels/ (package data, listed in pyproject.toml): every
+    storage dtype's prelude and both modules load, with their suffixes substituted."""
+    import tomllib
+    from pathlib import Path
+
+    from fusekit.ops import pool
+
+    for dt in pool.FLOAT_DTYPES:
+        src = pool.kernel_source(dt)
+        assert "$" not in src and "typedef" in src and 'extern "C" __global__ void max_pool_fwd(' in src
+        assert "typedef" in pool.dtype_prelude(dt, "_w") and "ld_w(" in pool.dtype_prelude(dt, "_w")
+    assert 'extern "C" __global__ void fold_batchnorm(' in pool.kernel_file("fold_batchnorm.cu")
+    with pytest.raises(ValueError, match="float64"):
+        pool.dtype_prelude("float64")
+    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    kernels = Path(pool.__file__).parent / "kernels"
+    assert shipped["fusekit.ops"] == ["kernels/*.cu", "kernels/*.cuh"] and sorted(p.suffix for p in kernels.iterdir()) == [".cu", ".cu", ".cuh", ".cuh", ".cuh"]

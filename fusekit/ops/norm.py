@@ -263,25 +263,6 @@ def channel_scale_shift_backward(
     return dx, dg, db
 
 
-_FOLD_BODY = r"""
-extern "C" __global__ void fold_batchnorm(
-    const T_w* w, const T_b* b, const T_p* gamma, const T_p* beta, const T_p* mean, const T_p* var, float eps,
-    long long per, long long n, int has_b, int affine, T_o* w_out, T_o* b_out) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)blockDim.x * gridDim.x) {
-        long long k = i / per;  // the output channel: the outermost dim of KCRS and KRSC alike
-        float s = rsqrtf(ld_p(var, k) + eps);
-        if (affine) s = ld_p(gamma, k) * s;
-        st_o(w_out, i, ld_w(w, i) * s);
-        if (i == k * per) {
-            float shift = ((has_b ? ld_b(b, k) : 0.0f) - ld_p(mean, k)) * s;
-            if (affine) shift += ld_p(beta, k);
-            st_o(b_out, k, shift);
-        }
-    }
-}
-"""
-
-
 def fold_batchnorm(
     w: Any, b: Any, mean: Any, var: Any, gamma: Any = None, beta: Any = None, epsilon: float = 1e-5, *, dtype: str | None = None,
 ) -> tuple[Any, Any]:
@@ -293,7 +274,7 @@ def fold_batchnorm(
     affine. The BN vectors share one float dtype (float32, or float16 / bfloat16 for a half model);
     w and b may each have any of the three.
     Run the result with :func:`conv_bias_relu` (or conv_bias, conv_bias_add_relu)."""
-    from .pool import FLOAT_DTYPES, _Launch, _operand, _same_place, cuda_function, dtype_prelude
+    from .pool import FLOAT_DTYPES, _Launch, _operand, _same_place, cuda_function, dtype_prelude, kernel_file
 
     P = "fold_batchnorm"
     wo = _operand(P, "w", w, (4,), FLOAT_DTYPES)
@@ -321,7 +302,7 @@ def fold_batchnorm(
     dtypes = (wo.dtype, bo.dtype if bo is not None else wo.dtype, pd, out)  # w, b, the BN vectors, the output
     with _Launch(P, wo) as L:  # (the module loads on w's device)
         kernel = cuda_function(
-            (P, *dtypes), lambda: "".join(dtype_prelude(d, s) for d, s in zip(dtypes, ("_w", "_b", "_p", "_o"))) + _FOLD_BODY, P)
+            (P, *dtypes), lambda: "".join(dtype_prelude(d, s) for d, s in zip(dtypes, ("_w", "_b", "_p", "_o"))) + kernel_file("fold_batchnorm.cu"), P)
         w2, w2v = L.empty_as(wo, out)  # w's very strides: a 1x1 or depthwise filter keeps the layout it came with
         b2, b2v = L.empty(vecs["var"], (k,), "ROW", out)
         v = {n: L.view(o) for n, o in vecs.items()}

@@ -1,0 +1,256 @@
+// Pooling and softmax kernels (fusekit.ops.pool); a dtype prelude (dtype_*.cuh) defines T, ld and st.
+#define GRID_LOOP(i, total) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (total); \
+         i += (long long)blockDim.x * gridDim.x)
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+
+// Element i of an (N, C, H, W) walk in memory order: c fastest when channels-last, else w.
+__device__ __forceinline__ void decode(long long i, int C, int H, int W, int cl, int& n, int& c, int& h, int& w) {
+    if (cl) { c = (int)(i % C); i /= C; w = (int)(i % W); i /= W; h = (int)(i % H); n = (int)(i / H); }
+    else    { w = (int)(i % W); i /= W; h = (int)(i % H); i /= H; c = (int)(i % C); n = (int)(i / C); }
+}
+
+// A window's taps along one axis: from its first tap inside the input (s), d apart, below e.
+__device__ __forceinline__ void taps(int o, int st, int p, int k, int d, int size, int& s, int& e) {
+    s = o * st - p;
+    e = imin(s + (k - 1) * d + 1, size);
+    if (s < 0) s += ((-s + d - 1) / d) * d;
+}
+
+// One thread per output; padding never wins; ties keep the first window position; NaN wins.
+extern "C" __global__ void max_pool_fwd(
+    const T* x, T* y, int* am, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, int cl, int want_idx) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo, hs, he, ws, we;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        taps(ho, sh, ph, kh, dh, H, hs, he);
+        taps(wo, sw, pw, kw, dw, W, ws, we);
+        const T* xp = x + (n * xn + c * xc);
+        float best = neg_inf();
+        int arg = hs * W + ws;
+        for (int h = hs; h < he; h += dh) {
+            for (int w = ws; w < we; w += dw) {
+                const float v = ld(xp, h * xh + w * xw);
+                if (v > best || v != v) { best = v; arg = h * W + w; }
+            }
+        }
+        const long long o = n * yn + c * yc + ho * yh + wo * yw;
+        st(y, o, best);
+        if (want_idx) am[o] = arg;
+    }
+}
+
+// Inference max pooling of dense channels-last x into dense channels-last y, no argmax: one thread
+// per (n, ho, wo, 16-byte channel group), 16-byte loads and stores, 32-bit index math (the host
+// checks that N*Ho*Wo*C/VEC fits an int and that C is a multiple of VEC). Same values as
+// max_pool_fwd: padding never wins, NaN wins.
+#define VEC (16 / (int)sizeof(T))
+union Pack { uint4 u; T e[VEC]; };
+
+extern "C" __global__ void max_pool_fwd_nhwc_vec(
+    const T* x, T* y, int total, int C, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, int ph, int pw,
+    int dh, int dw) {
+    const int groups = C / VEC;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const int g = i % groups;
+        int t = i / groups;
+        const int wo = t % Wo; t /= Wo;
+        const int ho = t % Ho;
+        const int n = t / Ho;
+        int hs, he, ws, we;
+        taps(ho, sh, ph, kh, dh, H, hs, he);
+        taps(wo, sw, pw, kw, dw, W, ws, we);
+        float best[VEC];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) best[j] = neg_inf();
+        const T* xn = x + (long long)n * H * W * C + g * VEC;
+        for (int h = hs; h < he; h += dh) {
+            for (int w = ws; w < we; w += dw) {
+                Pack v;
+                v.u = *reinterpret_cast<const uint4*>(xn + ((long long)h * W + w) * C);
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float f = ld(v.e, j);
+                    if (f > best[j] || f != f) best[j] = f;
+                }
+            }
+        }
+        Pack o;
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) st(o.e, j, best[j]);
+        *reinterpret_cast<uint4*>(y + (((long long)n * Ho + ho) * Wo + wo) * C + g * VEC) = o.u;
+    }
+}
+
+// One thread per dy element: atomicAdd of dy into acc (float32, zeroed) at its argmax.
+template <typename I>
+__device__ __forceinline__ void max_pool_bwd(
+    const T* dy, const I* am, float* acc, long long total, int C, int Ho, int Wo, int H, int W,
+    long long dn, long long dc, long long dh, long long dw,
+    long long an, long long ac, long long ah, long long aw,
+    long long gn, long long gc, long long gh, long long gw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        const long long a = (long long)am[n * an + c * ac + ho * ah + wo * aw];
+        if (a < 0 || a >= (long long)H * W) continue;  // not an index into the plane: dropped
+        const int h = (int)(a / W), w = (int)(a % W);
+        atomicAdd(acc + (n * gn + c * gc + h * gh + w * gw), ld(dy, n * dn + c * dc + ho * dh + wo * dw));
+    }
+}
+
+#define MAX_POOL_BWD(NAME, I) \
+extern "C" __global__ void NAME( \
+    const T* dy, const I* am, float* acc, long long total, int C, int Ho, int Wo, int H, int W, \
+    long long dn, long long dc, long long dh, long long dw, \
+    long long an, long long ac, long long ah, long long aw, \
+    long long gn, long long gc, long long gh, long long gw, int cl) { \
+    max_pool_bwd<I>(dy, am, acc, total, C, Ho, Wo, H, W, dn, dc, dh, dw, an, ac, ah, aw, gn, gc, gh, gw, cl); \
+}
+MAX_POOL_BWD(max_pool_bwd_i32, int)
+MAX_POOL_BWD(max_pool_bwd_i64, long long)
+
+extern "C" __global__ void cast_f32(const float* a, T* o, long long total) {
+    GRID_LOOP(i, total) st(o, i, a[i]);
+}
+
+// PyTorch's divisor: the window clipped to the padded input (count_include_pad) or to the input;
+// div_override > 0 replaces it (divisor_override).
+__device__ __forceinline__ int avg_window(int ho, int wo, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw,
+                                          int cip, int div_override, int& hs, int& he, int& ws, int& we) {
+    hs = ho * sh - ph; ws = wo * sw - pw;
+    he = imin(hs + kh, H + ph); we = imin(ws + kw, W + pw);
+    const int padded = (he - hs) * (we - ws);
+    hs = imax(hs, 0); ws = imax(ws, 0); he = imin(he, H); we = imin(we, W);
+    return div_override > 0 ? div_override : cip ? padded : (he - hs) * (we - ws);
+}
+
+extern "C" __global__ void avg_pool_fwd(
+    const T* x, T* y, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int cip, int div_override,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo, hs, he, ws, we;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, div_override, hs, he, ws, we);
+        const T* xp = x + (n * xn + c * xc);
+        float s = 0.f;
+        for (int h = hs; h < he; ++h)
+            for (int w = ws; w < we; ++w) s += ld(xp, h * xh + w * xw);
+        st(y, n * yn + c * yc + ho * yh + wo * yw, s / (float)div);
+    }
+}
+
+// One thread per input element, gathering from the windows that cover it (deterministic).
+extern "C" __global__ void avg_pool_bwd(
+    const T* dy, T* dx, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int cip, int div_override,
+    long long dn, long long dc, long long dh, long long dw,
+    long long xn, long long xc, long long xh, long long xw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, h, w;
+        decode(i, C, H, W, cl, n, c, h, w);
+        const int hos = (h + ph < kh) ? 0 : (h + ph - kh) / sh + 1, hoe = imin((h + ph) / sh + 1, Ho);
+        const int wos = (w + pw < kw) ? 0 : (w + pw - kw) / sw + 1, woe = imin((w + pw) / sw + 1, Wo);
+        const T* dp = dy + (n * dn + c * dc);
+        float s = 0.f;
+        for (int ho = hos; ho < hoe; ++ho) {
+            for (int wo = wos; wo < woe; ++wo) {
+                int hs, he, ws, we;
+                const int div = avg_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw, cip, div_override, hs, he, ws, we);
+                s += ld(dp, ho * dh + wo * dw) / (float)div;
+            }
+        }
+        st(dx, n * xn + c * xc + h * xh + w * xw, s);
+    }
+}
+
+// Softmax family over rows of length L (axis stride aL/bL/qL); a row's other three indices come
+// from r with o2 fastest. mode 0: softmax(a); 1: log_softmax(a); 2: softmax backward (a = y,
+// b = dy); 3: log_softmax backward (a = y, b = dy). Output to q.
+#define ROW_ARGS \
+    const T* a, const T* b, T* q, long long rows, int L, int o1, int o2, \
+    long long a0, long long a1, long long a2, long long aL, \
+    long long b0, long long b1, long long b2, long long bL, \
+    long long q0, long long q1, long long q2, long long qL, int mode
+
+#define ROW_POINTERS(r) \
+    const long long i2 = (r) % o2, t_ = (r) / o2, i1 = t_ % o1, i0 = t_ / o1; \
+    const T* pa = a + (i0 * a0 + i1 * a1 + i2 * a2); \
+    const T* pb = b + (i0 * b0 + i1 * b1 + i2 * b2); \
+    T* pq = q + (i0 * q0 + i1 * q1 + i2 * q2);
+
+// One thread per row (rows adjacent in memory go to adjacent threads).
+extern "C" __global__ void softmax_rows(ROW_ARGS) {
+    GRID_LOOP(r, rows) {
+        ROW_POINTERS(r)
+        if (mode < 2) {
+            float m = neg_inf();
+            for (int k = 0; k < L; ++k) m = fmaxf(m, ld(pa, k * aL));
+            float s = 0.f;
+            for (int k = 0; k < L; ++k) s += expf(ld(pa, k * aL) - m);
+            if (mode == 0) {
+                const float inv = 1.f / s;
+                for (int k = 0; k < L; ++k) st(pq, k * qL, expf(ld(pa, k * aL) - m) * inv);
+            } else {
+                const float lse = logf(s);
+                for (int k = 0; k < L; ++k) st(pq, k * qL, (ld(pa, k * aL) - m) - lse);
+            }
+        } else {
+            float s = 0.f;
+            for (int k = 0; k < L; ++k) s += mode == 2 ? ld(pb, k * bL) * ld(pa, k * aL) : ld(pb, k * bL);
+            for (int k = 0; k < L; ++k) {
+                const float yv = ld(pa, k * aL), g = ld(pb, k * bL);
+                st(pq, k * qL, mode == 2 ? yv * (g - s) : g - expf(yv) * s);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+}
+
+// One warp per row, lanes striding along it (for rows contiguous in memory). blockDim % 32 == 0.
+extern "C" __global__ void softmax_rows_warp(ROW_ARGS) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = blockDim.x >> 5;
+    for (long long r = (long long)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += warps * gridDim.x) {
+        ROW_POINTERS(r)
+        if (mode < 2) {
+            float m = neg_inf();
+            for (int k = lane; k < L; k += 32) m = fmaxf(m, ld(pa, k * aL));
+            m = warp_max(m);
+            float s = 0.f;
+            for (int k = lane; k < L; k += 32) s += expf(ld(pa, k * aL) - m);
+            s = warp_sum(s);
+            if (mode == 0) {
+                const float inv = 1.f / s;
+                for (int k = lane; k < L; k += 32) st(pq, k * qL, expf(ld(pa, k * aL) - m) * inv);
+            } else {
+                const float lse = logf(s);
+                for (int k = lane; k < L; k += 32) st(pq, k * qL, (ld(pa, k * aL) - m) - lse);
+            }
+        } else {
+            float s = 0.f;
+            for (int k = lane; k < L; k += 32) s += mode == 2 ? ld(pb, k * bL) * ld(pa, k * aL) : ld(pb, k * bL);
+            s = warp_sum(s);
+            for (int k = lane; k < L; k += 32) {
+                const float yv = ld(pa, k * aL), g = ld(pb, k * bL);
+                st(pq, k * qL, mode == 2 ? yv * (g - s) : g - expf(yv) * s);
+            }
+        }
+    }
+}
