@@ -153,7 +153,11 @@ def test_shufflenet_convnext_and_vit_lower_and_match():
     for name, shape in (("shufflenet_v2_x0_5", (1, 3, 64, 64)), ("convnext_tiny", (1, 3, 32, 32))):
         torch.manual_seed(0)
         prog = _check(_randomize_bn(tv.models.get_model(name, weights=None)), shape)
-        assert prog.fallbacks  # permutes, LayerNorms, chunks: PyTorch runs them, the rest is fused
+        pats = [s.pattern for s in prog.stages]
+        if name == "convnext_tiny":  # every LayerNorm over channels (stem, 18 blocks, 3 downsamplings, head) is a layer-norm graph
+            assert pats.count("layernorm") == 23 and not prog.fallbacks, prog.fallbacks
+        else:
+            assert prog.fallbacks  # chunks, shuffles and concatenations: PyTorch runs them, the rest is fused
     torch.manual_seed(0)
     vit = tv.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
     _check(vit, (1, 3, 32, 32))  # MultiheadAttention returns (output, weights): its first item is a stage
@@ -242,9 +246,9 @@ def test_convnext_block_lowers_to_channel_ops_without_permutes(scale_shape):
     m = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), _LayerNorm2d(16), _CNBlock(16, scale_shape), _CNBlock(16, scale_shape)).eval()
     prog = _check(m, (2, 3, 32, 32))
     pats = [s.pattern for s in prog.stages]
-    assert pats == ["conv_bias", "torch"] + ["conv_bias", "torch", "conv_bias_act", "conv_bias_add"] * 2, pats
+    assert pats == ["conv_bias", "layernorm"] + ["conv_bias", "layernorm", "conv_bias_act", "conv_bias_add"] * 2, pats
     assert [s.attrs["act"][0] for s in prog.stages if s.pattern == "conv_bias_act"] == ["gelu", "gelu"]
-    assert {s.attrs["op"] for s in prog.stages if s.fallback} == {"LayerNorm (channels)"}
+    assert not prog.fallbacks
 
 
 def test_channels_last_value_read_by_an_op_without_a_rule_is_made_real():
@@ -361,3 +365,24 @@ def test_channel_shuffle_is_one_stage(contiguous, back):
     prog = _check(Shuffle().eval(), (2, 3, 6, 6))
     assert [s.attrs.get("op") for s in prog.stages if s.fallback] == ["channel_shuffle"], str(prog)
     assert len(prog.stages) == 3  # conv, shuffle, relu
+
+
+def test_channel_layer_norm_stage_matches_pytorch_and_its_rows_view():
+    """A cln stage: PyTorch's run (what the pipeline checks cuDNN's against) and the float64 oracle on
+    the image read as rows of channels both give F.layer_norm over the channels."""
+    from fusekit.engine import oracle
+    from fusekit.pipeline.ir import Stage, channel_rows, from_channel_rows, fused_operands, run_torch_stage
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, 3, 4))
+    g, b = rng.uniform(0.5, 1.5, 5), rng.uniform(-0.5, 0.5, 5)
+    s = Stage("cln", ["x"], "y", pattern="layernorm", weights={"gamma": g, "beta": b}, attrs={"eps": 1e-6}, out_shape=x.shape)
+    want = torch.nn.functional.layer_norm(torch.from_numpy(x).permute(0, 2, 3, 1), (5,), torch.from_numpy(g), torch.from_numpy(b), 1e-6)
+    want = want.permute(0, 3, 1, 2).numpy()
+    got = run_torch_stage(s, {"x": torch.from_numpy(x)}, None, {"gamma": torch.from_numpy(g), "beta": torch.from_numpy(b)}).numpy()
+    assert np.abs(got - want).max() < 1e-12
+    ops, attrs = fused_operands(s, {"x": x}, s.weights)
+    assert ops[0].shape == (2 * 3 * 4, 5, 1, 1) and attrs == {"epsilon": 1e-6}
+    rows = oracle.evaluate("layernorm", *ops, **attrs)[0]
+    assert np.abs(from_channel_rows(rows, x.shape) - want).max() < 1e-12
+    assert np.array_equal(from_channel_rows(channel_rows(x), x.shape), x)

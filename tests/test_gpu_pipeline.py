@@ -418,3 +418,30 @@ def test_chunk_items_are_views():
     x = torch.randn(4, 8, 16, 16, device="cuda")
     y, want = pipe(x).double(), m.double()(x.double())
     assert float((y - want).norm() / want.norm()) < 1e-2
+
+
+def test_channel_layer_norms_run_as_cudnn_layer_norm_graphs():
+    """ConvNeXt's LayerNorm over channels (permute, LayerNorm, permute) runs as cuDNN's layer norm
+    over the image read as rows of channels (no copy), within float16's error of eager."""
+    import fusekit.pipeline as fp
+
+    nn = torch.nn
+
+    class LN2d(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    torch.manual_seed(10)
+    m = nn.Sequential(nn.Conv2d(3, 96, 4, stride=4), LN2d(96), nn.Conv2d(96, 96, 7, padding=3, groups=96), LN2d(96),
+                      nn.Conv2d(96, 192, 1), nn.GELU(), nn.Conv2d(192, 96, 1)).eval().cuda()
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, nn.LayerNorm):
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.uniform_(-0.5, 0.5)
+    pipe = fp.compile(m, torch.zeros(8, 3, 64, 64), dtype="float16", choose=False)
+    lns = [e for s, e in zip(pipe.stages, pipe.engines) if s.pattern == "layernorm"]
+    assert len(lns) == 2 and not any(e.startswith("torch") for e in lns), (lns, pipe.fallbacks)
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    y, want = pipe(x).double(), m.double()(x.double())
+    assert float((y - want).norm() / want.norm()) < 1e-2

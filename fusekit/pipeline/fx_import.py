@@ -57,17 +57,6 @@ def _own_forward(mod: Any) -> bool:
     return False
 
 
-def channel_layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> Any:
-    """LayerNorm over the channels of an (N, C, H, W) image at each position (on a channels-last image, the
-    permutes are views)."""
-    import torch.nn.functional as F
-
-    c = x.shape[1]
-    w = None if weight is None else weight.to(x.dtype)
-    b = None if bias is None else bias.to(x.dtype)
-    return F.layer_norm(x.permute(0, 2, 3, 1), (c,), w, b, eps).permute(0, 3, 1, 2)
-
-
 def _p(v: Any) -> tuple[int, int]:
     if isinstance(v, (list, tuple)):
         return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
@@ -345,9 +334,9 @@ class _Importer:
         if perm == (0, 3, 1, 2):
             return [Stage("identity", [src], name, name=name)]
         if isinstance(mod, nn.LayerNorm) and single and tuple(mod.normalized_shape) == (c,):
-            st = self.channel_layer_norm(src, out, name, mod.weight, mod.bias, mod.eps)
+            st = self.channel_layer_norm(src, out, name, c, mod.weight, mod.bias, mod.eps)
         elif t is F.layer_norm and tuple(self.template(self.arg(node, 1, "normalized_shape"))) == (c,):
-            st = self.channel_layer_norm(src, out, name, self.template(self.arg(node, 2, "weight")),
+            st = self.channel_layer_norm(src, out, name, c, self.template(self.arg(node, 2, "weight")),
                                          self.template(self.arg(node, 3, "bias")), float(self.template(self.arg(node, 4, "eps", 1e-5))))
         elif isinstance(mod, nn.Linear) and single and mod.in_features == c:
             w = {"w": _np(mod.weight)[:, :, None, None]} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
@@ -369,12 +358,12 @@ class _Importer:
         self.nhwc[name] = out
         return [st]
 
-    def channel_layer_norm(self, src: str, out: str, name: str, weight: Any, bias: Any, eps: float) -> Stage:
-        """LayerNorm over the channels of each position, run by PyTorch on the channels-last view (no copies)."""
-        args = [Ref(src), None if weight is None else weight.detach(), None if bias is None else bias.detach(), float(eps)]
-        st = torch_fallback(name, [src], out, channel_layer_norm, args, reason="LayerNorm over channels has no fusekit pattern")
-        st.attrs["op"] = "LayerNorm (channels)"
-        return st
+    def channel_layer_norm(self, src: str, out: str, name: str, c: int, weight: Any, bias: Any, eps: float) -> Stage:
+        """LayerNorm over the channels of each position: a ``cln`` stage (cuDNN's layer norm over the
+        image read as rows of C channels, see ir.channel_rows)."""
+        gamma = np.ones(c) if weight is None else _np(weight).reshape(c)
+        beta = np.zeros(c) if bias is None else _np(bias).reshape(c)
+        return Stage("cln", [src], out, weights={"gamma": gamma, "beta": beta}, attrs={"eps": float(eps)}, name=name)
 
     def channel_constant(self, node: Any, c: int, last: bool) -> Any:
         """The per-channel factor of ``x * k`` / ``k * x`` / ``x.mul(k)`` with a constant k of C elements

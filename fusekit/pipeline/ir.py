@@ -27,7 +27,7 @@ from ..errors import OperandError, UnsupportedError
 
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
                     "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
-                    "conv_bias_hardswish")
+                    "conv_bias_hardswish", "layernorm")
 POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax")
 
 
@@ -164,7 +164,7 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
             raise OperandError("pipeline", s.name, f"expected {kk[1] * int(s.attrs.get('groups', 1))} input channels "
                                f"(its weights' {tuple(kk)}), got input shape {x}", what="stage")
         return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"]))
-    if k in ("bn", "relu", "act", "identity", "softmax"):
+    if k in ("bn", "relu", "act", "identity", "softmax", "cln"):
         return x
     if k in ("add", "mul"):
         return tuple(np.broadcast_shapes(*[tuple(i) for i in ins]))
@@ -301,6 +301,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             return torch_act(out, act, out)
         if k in ("relu", "act"):
             return torch_act(x, act, out)
+        if k == "cln":
+            return into(channel_layer_norm(x, weights["gamma"], weights["beta"], float(a["eps"])))
         if k == "maxpool":
             return into(F.max_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k in ("avgpool", "gap"):
@@ -394,7 +396,33 @@ def rename_args(a: Any, old: str, new: str) -> Any:
 
 
 #: Weights a pattern takes in float32 whatever the pipeline's dtype (per-channel scale and shift).
-FLOAT32_WEIGHTS = {"channel_scale_shift_act": ("scale", "shift"), "conv_bias_hardswish": ("gs", "gb")}
+FLOAT32_WEIGHTS = {"channel_scale_shift_act": ("scale", "shift"), "conv_bias_hardswish": ("gs", "gb"), "layernorm": ("gamma", "beta")}
+
+
+def channel_layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> Any:
+    """PyTorch's LayerNorm over the channels of an (N, C, H, W) image at each position (on a
+    channels-last image the permutes are views)."""
+    import torch.nn.functional as F
+
+    c = x.shape[1]
+    w = None if weight is None else weight.to(x.dtype)
+    b = None if bias is None else bias.to(x.dtype)
+    return F.layer_norm(x.permute(0, 2, 3, 1), (c,), w, b, eps).permute(0, 3, 1, 2)
+
+
+def channel_rows(a: Any) -> Any:
+    """An (N, C, H, W) image as (N*H*W, C, 1, 1): one row of C channels per position, what cuDNN's layer
+    norm normalizes over. A view for a dense channels-last torch tensor (a copy for NumPy arrays)."""
+    n, c, h, w = a.shape
+    t = a.permute(0, 2, 3, 1) if hasattr(a, "permute") else np.transpose(a, (0, 2, 3, 1))
+    return t.reshape(n * h * w, c, 1, 1)
+
+
+def from_channel_rows(rows: Any, shape: tuple[int, ...]) -> Any:
+    """The inverse of :func:`channel_rows` for an image of ``shape`` (N, C, H, W)."""
+    n, c, h, w = shape
+    t = rows.reshape(n, h, w, c)
+    return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else np.transpose(t, (0, 3, 1, 2))
 
 
 def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -420,4 +448,7 @@ def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) ->
         return (x, values[s.inputs[1]]), act_attrs
     if p == "act":
         return (x,), act_attrs
+    if p == "layernorm":  # a cln stage: the image as rows of channels
+        c = x.shape[1]
+        return (channel_rows(x), weights["gamma"].reshape(1, c, 1, 1), weights["beta"].reshape(1, c, 1, 1)), {"epsilon": float(a["eps"])}
     raise UnsupportedError(f"pipeline: stage {s.name} has no fusekit pattern ({p!r})")

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..engine import oracle
 from ..ops import pool
-from .ir import FUSEKIT_PATTERNS, Program, Stage, fused_operands, pool_options, run_torch_stage
+from .ir import FUSEKIT_PATTERNS, Program, Stage, from_channel_rows, fused_operands, pool_options, run_torch_stage
 
 
 def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
@@ -19,7 +19,8 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
     p = s.pattern
     if p in FUSEKIT_PATTERNS:
         ops, attrs = fused_operands(s, env, s.weights)
-        return oracle.evaluate(p, *ops, **attrs)[0]
+        y = oracle.evaluate(p, *ops, **attrs)[0]
+        return from_channel_rows(y, s.out_shape) if p == "layernorm" else y
     if p == "max_pool2d":
         return pool.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))[0]
     if p == "avg_pool2d":

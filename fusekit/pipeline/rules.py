@@ -245,6 +245,8 @@ def pattern_for(s: Stage) -> tuple[str, str]:
         return ("channel_scale_shift_act", "") if rank == 4 else ("torch", f"batch norm of a rank-{rank} tensor")
     if k == "act":
         return ("act", "") if rank in (2, 4) else ("torch", f"activation of a rank-{rank} tensor")
+    if k == "cln":
+        return ("layernorm", "") if rank == 4 else ("torch", f"layer norm over channels of a rank-{rank} tensor")
     if k == "add":
         same = len(s.in_shapes) == 2 and tuple(s.in_shapes[0]) == tuple(s.out_shape)
         return ("add_act", "") if same and rank in (2, 4) else ("torch", "add that broadcasts its first operand, or not 2-D / 4-D")

@@ -23,8 +23,8 @@ import numpy as np
 from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
 from . import reference as _reference
-from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, concat_parts, fused_operands,
-                 is_global_pool, pool_options, run_torch_stage)
+from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, channel_rows, concat_parts,
+                 fused_operands, is_global_pool, pool_options, run_torch_stage)
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -109,7 +109,7 @@ class Pipeline:
             self.input_buffer = self.views[self.program.input]
             self.output_buffer = self.views[self.program.output]
             self.input_buffer.normal_()  # warm-up and capture read finite values
-            self._fused: dict[int, tuple[tuple, dict]] = {}
+            self._fused: dict[int, tuple[tuple, dict, Any]] = {}  # stage -> (operands, attributes, out)
             self._noop: set[int] = set()  # stages with nothing to do (concatenations written in place)
             self._stage_weights = [self._weights(s) for s in self.stages]  # on the device, shared by both kernels of a stage
             self._runners = [self._runner(i, s) for i, s in enumerate(self.stages)]
@@ -177,6 +177,18 @@ class Pipeline:
         root, base = alias.get(s.inputs[0], (s.inputs[0], 0))
         return alias.get(s.output) == (root, base + int(s.attrs["channel_slice"]))
 
+    def _layernorm_out(self, s: Stage, y: Any) -> tuple[Any, Any, Any] | None:
+        """The outputs a channel layer norm's graph writes: y as rows of channels (a view of y's buffer)
+        and its per-row mean and inverse deviation (float32, kept for the pipeline's life); None
+        where y's rows are not a view of it (y a channel slice of a concatenation)."""
+        import torch
+
+        rows = channel_rows(y)
+        if rows.data_ptr() != y.data_ptr() or not rows.is_contiguous():
+            return None
+        stats = torch.empty((rows.shape[0], 1, 1, 1), dtype=torch.float32, device=self.device)
+        return rows, stats, torch.empty_like(stats)
+
     def _concat_runner(self, i: int, s: Stage, parts: list[str]) -> Callable[[], None]:
         """A channel concatenation: the parts not already written in place are copied into their
         slices of the output; with none left it does nothing (its output is a view)."""
@@ -217,18 +229,24 @@ class Pipeline:
             self.engines[i] = "torch (channel slice)"  # fusekit's pooling kernels take dense arrays only
             return self._torch_runner(s, w)
         if s.pattern in FUSEKIT_PATTERNS:
-            operands, attrs = fused_operands(s, self.views, w)
-            try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
-                import fusekit
+            import fusekit
 
-                fusekit.plan_for(s.pattern, *operands, out=y, **attrs)
+            operands, attrs = fused_operands(s, self.views, w)
+            out = self._layernorm_out(s, y) if s.pattern == "layernorm" else y
+            if out is None:
+                self.engines[i] = "torch (channel slice)"  # the rows of a channel slice are no view of it
+                return self._torch_runner(s, w)
+            try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
+                fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
             except FusekitError as e:
                 self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {e})")
                 self.engines[i], self.sources[i] = "torch (refused)", "-"
                 return self._torch_runner(s, w)
-            f = getattr(ops, s.pattern)
             self.sources[i] = "pending"
-            self._fused[i] = (operands, attrs)
+            self._fused[i] = (operands, attrs, out)
+            if s.pattern == "layernorm":  # the graph itself, on the rows (ops.layernorm would copy channels-last x)
+                return lambda: fusekit.call("layernorm", *operands, out=out, **attrs)
+            f = getattr(ops, s.pattern)
             return lambda: f(*operands, out=y, **attrs)
         if s.pattern == "max_pool2d":
             k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
@@ -294,9 +312,9 @@ class Pipeline:
             s = self.stages[i]
             if progress is not None:
                 progress(done, len(todo), f"stage {i} {s.pattern} {'x'.join(map(str, s.out_shape))}")
-            operands, attrs = self._fused[i]
+            operands, attrs, out = self._fused[i]
             try:
-                fusekit.autotune(s.pattern, *operands, out=self.views[s.output], **attrs)
+                fusekit.autotune(s.pattern, *operands, out=out, **attrs)
             except FusekitError as e:
                 warnings.warn(f"fusekit pipeline: autotune of stage {i} ({s.pattern}) failed, keeping the heuristic plan: {e}", stacklevel=3)
         if progress is not None:
@@ -318,8 +336,8 @@ class Pipeline:
         with torch.cuda.stream(s):
             for i, st in enumerate(self.stages):
                 if self.sources[i] == "pending":
-                    operands, attrs = self._fused[i]
-                    p = fusekit.plan_for(st.pattern, *operands, out=self.views[st.output], **attrs)
+                    operands, attrs, out = self._fused[i]
+                    p = fusekit.plan_for(st.pattern, *operands, out=out, **attrs)
                     self.engines[i], self.sources[i] = p.engine, p.source
 
     def _stage_ms(self, runner: Callable[[], None], replays: int = 10) -> float:
