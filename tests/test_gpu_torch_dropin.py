@@ -503,7 +503,7 @@ def test_converted_architectures_train_and_eval_like_the_original(name, precisio
     got = _training_step({"fusekit": fk, "torch": base, "float64": ref64}, x, g, precision)
     # a parameter's gradient error against PyTorch's on that parameter, or on the model's gradient as a
     # whole: DenseNet-121 at 2x2 maps (BN over 16 values) puts PyTorch's own fp16 gradients 10-30% off
-    # float64 layer by layer, and one layer's lucky 3.5e-2 is no yardstick (probes/probe_densenet_bn.py)
+    # float64 layer by layer, and one layer's lucky 3.5e-2 is no yardstick
     flat = {k: torch.cat([g.double().flatten() for _, g in v[2:]]) for k, v in got.items()}
     e_model = rel(flat["torch"], flat["float64"])
     bad = []
