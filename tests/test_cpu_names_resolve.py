@@ -51,3 +51,29 @@ def test_global_names_resolve(name):
         pytest.skip(f"{name} needs {e.name}")
     missing = sorted(n for n in _globals_read(mod) if n not in vars(mod) and not hasattr(builtins, n))
     assert not missing, f"{name} reads undefined globals: {missing}"
+
+
+def _undefined_in_source(path):
+    """Global names the functions of a source file read that the file never defines (static: the
+    GPU tests cannot be imported without a GPU library)."""
+    import symtable
+
+    top = symtable.symtable(path.read_text(), str(path), "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()} | {"__file__"}
+    missing = set()
+
+    def walk(t):
+        for s in t.get_symbols():
+            if s.is_global() and s.is_referenced() and s.get_name() not in defined and not hasattr(builtins, s.get_name()):
+                missing.add(f"{t.get_name()}: {s.get_name()}")
+        for c in t.get_children():
+            walk(c)
+
+    for c in top.get_children():
+        walk(c)
+    return sorted(missing)
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
+def test_test_modules_read_only_names_they_define(path):
+    assert not _undefined_in_source(path), _undefined_in_source(path)

@@ -15,6 +15,7 @@ import pytest
 
 from fusekit import pool, tensors
 from fusekit.errors import OperandError
+from torchref import rel
 
 
 def pair(v):
@@ -679,10 +680,6 @@ def host_launch(host_kernels, monkeypatch):
 
 
 HOST_TOL = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
-
-
-def rel(a, ref):
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def dense_in(h, layout):

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fusekit.torch")
 
 from fusekit.errors import CaptureError, LayoutWarning, OperandError
+from torchref import rel  # noqa: E402
 
 F = torch.nn.functional
 F32 = torch.float32
@@ -326,11 +327,6 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(ft, "_on_graphs", on_graphs)
     return ops.calls
-
-
-def rel(a, ref):
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def clone_as(module_fk, module_torch):

@@ -11,6 +11,7 @@ import pytest
 
 from fusekit import ops
 from fusekit.ops import pool
+from torchref import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -131,11 +132,6 @@ def _flat(outs):
     return [o for o in outs if o is not None]
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_torch_capture_replays_like_eager(case):
     shapes, fn = CASES[case]
@@ -161,7 +157,7 @@ def test_torch_capture_replays_like_eager(case):
             if want.dtype in (torch.int32, torch.int64):
                 ok = torch.equal(got, want)
             else:
-                ok = bool(torch.isfinite(got.float()).all()) and _rel(got, want) < 2e-3
+                ok = bool(torch.isfinite(got.float()).all()) and rel(got, want) < 2e-3
             if not ok:
                 bad.append(f"output {i} {tuple(want.shape)} {want.dtype}")
         assert not bad, f"{case} (trial {trial}): replay differs from eager in {bad}"
@@ -206,7 +202,7 @@ def test_cupy_stream_capture_replays_like_eager(case):
                 if want_t.dtype in (torch.int32, torch.int64):
                     assert torch.equal(got_t, want_t)
                 else:
-                    assert _rel(got_t, want_t) < 2e-3, f"{case} output {i}"
+                    assert rel(got_t, want_t) < 2e-3, f"{case} output {i}"
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-from torchref import float64_nchw
+from torchref import float64_nchw, rel
 
 import fusekit
 from fusekit import ops
@@ -285,11 +285,6 @@ def test_workspace_out_of_memory_falls_back_to_a_plan_with_a_smaller_workspace()
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 5e-3}
 
 
-def _rel(a, ref):
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30)) if bool(torch.isfinite(a).all()) else math.inf
-
-
 def _cl(t):
     return t.contiguous(memory_format=torch.channels_last)
 
@@ -343,7 +338,7 @@ def test_eight_threads_on_eight_streams_calling_different_keys():
                     pending.append(_work(i, 2 + k % 2))  # two keys per thread, the first call of each built concurrently
                 s.synchronize()
                 for k, (got, ref, tol) in enumerate(pending):
-                    err = _rel(got, ref)
+                    err = rel(got, ref)
                     if not err < tol:
                         errors.append(f"thread {i} round {k}: relative error {err:.3e} over {tol:.0e}")
                     done[i] += 1

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from torchref import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -12,11 +13,6 @@ torch = pytest.importorskip("torch")
 
 def to_torch(a):
     return torch.from_dlpack(a).double()
-
-
-def rel(a, ref):
-    a = to_torch(a) if not isinstance(a, torch.Tensor) else a.double()
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import pytest
 
 import fusekit
 from fusekit import ops
+from torchref import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -22,11 +23,6 @@ def img(n, c, h, w, dtype, layout):
 
 def vec(c, lo=0.5, hi=1.5):
     return torch.rand(c, device="cuda") * (hi - lo) + lo
-
-
-def rel(a, ref):
-    assert a is not None and torch.isfinite(a.double()).all()
-    return float((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])

@@ -15,7 +15,7 @@ F = torch.nn.functional
 import fusekit  # noqa: E402
 from fusekit import pool, tensors  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
-from torchref import float64_nchw  # noqa: E402
+from torchref import float64_nchw, rel  # noqa: E402
 
 LIBS = ["cupy", "torch"]
 DTYPES = ["float16", "bfloat16", "float32"]
@@ -60,12 +60,6 @@ def as_torch(a):
 
 def to_np(a):
     return as_torch(a).detach().double().cpu().numpy()
-
-
-def rel(a, ref):
-    a, ref = as_torch(a).detach().double(), as_torch(ref).detach().double()
-    assert torch.isfinite(a).all(), "non-finite result"
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def rel_np(a, ref):

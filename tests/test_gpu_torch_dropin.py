@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from torchref import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -37,13 +38,6 @@ def ft():
     import fusekit.torch
 
     return fusekit.torch
-
-
-def rel(a, ref):
-    assert a is not None
-    a, ref = a.detach().double(), ref.detach().double()
-    assert torch.isfinite(a).all(), "non-finite values"
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def cl(t):

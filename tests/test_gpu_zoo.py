@@ -6,6 +6,7 @@ import pytest
 
 from fusekit.engine import oracle
 from fusekit.engine.patterns import ACTIVATIONS
+from torchref import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -28,11 +29,6 @@ def _nhwc(shape, gen, scale=1.0):
     return (torch.randn(shape, device="cuda", generator=gen) * scale).half().contiguous(memory_format=torch.channels_last)
 
 
-def _rel(got, want):
-    got = np.asarray(got.float().cpu().numpy() if hasattr(got, "cpu") else got, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
 def _f64(t):
     return t.detach().float().cpu().numpy().astype(np.float64)
 
@@ -53,8 +49,8 @@ def test_conv_bias_act_against_oracle_and_split(act, groups):
     split = ops.act(ops.conv_bias(x, w, b, padding=1, groups=groups), activation=act, alpha=alpha)
     via_ops = ops.conv_bias_act(x, w, b, **kw)
     torch.cuda.synchronize()
-    print(f"{act} groups={groups}: fused rel {_rel(fused, want):.2e}, split rel {_rel(split, want):.2e}")
-    assert _rel(fused, want) < 5e-3 and _rel(split, want) < 5e-3 and _rel(via_ops, want) < 5e-3
+    print(f"{act} groups={groups}: fused rel {rel(fused, want):.2e}, split rel {rel(split, want):.2e}")
+    assert rel(fused, want) < 5e-3 and rel(split, want) < 5e-3 and rel(via_ops, want) < 5e-3
     assert fused.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -74,12 +70,12 @@ def test_pointwise_act_graphs_against_oracle(act):
     }
     torch.cuda.synchronize()
     for name, (got, want) in cases.items():
-        assert _rel(got, want) < 2e-3, (name, _rel(got, want))
+        assert rel(got, want) < 2e-3, (name, rel(got, want))
     m, wl = torch.randn(32, 64, device="cuda", generator=gen).half(), (torch.randn(48, 64, device="cuda", generator=gen) * 0.2).half()
     bl = torch.randn(48, device="cuda", generator=gen).half()
     got = ops.linear_bias_act(m, wl, bl, activation=act)
     want = oracle.activation(_f64(m) @ _f64(wl).T + _f64(bl), act)
-    assert _rel(got, want) < 5e-3
+    assert rel(got, want) < 5e-3
 
 
 @pytest.mark.parametrize("groups", [1, 16])
@@ -98,8 +94,8 @@ def test_conv_bias_hardswish_with_channel_constants_against_oracle(groups):
     via = ops.conv_bias_act(x, w, b, activation="hardswish", padding=1, groups=groups)
     pt = torch.nn.functional.hardswish(torch.nn.functional.conv2d(x.double(), w.double(), b.double(), padding=1, groups=groups))
     torch.cuda.synchronize()
-    assert _rel(got, want) < 5e-3 and _rel(via, want) < 5e-3
-    assert _rel(pt, want) < 1e-7  # the oracle reads the constants as given: 1/6 rounded to float32
+    assert rel(got, want) < 5e-3 and rel(via, want) < 5e-3
+    assert rel(pt, want) < 1e-7  # the oracle reads the constants as given: 1/6 rounded to float32
     assert got.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -113,7 +109,7 @@ def test_channel_gate_against_oracle():
     x = _nhwc((8, 24, 10, 10), gen, 3.0)
     s = torch.rand((8, 24, 1, 1), device="cuda", generator=gen).half()
     got = ops.channel_gate(x, s)
-    assert _rel(got, _f64(x) * _f64(s)) < 2e-3
+    assert rel(got, _f64(x) * _f64(s)) < 2e-3
 
 
 ZOO = ["efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf", "densenet121", "shufflenet_v2_x1_0", "convnext_tiny"]

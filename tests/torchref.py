@@ -1,4 +1,5 @@
-"""float64 copies for PyTorch reference computations (shared by the GPU tests and their CPU check).
+"""The tests' shared helpers: float64 copies for PyTorch reference computations, random data, and
+the relative error every numerical check uses.
 
 ``t.double().contiguous()`` is not an NCHW copy in general: torch ignores the strides of size-1
 dims when it decides that a tensor is contiguous, so ``.contiguous()`` returns the tensor as it is,
@@ -27,11 +28,25 @@ def rnd(shape, dtype, cl=False, scale=1.0):
     return t.contiguous(memory_format=torch.channels_last) if cl and t.dim() == 4 else t
 
 
+def host64(a):
+    """``a`` (a torch tensor, a CuPy or a NumPy array) as a float64 NumPy array on the host."""
+    import numpy as np
+
+    if hasattr(a, "detach"):  # torch, any device and dtype
+        import torch
+
+        return a.detach().to(device="cpu", dtype=torch.float64).numpy()
+    if hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):  # CuPy
+        return np.asarray(a.get(), dtype=np.float64)
+    return np.asarray(a, dtype=np.float64)
+
+
 def rel(a, ref):
-    """Normwise relative error of ``a`` (a result, which must exist and be finite) against ``ref``."""
-    import torch
+    """Normwise relative error of ``a`` (a result, which must exist and be finite) against ``ref``;
+    either may be a torch tensor, a CuPy or a NumPy array (compared in float64 on the host)."""
+    import numpy as np
 
     assert a is not None, "no result"
-    a = a.double()
-    assert torch.isfinite(a).all(), "non-finite values"
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+    a, ref = host64(a), host64(ref)
+    assert np.isfinite(a).all(), "non-finite values"
+    return float(np.linalg.norm(a - ref) / max(float(np.linalg.norm(ref)), 1e-30))
