@@ -41,7 +41,7 @@ from .engine.patterns import Pattern, get_pattern
 from .engine.planner import planner
 from .engine.lower import load_cudnn
 from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory, versions
-from .errors import ArityError, CaptureError, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
+from .errors import ArityError, CaptureError, warn_once, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
 from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter_for, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch", "taped"]
@@ -218,16 +218,12 @@ def _resolve(
             raise UnsupportedError(str(refusal)) from None
         if relayout:
             outs = tuple(alt[n] for n in pattern.outputs)  # channels-last temporaries
-            if pattern.name not in _RELAYOUT_WARNED:
-                _RELAYOUT_WARNED.add(pattern.name)
-                warnings.warn(
-                    f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({refusal}); running it on channels-last copies "
-                    "(pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4,
-                )
-    if plan.engine.endswith(lower.TF32_FALLBACK) and plan.key not in _TF32_WARNED:
-        _TF32_WARNED.add(plan.key)
+            warn_once((pattern.name,), f"fusekit: cuDNN has no NCHW engine for {pattern.name} ({refusal}); running it on "
+                      "channels-last copies (pass channels-last arrays to avoid the copies)", LayoutWarning, stacklevel=4)
+    if plan.engine.endswith(lower.TF32_FALLBACK):
         fams = " and ".join(sorted(lower.tf32_families(pattern, dict(plan.key.specs))))
-        warnings.warn(
+        warn_once(
+            (plan.key,),
             f"fusekit: cuDNN has no IEEE float32 plan for {plan.key.describe()}, and the numerics policy forbids TF32 for "
             f"float32 {fams}: running its TF32 tensor-core plan (inputs rounded to 10 mantissa bits, about 1e-3 relative "
             f"error). fusekit.configure(allow_tf32=...) or FUSEKIT_ALLOW_TF32 allows TF32 for {fams} and silences this",
@@ -308,13 +304,12 @@ def _with_workspace(
             need = min(need - 1, b.workspace_size)
             continue
         smaller = Plan(key, b.graph, b.uids, b.workspace_size, b.engine, b.candidates, b.build_ms, engine_id=b.engine_id, knobs=b.knobs)
-        if key not in _WORKSPACE_WARNED:
-            _WORKSPACE_WARNED.add(key)
-            warnings.warn(
-                f"fusekit: no room for the {plan.workspace_size}-byte cuDNN workspace of {key.describe()}, even after freeing "
-                f"cached memory ({oom}); running plan {smaller.engine} with a {smaller.workspace_size}-byte workspace instead",
-                WorkspaceWarning, stacklevel=_user_level(),
-            )
+        warn_once(
+            (key,),
+            f"fusekit: no room for the {plan.workspace_size}-byte cuDNN workspace of {key.describe()}, even after freeing "
+            f"cached memory ({oom}); running plan {smaller.engine} with a {smaller.workspace_size}-byte workspace instead",
+            WorkspaceWarning, stacklevel=_user_level(),
+        )
         return smaller
     raise oom
 
@@ -334,9 +329,6 @@ def _alternative(
 
 _NO_ENGINE: OrderedDict[PlanKey, UnsupportedError] = OrderedDict()  # keys cuDNN refused: not rebuilt while remembered
 _NO_ENGINE_LOCK = threading.Lock()
-_RELAYOUT_WARNED: set[str] = set()
-_TF32_WARNED: set[PlanKey] = set()  # keys said to run TF32 against the policy (NumericsWarning)
-_WORKSPACE_WARNED: set[PlanKey] = set()  # keys said to run a smaller-workspace plan (WorkspaceWarning)
 _ELEMENTWISE = frozenset({"add", "mul", "sub", "bias", "relu", "relu_backward", "channel_sum"})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 
@@ -96,3 +97,22 @@ def import_or_explain(module: str, user: str, install: str, label: str = "") -> 
             f"{user} needs {label or module}, which {'is not installed' if missing else 'failed to import'} ({e}); install {install}",
             name=module,
         ) from None
+
+
+_SAID: set[tuple] = set()  # (category name, key) of every warning given once
+
+
+def warn_once(key: tuple, message: str, category: type[Warning], stacklevel: int = 2) -> bool:
+    """``warnings.warn(message, category)`` the first time this process meets ``key`` for
+    ``category`` (keys such as a pattern name, a plan key or a module name); True if it warned."""
+    k = (category.__name__, *key)
+    if k in _SAID:
+        return False
+    _SAID.add(k)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    return True
+
+
+def forget_warnings() -> None:
+    """Forget which warnings were given, so that each warns once more (tests)."""
+    _SAID.clear()

@@ -46,7 +46,7 @@ torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import config, ops
 from .dispatch import taped
-from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning
+from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning, warn_once
 from .ops import pool
 from .ops.common import ACTIVATIONS, clip_attrs
 from .torch_replay import ReplayedForward
@@ -85,8 +85,6 @@ __all__ = [
 # Input handling shared by the modules
 # ----------------------------------------------------------------------------------------------
 _GRAPH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FALLBACK_WARNED: set[tuple[str, str]] = set()
-_LAYOUT_WARNED: set[str] = set()
 
 
 def _on_graphs(x: Any, who: str, ranks: tuple[int, ...] | None = (4,)) -> bool:
@@ -104,9 +102,7 @@ def _on_graphs(x: Any, who: str, ranks: tuple[int, ...] | None = (4,)) -> bool:
         reason = f"a {x.dtype} tensor (fusekit's graphs take float16, bfloat16 and float32)"
     else:
         reason = f"a {x.dim()}-D input (fusekit's {who} takes rank {' or '.join(map(str, ranks or ()))})"
-    if (who, reason) not in _FALLBACK_WARNED:
-        _FALLBACK_WARNED.add((who, reason))
-        warnings.warn(f"fusekit.torch.{who} got {reason}: running PyTorch's own implementation", TorchFallbackWarning, stacklevel=4)
+    warn_once((who, reason), f"fusekit.torch.{who} got {reason}: running PyTorch's own implementation", TorchFallbackWarning, stacklevel=4)
     return False
 
 
@@ -118,13 +114,9 @@ def _dense(x: torch.Tensor, who: str, rows: bool = False) -> torch.Tensor:
     """``x`` if dense NCHW or channels-last (``rows``: row-major only), else a dense copy (LayoutWarning once per ``who``)."""
     if x.is_contiguous() or (not rows and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)):
         return x
-    if who not in _LAYOUT_WARNED:
-        _LAYOUT_WARNED.add(who)
-        warnings.warn(
-            f"fusekit.torch.{who}: input strides {tuple(x.stride())} are not dense "
-            f"{'row-major' if rows else 'NCHW or channels-last'}; running on a dense copy (pass a contiguous tensor to avoid it)",
-            LayoutWarning, stacklevel=4,
-        )
+    warn_once(("fusekit.torch", who), f"fusekit.torch.{who}: input strides {tuple(x.stride())} are not dense "
+              f"{'row-major' if rows else 'NCHW or channels-last'}; running on a dense copy (pass a contiguous tensor to avoid it)",
+              LayoutWarning, stacklevel=4)
     channels_last = not rows and x.dim() == 4 and x.stride(1) == min(x.stride())
     return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from fusekit import cli
 from fusekit.cli import main
+from fusekit.errors import forget_warnings
 
 SHAPES = ["--shape", "x=2,8,16,16", "--shape", "w=16,8,3,3", "--shape", "b=16"]
 
@@ -706,7 +707,7 @@ def user_patterns(tmp_path, monkeypatch):
     from fusekit.engine import patterns as engine_patterns
 
     monkeypatch.setattr(engine_patterns, "_REGISTRY", {})
-    monkeypatch.setattr(engine_patterns, "_WARNED_DIRS", set(), raising=False)
+    forget_warnings()
     d = tmp_path / "user"
     d.mkdir()
     monkeypatch.setenv("FUSEKIT_PATTERNS", str(d))

@@ -26,6 +26,7 @@ from fusekit.engine import keys, runtime
 from fusekit.engine import lower as lower_mod
 from fusekit.engine.cache import DiskStore, EntryError, PlanCache
 from fusekit.errors import CacheWarning, NumericsWarning, SettingError, WorkspaceWarning
+from fusekit.errors import forget_warnings
 
 cudnn = pytest.importorskip("cudnn")  # enums only (numerical notes, heuristic modes): no GPU needed
 
@@ -186,10 +187,10 @@ def world(monkeypatch, tmp_path):
 
     monkeypatch.setattr(runtime, "release_cached_memory", release)
     for name, value in (
-        ("_FAST", {}), ("_NO_ENGINE", OrderedDict()), ("_TF32_WARNED", set()), ("_WORKSPACE_WARNED", set()),
-        ("_RELAYOUT_WARNED", set()), ("_SPLIT", set()),
+        ("_FAST", {}), ("_NO_ENGINE", OrderedDict()), ("_SPLIT", set()),
     ):
         monkeypatch.setattr(dispatch, name, value)
+    forget_warnings()
     for var in config.SETTINGS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FUSEKIT_CACHE_DIR", "off")  # never the user's cache directory
@@ -458,7 +459,7 @@ def test_tf32_fallback_is_recorded_with_the_stored_plan(world, tmp_path):
     assert len(of(NumericsWarning, caught(fusekit.linear_bias, *linear_operands())[1])) == 1
     assert cache.stats.disk_writes == 1
     # a new process: an empty memory cache on the same store, nothing warned yet
-    dispatch._TF32_WARNED.clear()
+    forget_warnings()
     cache = fusekit.configure(cache_dir=tmp_path / "plans")
     _, got = caught(fusekit.linear_bias, *linear_operands())
     assert cache.stats.disk_hits == 1 and cache.stats.builds == 0

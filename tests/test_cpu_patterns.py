@@ -10,6 +10,7 @@ import fusekit
 from fusekit.engine import oracle, patterns
 from fusekit.errors import OperandError, PatternError
 from fusekit.engine.patterns import OPS, get_pattern, list_patterns, load_pattern, parse_pattern
+from fusekit.errors import forget_warnings
 
 SHIPPED_DIR = Path(patterns.__file__).resolve().parents[2] / "patterns"
 SHIPPED = sorted(p.stem for p in SHIPPED_DIR.glob("*.toml"))
@@ -415,7 +416,7 @@ def test_scan_patterns_goes_on_past_a_broken_file(tmp_path, monkeypatch, clean_r
 
 
 def test_missing_pattern_directory_warns_once(tmp_path, monkeypatch, clean_registry):
-    monkeypatch.setattr(patterns, "_WARNED_DIRS", set())
+    forget_warnings()
     missing, afile = tmp_path / "nonexistent", tmp_path / "file.txt"
     afile.write_text("", encoding="utf-8")
     monkeypatch.setenv("FUSEKIT_PATTERNS", os.pathsep.join([str(missing), str(afile)]))
@@ -430,7 +431,7 @@ def test_missing_pattern_directory_warns_once(tmp_path, monkeypatch, clean_regis
 
 
 def test_existing_pattern_directory_does_not_warn(tmp_path, monkeypatch, clean_registry, recwarn):
-    monkeypatch.setattr(patterns, "_WARNED_DIRS", set())
+    forget_warnings()
     monkeypatch.setenv("FUSEKIT_PATTERNS", str(tmp_path))
     list_patterns()
     assert not [w for w in recwarn if issubclass(w.category, patterns.PatternWarning)]

@@ -486,3 +486,20 @@ def test_two_outputs_sharing_memory_are_refused(fake):
     dg = FakeArray((8,), "float32", ptr=0x7F00_0060_0000)
     with pytest.raises(OperandError, match=r"batchnorm_backward: operand 'dbeta': out overlaps the memory of 'dgamma'"):
         fusekit.call("batchnorm_backward", dy, x, g, m, v, out=(dx, dg, FakeArray((8,), "float32", ptr=dg.ptr)))
+
+
+def test_warn_once_warns_once_per_key_and_category():
+    import warnings as _w
+
+    from fusekit.errors import LayoutWarning, NumericsWarning, forget_warnings, warn_once
+
+    forget_warnings()
+    with _w.catch_warnings(record=True) as got:
+        _w.simplefilter("always")
+        assert warn_once(("k",), "first", LayoutWarning) is True
+        assert warn_once(("k",), "again", LayoutWarning) is False
+        assert warn_once(("k",), "other category", NumericsWarning) is True
+        forget_warnings()
+        assert warn_once(("k",), "after forgetting", LayoutWarning) is True
+    assert [str(w.message) for w in got] == ["first", "other category", "after forgetting"]
+    assert got[0].filename == __file__  # attributed to the caller

@@ -25,6 +25,7 @@ ft = pytest.importorskip("fusekit.torch")
 
 from fusekit.errors import CaptureError, LayoutWarning, OperandError
 from torchref import rel  # noqa: E402
+from fusekit.errors import forget_warnings  # noqa: E402
 
 F = torch.nn.functional
 F32 = torch.float32
@@ -725,7 +726,7 @@ def test_pools_and_softmax_match_torch(fake):
 
 
 def test_non_dense_input_runs_on_a_dense_copy_warned_once(fake, monkeypatch):
-    monkeypatch.setattr(ft, "_LAYOUT_WARNED", set())
+    forget_warnings()
     torch.manual_seed(0)
     ref = torch.nn.Conv2d(3, 4, 3, padding=1).double()
     fk = clone_as(ft.Conv2d(3, 4, 3, padding=1).double(), ref)
@@ -751,7 +752,7 @@ def test_empty_batch_returns_empty_outputs_with_gradients(fake):
 
 
 def test_cpu_tensors_run_pytorch_with_one_warning(monkeypatch):
-    monkeypatch.setattr(ft, "_FALLBACK_WARNED", set())
+    forget_warnings()
     torch.manual_seed(0)
     ref = torch.nn.Conv2d(3, 4, 3, padding="same", bias=False)
     fk = clone_as(ft.Conv2d(3, 4, 3, padding="same", bias=False, activation="relu"), ref)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from torchref import rel  # noqa: E402
+from fusekit.errors import forget_warnings  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -283,7 +284,7 @@ def test_empty_batch_returns_empty_outputs_and_backward_works():
 def test_non_dense_inputs_run_on_dense_copies(monkeypatch):
     from fusekit.errors import LayoutWarning
 
-    monkeypatch.setattr(ft(), "_LAYOUT_WARNED", set())
+    forget_warnings()
     torch.manual_seed(0)
     fk, ref = _pair(ft().Conv2d(16, 32, 3, padding=1), torch.nn.Conv2d(16, 32, 3, padding=1), "float16")
     big = cl(torch.randn(4, 16, 20, 24, device="cuda")).half()

@@ -25,7 +25,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..config import pattern_dirs_from_env
-from ..errors import OperandError, PatternError, PatternWarning
+from ..errors import OperandError, PatternError, PatternWarning, warn_once
 
 Shape = tuple[int, ...]
 
@@ -633,10 +633,9 @@ def pattern_dirs() -> list[Path]:
     """Where patterns are looked up: $FUSEKIT_PATTERNS (os.pathsep-separated), then the shipped set."""
     dirs = pattern_dirs_from_env()
     for d in dirs:
-        if str(d) not in _WARNED_DIRS and not d.is_dir():
-            _WARNED_DIRS.add(str(d))
+        if not d.is_dir():
             why = "is not a directory" if d.exists() else "does not exist"
-            warnings.warn(f"FUSEKIT_PATTERNS: pattern directory {d} {why}; no patterns are read from it", PatternWarning, stacklevel=2)
+            warn_once((str(d),), f"FUSEKIT_PATTERNS: pattern directory {d} {why}; no patterns are read from it", PatternWarning)
     root = Path(__file__).resolve().parents[2]  # the repository (editable install)
     for cand in (root / "patterns", Path(sys.prefix) / "share" / "fusekit" / "patterns"):
         if cand.is_dir():
@@ -646,7 +645,6 @@ def pattern_dirs() -> list[Path]:
 
 
 _REGISTRY: dict[str, Pattern] = {}
-_WARNED_DIRS: set[str] = set()  # $FUSEKIT_PATTERNS entries already warned about (once per process)
 
 
 def get_pattern(name: str) -> Pattern:
