@@ -496,10 +496,10 @@ def test_warn_once_warns_once_per_key_and_category():
     forget_warnings()
     with _w.catch_warnings(record=True) as got:
         _w.simplefilter("always")
-        assert warn_once(("k",), "first", LayoutWarning) is True
+        assert warn_once(("k",), "first", LayoutWarning, stacklevel=1) is True  # as warnings.warn's: 1 = this line
         assert warn_once(("k",), "again", LayoutWarning) is False
         assert warn_once(("k",), "other category", NumericsWarning) is True
         forget_warnings()
         assert warn_once(("k",), "after forgetting", LayoutWarning) is True
     assert [str(w.message) for w in got] == ["first", "other category", "after forgetting"]
-    assert got[0].filename == __file__  # attributed to the caller
+    assert got[0].filename == __file__
