@@ -15,7 +15,8 @@
       3. execute: the frontend's native pointer-array entry (lower.native_execute), else
          ``graph.execute`` with the ordered buffers (or either through channels-last copies).
 
-``run`` is the one place that binds pointers.
+Every execution goes through :func:`launch`, and ``_execute`` under it is the one place that binds
+the arrays' pointers to a plan.
 """
 
 from __future__ import annotations
@@ -394,7 +395,8 @@ def _bind(c: _Call) -> Any:
 
 
 def _execute(c: _Call, arrays: Sequence[Any], handle: Any) -> None:
-    """Queue the call's plan on ``arrays`` (operands then outputs, in ``c.uids`` order)."""
+    """Queue the call's plan on ``arrays`` (operands then outputs, in ``c.uids`` order): the one place that
+    binds arrays' pointers to a plan."""
     native = c.native
     if native is None:
         c.graph.execute(arrays, c.workspace.ptr, handle=handle, tensor_uids=c.uids)
@@ -451,7 +453,7 @@ def _fast_key(pattern: str, names: tuple, values: tuple, operands: Sequence[Any]
 
 def run(pattern: str | Pattern, names: tuple, values: tuple, operands: tuple, out: Any, cache: PlanCache | None = None) -> Any:
     """Run ``pattern`` with attributes ``names``=``values`` (the op modules' entry): look the call
-    up, else resolve it; then execute. The one place pointers are bound."""
+    up, else resolve it; then :func:`launch` it."""
     name = pattern if isinstance(pattern, str) else pattern.name
     alloc = out is None
     outs = () if alloc else as_outs(out)
@@ -613,8 +615,7 @@ class _Tape:
     """The resolved calls an op made on its arrays, and where each call's arrays come from: ``(0, i)``
     the op's i-th array argument, ``(1, i)`` the i-th constant (an array the op reads that is neither:
     a cached vector; it must be the same object in every recording), ``(2, i)`` the i-th output a
-    call allocated. Replaying one runs the calls through :func:`launch` (the one place pointers are
-    bound) with new outputs."""
+    call allocated. Replaying one runs the calls through :func:`launch` with new outputs."""
 
     __slots__ = ("steps", "consts", "result", "single")
 
