@@ -23,6 +23,14 @@ from ..errors import UnsupportedError
 from .ir import Program, Ref, Stage, fill_shapes, torch_fallback
 
 
+def _slicing(node: Any) -> bool:
+    """Whether fx ``node`` takes part of a tensor without computing (indexing, ``narrow``, an item of
+    ``chunk`` / ``split``): only such a node's output may be planned as a view of its input."""
+    import torch
+
+    return node.target in (operator.getitem, torch.narrow, "narrow", torch.Tensor.narrow)
+
+
 def _np(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t.astype(np.float64)
@@ -194,7 +202,7 @@ class _Importer:
         kwargs = node.kwargs if kwargs is None else kwargs
         ins = list(dict.fromkeys(self.refs(args) + self.refs(kwargs)))
         st = torch_fallback(node.name, ins, node.name, fn, list(self.template(args)), self.template(kwargs), reason)
-        first = self.channel_slice_of(node.name, ins)
+        first = self.channel_slice_of(node.name, ins) if _slicing(node) else None
         if first is not None:
             st.attrs["channel_slice"] = first
         return st
@@ -207,7 +215,7 @@ class _Importer:
         y, x = self.values.get(name), self.values.get(ins[0]) if len(ins) == 1 else None
         if not (isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor) and y.dim() == x.dim() == 4):
             return None
-        if (y.shape[0], *y.shape[2:]) != (x.shape[0], *x.shape[2:]) or y.stride() != x.stride() or x.stride(1) < 1:
+        if (y.shape[0], *y.shape[2:]) != (x.shape[0], *x.shape[2:]) or y.shape[1] >= x.shape[1] or y.stride() != x.stride() or x.stride(1) < 1:
             return None
         if y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
             return None

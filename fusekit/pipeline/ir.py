@@ -42,7 +42,7 @@ class Stage:
     kind: str
     inputs: list[str]
     output: str
-    pattern: str = ""  # set by lower(): a fusekit pattern, a fusekit.pool kernel, "reshape" or "torch"
+    pattern: str = ""  # set by lower(): a fusekit pattern, a fusekit.pool kernel, "reshape", "concat", "channel_slice" or "torch"
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # float64 host copies
     attrs: dict[str, Any] = field(default_factory=dict)
     in_shapes: list[tuple[int, ...]] = field(default_factory=list)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..engine import oracle
 from ..ops import pool
-from .ir import FUSEKIT_PATTERNS, Program, Stage, from_channel_rows, fused_operands, pool_options, run_torch_stage
+from .ir import FUSEKIT_PATTERNS, Program, Stage, concat_parts, from_channel_rows, fused_operands, pool_options, run_torch_stage
 
 
 def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
@@ -29,6 +29,11 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
         return pool.softmax_reference(xs[0], s.attrs["axis"])
     if p == "reshape":
         return xs[0].reshape(s.out_shape)
+    if p == "concat":
+        return np.concatenate([env[n] for n in concat_parts(s)], axis=1)
+    if p == "channel_slice":
+        first = int(s.attrs["channel_slice"])
+        return xs[0][:, first:first + s.out_shape[1]]
     if p == "torch":
         import torch
 

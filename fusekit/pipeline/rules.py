@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UnsupportedError
-from .ir import Program, Stage, fill_shapes, fold_bn_weights, rename
+from .ir import Program, Stage, concat_parts, fill_shapes, fold_bn_weights, rename
 
 RELU = ("relu", 0.0)
 
@@ -255,6 +255,10 @@ def pattern_for(s: Stage) -> tuple[str, str]:
     simple = {"maxpool": "max_pool2d", "avgpool": "avg_pool2d", "gap": "avg_pool2d", "softmax": "softmax", "flatten": "reshape"}
     if k in simple:
         return simple[k], ""
+    if k == "torch" and concat_parts(s) is not None:
+        return "concat", ""  # planned in place (memory.channel_aliases): PyTorch copies only parts placed elsewhere
+    if k == "torch" and "channel_slice" in s.attrs:
+        return "channel_slice", ""  # a view of its input's buffer where the plan allows, else a copy
     if k == "torch":
         return "torch", s.reason or "no fusekit pattern"
     raise UnsupportedError(f"pipeline: cannot lower stage kind {k!r} ({s.name})")

@@ -221,10 +221,13 @@ class Pipeline:
         parts = concat_parts(s)
         if parts is not None:
             return self._concat_runner(i, s, parts)
-        if "channel_slice" in s.attrs and self._is_view(s):
-            self.engines[i] = "view (no copy)"
-            self._noop.add(i)
-            return lambda: None
+        if s.pattern == "channel_slice":
+            if self._is_view(s):
+                self.engines[i] = "view (no copy)"
+                self._noop.add(i)
+                return lambda: None
+            self.engines[i] = "copy (channel slice)"
+            return self._torch_runner(s, w)
         if s.pattern in POOL_PATTERNS and any(v in self.memory_plan.alias for v in (*s.inputs, s.output)):
             self.engines[i] = "torch (channel slice)"  # fusekit's pooling kernels take dense arrays only
             return self._torch_runner(s, w)
@@ -294,7 +297,7 @@ class Pipeline:
                 self.input_buffer.copy_(x)
             for i, (s, run) in enumerate(zip(self.stages, self._runners)):
                 run()
-                if s.pattern in ("reshape", "torch"):
+                if s.pattern in ("reshape", "torch", "concat", "channel_slice"):
                     continue
                 w = {k: v.float() for k, v in self._stage_weights[i].items()}
                 ref = run_torch_stage(s, {n: self.views[n].float() for n in s.inputs}, s.fn, w, dev, torch.float32)
