@@ -386,3 +386,46 @@ def test_channel_layer_norm_stage_matches_pytorch_and_its_rows_view():
     rows = oracle.evaluate("layernorm", *ops, **attrs)[0]
     assert np.abs(from_channel_rows(rows, x.shape) - want).max() < 1e-12
     assert np.array_equal(from_channel_rows(channel_rows(x), x.shape), x)
+
+
+class _Eca(nn.Module):
+    """ECA channel attention as timm writes it: a Conv1d across the pooled channels, a sigmoid, and an
+    expand_as before the multiply."""
+
+    def __init__(self, k: int = 5, dilation: int = 1, bias: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 1, k, padding=dilation * (k - 1) // 2, dilation=dilation, bias=bias)
+
+    def forward(self, x):
+        y = self.conv(x.mean((2, 3)).view(x.shape[0], 1, -1))
+        return x * torch.sigmoid(y).view(x.shape[0], -1, 1, 1).expand_as(x)
+
+
+@pytest.mark.parametrize(("k", "dilation", "bias"), [(3, 1, False), (5, 1, True), (3, 2, False)])
+def test_eca_conv1d_lowers_to_a_1x1_convolution_and_a_channel_gate(k, dilation, bias):
+    """The Conv1d over the pooled channels is a 1x1 convolution with a banded weight (its sigmoid fused),
+    the expand_as is dropped and the multiply is the channel gate: no PyTorch stage; float64 as eager."""
+    torch.manual_seed(k + dilation)
+    m = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), _Eca(k, dilation, bias), nn.Conv2d(12, 4, 1)).eval()
+    prog = fp.lower_model(m, (2, 3, 6, 6))
+    assert [s.pattern for s in prog.stages] == ["conv_bias", "avg_pool2d", "conv_bias_act", "channel_gate", "conv_bias"], str(prog)
+    assert prog.stages[2].attrs["act"] == ("sigmoid", 0.0) and not prog.fallbacks
+    x = np.random.default_rng(k).standard_normal((2, 3, 6, 6))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
+def test_a_conv1d_that_is_not_eca_stays_pytorch():
+    """A Conv1d whose padding changes the length is not a channel mixing: it stays a PyTorch stage."""
+
+    class Odd(_Eca):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(1, 1, 3, padding=0)
+
+        def forward(self, x):
+            y = self.conv(x.mean((2, 3)).view(x.shape[0], 1, -1))
+            return y.view(x.shape[0], -1)
+
+    prog = fp.lower_model(nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), Odd()).eval(), (2, 3, 6, 6))
+    assert any(s.attrs.get("op") == "Conv1d" for s in prog.stages if s.fallback), str(prog)

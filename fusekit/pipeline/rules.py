@@ -194,8 +194,93 @@ def _hardswish_constants(c: _Ctx, s: Stage, _: Any) -> None:
     s.weights["gs"], s.weights["gb"] = np.full(k, 1.0 / 6.0), np.full(k, 0.5)
 
 
+_VIEWS = ("Tensor.view", "Tensor.reshape", "reshape", "view", "Tensor.flatten", "flatten")
+
+
+def _pooled_channels(c: _Ctx, value: str) -> str | None:
+    """The (N, C, 1, 1) value that ``value`` ((N, C, 1, 1) itself, or its flatten to (N, C)) holds."""
+    shape = c.shapes[value]
+    if len(shape) == 4 and shape[2:] == (1, 1):
+        return value
+    p = c.producer(value)
+    if len(shape) == 2 and p is not None and p.kind == "flatten" and c.shapes[p.inputs[0]] == (*shape, 1, 1):
+        return p.inputs[0]
+    return None
+
+
+def _channel_conv1d(c: _Ctx, s: Stage) -> Any:
+    """ECA's gate (timm's EcaModule): view (N, C) -> (N, 1, C), Conv1d(1, 1, k) with "same" padding,
+    an optional activation, view back to (N, C, 1, 1). Found: (the pooled (N, C, 1, 1) value, the
+    stages to remove, the activation stage or None, the final view)."""
+    import torch
+
+    m = s.fn
+    if not (isinstance(m, torch.nn.Conv1d) and m.in_channels == m.out_channels == m.groups == 1 and m.stride == (1,)
+            and m.padding_mode == "zeros" and not isinstance(m.padding, str) and 2 * m.padding[0] == m.dilation[0] * (m.kernel_size[0] - 1)):
+        return None
+    view = c.single_use(s.inputs[0], "torch")
+    if view is None or view.attrs.get("op") not in _VIEWS or len(s.in_shapes[0]) != 3 or s.in_shapes[0][1] != 1:
+        return None
+    src = _pooled_channels(c, view.inputs[0])
+    n, _, ch = s.in_shapes[0]
+    if src is None or c.shapes[src] != (n, ch, 1, 1):
+        return None
+    chain, act, v = [view], None, s.output
+    for _ in range(2):  # an activation, then the view back
+        readers = [t for t in c.stages if v in t.inputs]
+        if len(readers) != 1 or c.uses(v) != 1:
+            return None
+        t = readers[0]
+        if t.kind == "act" and act is None and tuple(t.out_shape) == tuple(s.out_shape):
+            act, v = t, t.output
+            continue
+        if t.kind == "torch" and t.attrs.get("op") in _VIEWS and tuple(t.out_shape) == (n, ch, 1, 1):
+            return src, chain, act, t
+        return None
+    return None
+
+
+def _channel_conv1d_as_conv(c: _Ctx, s: Stage, found: Any) -> None:
+    src, chain, act, back = found
+    m = s.fn
+    (k,), (pad,), (dil,) = m.kernel_size, m.padding, m.dilation
+    ch = c.shapes[src][1]
+    taps = m.weight.detach().double().reshape(k).numpy()
+    w = np.zeros((ch, ch, 1, 1))
+    for o in range(ch):  # out[o] = sum_j taps[j] * in[o + j * dil - pad]
+        for j in range(k):
+            i = o + j * dil - pad
+            if 0 <= i < ch:
+                w[o, i, 0, 0] = taps[j]
+    bias = np.full(ch, float(m.bias.detach()) if m.bias is not None else 0.0)
+    s.kind, s.fn, s.inputs, s.weights = "conv", None, [src], {"w": w, "b": bias}
+    s.attrs = dict(padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1)
+    if act is not None:
+        s.attrs["act"] = (act.attrs["activation"], float(act.attrs["alpha"]))
+    s.output, s.out_shape = back.output, tuple(back.out_shape)
+    for t in chain + ([act] if act is not None else []) + [back]:
+        c.stages.remove(t)
+    p = c.producer(chain[0].inputs[0])
+    if p is not None and p.kind == "flatten" and c.uses(p.output) == 0 and p.output != c.output:
+        c.stages.remove(p)  # the flatten only the view read
+
+
+def _broadcast_expand(c: _Ctx, s: Stage) -> Any:
+    """``g.expand_as(x)`` / ``g.expand(...)`` of an (N, C, 1, 1) value read only by multiplies and
+    adds: they broadcast it themselves (and a multiply by it is the channel gate)."""
+    if s.attrs.get("op") not in ("Tensor.expand_as", "Tensor.expand", "expand_as", "expand") or not s.in_shapes:
+        return None
+    g, out = tuple(s.in_shapes[0]), tuple(s.out_shape)
+    if len(g) != 4 or len(out) != 4 or g[2:] != (1, 1) or g[:2] != out[:2]:
+        return None
+    readers = [t for t in c.stages if s.output in t.inputs]
+    return True if readers and all(t.kind in ("mul", "add") for t in readers) and s.output != c.output else None
+
+
 RULES: tuple[Rule, ...] = (
     Rule("drop identities (dropout, stochastic depth in eval)", ("identity",), _always, _drop_identity),
+    Rule("ECA: a Conv1d across a pooled vector's channels as a 1x1 convolution", ("torch",), _channel_conv1d, _channel_conv1d_as_conv),
+    Rule("an expand read only by broadcasting multiplies and adds is dropped", ("torch",), _broadcast_expand, _drop_identity),
     Rule("ReLU and ReLU6 as activations", ("relu",), _always, _relu_as_act),
     Rule("fold an eval batch norm into the convolution before it", ("bn",), _bn_conv, _fold_bn),
     Rule("a batch norm with nothing to fold into: a per-channel scale and shift", ("bn",), _bn_unfolded, _bn_scale_shift),
