@@ -429,3 +429,18 @@ def test_a_conv1d_that_is_not_eca_stays_pytorch():
 
     prog = fp.lower_model(nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), Odd()).eval(), (2, 3, 6, 6))
     assert any(s.attrs.get("op") == "Conv1d" for s in prog.stages if s.fallback), str(prog)
+
+
+def test_channel_rows_of_a_dense_channels_last_image_are_a_view_and_of_a_slice_a_copy():
+    """A built pipeline runs the layer-norm graph on rows of channels only where those rows are a view
+    of the planned buffer (a copy taken at build would be stale at every later call)."""
+    from fusekit.pipeline.ir import channel_rows
+    from fusekit.pipeline.runtime import _is_view_of
+
+    dense = torch.randn(2, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+    assert _is_view_of(channel_rows(dense), dense)
+    wide = torch.randn(2, 3, 3, 16)  # an NHWC buffer of 16 channels; channels 4..11 as an (N, C, H, W) slice
+    part = wide[..., 4:12].permute(0, 3, 1, 2)
+    assert not _is_view_of(channel_rows(part), part)
+    nchw = torch.randn(2, 8, 3, 3)
+    assert not _is_view_of(channel_rows(nchw), nchw)  # NCHW memory: the rows are a copy

@@ -184,7 +184,7 @@ class Pipeline:
         import torch
 
         rows = channel_rows(y)
-        if rows.data_ptr() != y.data_ptr() or not rows.is_contiguous():
+        if not _is_view_of(rows, y):
             return None
         stats = torch.empty((rows.shape[0], 1, 1, 1), dtype=torch.float32, device=self.device)
         return rows, stats, torch.empty_like(stats)
@@ -236,7 +236,7 @@ class Pipeline:
 
             operands, attrs = fused_operands(s, self.views, w)
             out = self._layernorm_out(s, y) if s.pattern == "layernorm" else y
-            if out is None:
+            if out is None or (s.pattern == "layernorm" and not _is_view_of(operands[0], x)):
                 self.engines[i] = "torch (channel slice)"  # the rows of a channel slice are no view of it
                 return self._torch_runner(s, w)
             try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
@@ -563,6 +563,11 @@ class Pipeline:
         ] + [f"  - {f}" for f in self.fallbacks] + (
             ["run by PyTorch because it measured faster:"] + [f"  - {c}" for c in self.choices] if self.choices else [])
         return buf.getvalue() + "\n".join(lines) + "\n"
+
+
+def _is_view_of(rows: Any, a: Any) -> bool:
+    """Whether ``rows`` (:func:`channel_rows` of ``a``) is a dense view of ``a``'s memory, not a copy."""
+    return rows.data_ptr() == a.data_ptr() and rows.is_contiguous() and rows.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
 
 
 class BatchedPipelines:
