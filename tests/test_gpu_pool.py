@@ -16,6 +16,7 @@ import fusekit  # noqa: E402
 from fusekit import pool, tensors  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
 from torchref import float64_nchw, rel  # noqa: E402
+from fusekit.engine import oracle  # noqa: E402
 
 LIBS = ["cupy", "torch"]
 DTYPES = ["float16", "bfloat16", "float32"]
@@ -118,7 +119,7 @@ def test_max_pool2d(lib, dtype, layout, c, geom):
     y_inf, none = pool.max_pool2d(x, *geom, indices=False)  # inference (NHWC, C % 8 == 0: the 16-byte-lane kernel)
     check_result(y_inf, lib, dtype, ref_y.shape, layout)
     assert none is None and torch.equal(as_torch(y_inf), ref_y)
-    ny, ni = pool.max_pool2d_reference(to_np(x), *geom)
+    ny, ni = oracle.max_pool2d_reference(to_np(x), *geom)
     np.testing.assert_array_equal(to_np(y), ny)
     np.testing.assert_array_equal(as_torch(am).cpu().numpy(), ni)
 
@@ -127,7 +128,7 @@ def test_max_pool2d(lib, dtype, layout, c, geom):
     check_result(dx, lib, dtype, shape, layout)
     _, (g,) = autograd(lambda a: F.max_pool2d(a, *geom), [x], dy)
     assert rel(dx, g) < TOL[dtype]
-    assert rel_np(to_np(dx), pool.max_pool2d_backward_reference(to_np(dy), ni, shape)) < TOL[dtype]
+    assert rel_np(to_np(dx), oracle.max_pool2d_backward_reference(to_np(dy), ni, shape)) < TOL[dtype]
     # PyTorch's int64 indices are accepted as they are
     idx64 = ref_i if lib == "torch" else cp.from_dlpack(ref_i)
     assert rel(pool.max_pool2d_backward(dy, idx64, shape), g) < TOL[dtype]
@@ -149,11 +150,11 @@ def test_avg_pool2d(lib, dtype, layout, c, geom):
         check_result(y, lib, dtype, ref_y.shape, layout)
         assert rel(y, ref_y) < TOL[dtype]
         assert rel(y, F.avg_pool2d(as_torch(x), *geom, count_include_pad=cip)) < TOL[dtype]  # torch in x's dtype
-        assert rel_np(to_np(y), pool.avg_pool2d_reference(to_np(x), *geom, count_include_pad=cip)) < TOL[dtype]
+        assert rel_np(to_np(y), oracle.avg_pool2d_reference(to_np(x), *geom, count_include_pad=cip)) < TOL[dtype]
         dx = pool.avg_pool2d_backward(dy, shape, *geom, count_include_pad=cip)
         check_result(dx, lib, dtype, shape, layout)
         assert rel(dx, g) < TOL[dtype]
-        ref = pool.avg_pool2d_backward_reference(to_np(dy), shape, *geom, count_include_pad=cip)
+        ref = oracle.avg_pool2d_backward_reference(to_np(dy), shape, *geom, count_include_pad=cip)
         assert rel_np(to_np(dx), ref) < TOL[dtype]
 
 
@@ -278,8 +279,8 @@ def test_softmax_and_log_softmax(lib, dtype, shape, layout):
     x = make(lib, shape, dtype, layout, scale=3.0)
     dy = make(lib, shape, dtype, layout)
     for fwd, bwd, tfn, ref_fwd, ref_bwd in (
-        (pool.softmax, pool.softmax_backward, F.softmax, pool.softmax_reference, pool.softmax_backward_reference),
-        (pool.log_softmax, pool.log_softmax_backward, F.log_softmax, pool.log_softmax_reference, pool.log_softmax_backward_reference),
+        (pool.softmax, pool.softmax_backward, F.softmax, oracle.softmax_reference, oracle.softmax_backward_reference),
+        (pool.log_softmax, pool.log_softmax_backward, F.log_softmax, oracle.log_softmax_reference, oracle.log_softmax_backward_reference),
     ):
         y = fwd(x)
         ref_y, (g,) = autograd(lambda a, tfn=tfn: tfn(a, dim=1), [x], dy)
@@ -299,7 +300,7 @@ def test_softmax_backward_follows_dy_layout(lib):
     dy = make(lib, (2, 64, 5, 7), "float16", "NCHW")
     dx = pool.softmax_backward(dy, y)
     check_result(dx, lib, "float16", (2, 64, 5, 7), "NCHW")
-    assert rel_np(to_np(dx), pool.softmax_backward_reference(to_np(dy), to_np(y), 1)) < TOL["float16"]
+    assert rel_np(to_np(dx), oracle.softmax_backward_reference(to_np(dy), to_np(y), 1)) < TOL["float16"]
 
 
 @pytest.mark.parametrize("shape, layout, axis", [((2, 3, 5, 40), "NCHW", -1), ((2, 3, 5, 7), "NHWC", 2), ((40, 6), "ROW", 0), ((3, 4096), "ROW", 1)])
@@ -307,12 +308,12 @@ def test_softmax_other_axes(shape, layout, axis):
     x = make("cupy", shape, "float32", layout, scale=3.0)
     dy = make("cupy", shape, "float32", layout)
     y, ly = pool.softmax(x, axis), pool.log_softmax(x, axis)
-    assert rel_np(to_np(y), pool.softmax_reference(to_np(x), axis)) < TOL["float32"]
-    assert rel_np(to_np(ly), pool.log_softmax_reference(to_np(x), axis)) < TOL["float32"]
+    assert rel_np(to_np(y), oracle.softmax_reference(to_np(x), axis)) < TOL["float32"]
+    assert rel_np(to_np(ly), oracle.log_softmax_reference(to_np(x), axis)) < TOL["float32"]
     dx = pool.softmax_backward(dy, y, axis)
-    assert rel_np(to_np(dx), pool.softmax_backward_reference(to_np(dy), to_np(y), axis)) < TOL["float32"]
+    assert rel_np(to_np(dx), oracle.softmax_backward_reference(to_np(dy), to_np(y), axis)) < TOL["float32"]
     dx = pool.log_softmax_backward(dy, ly, axis)
-    assert rel_np(to_np(dx), pool.log_softmax_backward_reference(to_np(dy), to_np(ly), axis)) < TOL["float32"]
+    assert rel_np(to_np(dx), oracle.log_softmax_backward_reference(to_np(dy), to_np(ly), axis)) < TOL["float32"]
 
 
 def test_softmax_is_stable_for_large_logits():
@@ -368,7 +369,7 @@ def test_cupy_inputs_run_on_cupys_current_stream(launch_streams):
         y = pool.avg_pool2d(x, 3, 1, 1)
         st.synchronize()
     assert launch_streams == [st.ptr]
-    assert rel_np(to_np(y), pool.avg_pool2d_reference(to_np(x), 3, 1, 1)) < TOL["float32"]
+    assert rel_np(to_np(y), oracle.avg_pool2d_reference(to_np(x), 3, 1, 1)) < TOL["float32"]
 
 
 def test_tensors_that_require_grad_are_read_without_autograd():

@@ -7,12 +7,13 @@ shape checks (``Pattern.infer_shapes``) and the same attribute normalization.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ArityError, OperandError
 from .patterns import OPS, Pattern, get_pattern
+from .pooling import PoolGeometry, pool2d_geometry
 from ..tensors import logical_shape, view_shape
 
 
@@ -223,3 +224,129 @@ def evaluate(pattern: Pattern | str, *operands: Any, **attrs: Any) -> tuple[np.n
         res = EVAL[op.op]({p: env[v] for p, v in op.inputs.items()}, {**pat.op_attrs(op, norm), "_out": shapes[op.out]})
         env.update(zip(op.produces, res) if len(op.produces) > 1 else [(op.out, res)])
     return tuple(env[name].reshape(view_shape(pat.output_kinds[name], env[name].shape)) for name in pat.outputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pooling and softmax in float64: the references of fusekit.ops.pool's kernels (no pattern files)
+# ----------------------------------------------------------------------------------------------
+def _offsets(g: PoolGeometry, h: int, w: int, i: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Input rows and columns under window tap (i, j) of every output position, and their validity."""
+    rows = np.arange(g.ho) * g.sh - g.ph + i * g.dh
+    cols = np.arange(g.wo) * g.sw - g.pw + j * g.dw
+    valid = ((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :]
+    return np.clip(rows, 0, h - 1), np.clip(cols, 0, w - 1), valid
+
+
+def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool, divisor_override: int | None = None) -> np.ndarray:
+    """(Ho, Wo) divisors as PyTorch: window clipped to the padded input, or to the input without pad
+    (or ``divisor_override`` everywhere)."""
+    if divisor_override is not None:
+        return np.full((g.ho, g.wo), float(divisor_override))
+    def span(n_out: int, s: int, p: int, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        start = np.arange(n_out) * s - p
+        end = np.minimum(start + k, size + p)
+        return end - start, np.minimum(end, size) - np.maximum(start, 0)
+
+    padded_h, real_h = span(g.ho, g.sh, g.ph, g.kh, h)
+    padded_w, real_w = span(g.wo, g.sw, g.pw, g.kw, w)
+    return np.outer(padded_h, padded_w) if count_include_pad else np.outer(real_h, real_w)
+
+
+def max_pool2d_reference(
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0, ceil_mode: bool = False, dilation: Any = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 max pooling of (N, C, H, W) and int64 argmax (flat h*W+w in the input plane).
+
+    As PyTorch: padding never wins, ties keep the first position in row-major window order, NaN wins.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference", ceil_mode, dilation)
+    n, c, h, w = x.shape
+    best = np.full((n, c, g.ho, g.wo), -np.inf)
+
+    def first(n_out: int, s: int, p: int, d: int) -> np.ndarray:  # the window's first tap inside the input
+        start = np.arange(n_out) * s - p
+        return np.where(start < 0, start + (-start + d - 1) // d * d, start)
+
+    first_h, first_w = first(g.ho, g.sh, g.ph, g.dh), first(g.wo, g.sw, g.pw, g.dw)
+    idx = np.broadcast_to((first_h[:, None] * w + first_w[None, :]), best.shape).astype(np.int64)
+    for i in range(g.kh):
+        for j in range(g.kw):
+            rows, cols, valid = _offsets(g, h, w, i, j)
+            v = x[:, :, rows[:, None], cols[None, :]]
+            take = valid & ((v > best) | np.isnan(v))
+            best = np.where(take, v, best)
+            idx = np.where(take, rows[:, None] * w + cols[None, :], idx)
+    return best, idx
+
+
+def max_pool2d_backward_reference(dy: np.ndarray, argmax: np.ndarray, input_shape: Sequence[int]) -> np.ndarray:
+    """float64 gradient of max pooling: dy scatter-added at argmax into zeros of ``input_shape``."""
+    dy = np.asarray(dy, dtype=np.float64)
+    n, c, h, w = (int(s) for s in input_shape)
+    dx = np.zeros((n * c, h * w))
+    rows = np.repeat(np.arange(n * c), dy.shape[2] * dy.shape[3])
+    np.add.at(dx, (rows, np.asarray(argmax).reshape(-1)), dy.reshape(-1))
+    return dx.reshape(n, c, h, w)
+
+
+def avg_pool2d_reference(
+    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, ceil_mode: bool = False,
+    divisor_override: int | None = None,
+) -> np.ndarray:
+    """float64 average pooling of (N, C, H, W) with PyTorch's divisors (zero padding)."""
+    x = np.asarray(x, dtype=np.float64)
+    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "avg_pool2d_reference", ceil_mode)
+    n, c, h, w = x.shape
+    total = np.zeros((n, c, g.ho, g.wo))
+    for i in range(g.kh):
+        for j in range(g.kw):
+            rows, cols, valid = _offsets(g, h, w, i, j)
+            total += np.where(valid, x[:, :, rows[:, None], cols[None, :]], 0.0)
+    return total / _avg_divisor(g, h, w, count_include_pad, divisor_override)
+
+
+def avg_pool2d_backward_reference(
+    dy: np.ndarray, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
+    count_include_pad: bool = True, ceil_mode: bool = False, divisor_override: int | None = None,
+) -> np.ndarray:
+    """float64 gradient of avg_pool2d_reference with respect to its input."""
+    dy = np.asarray(dy, dtype=np.float64)
+    n, c, h, w = (int(s) for s in input_shape)
+    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, "avg_pool2d_backward_reference", ceil_mode)
+    if dy.shape != (n, c, g.ho, g.wo):
+        raise OperandError("avg_pool2d_backward_reference", "dy", f"expected shape {(n, c, g.ho, g.wo)}, got {dy.shape}")
+    share = dy / _avg_divisor(g, h, w, count_include_pad, divisor_override)
+    dxp = np.zeros((n, c, h + 2 * g.ph + g.kh, w + 2 * g.pw + g.kw))
+    for i in range(g.kh):
+        for j in range(g.kw):
+            dxp[:, :, i : i + (g.ho - 1) * g.sh + 1 : g.sh, j : j + (g.wo - 1) * g.sw + 1 : g.sw] += share
+    return dxp[:, :, g.ph : g.ph + h, g.pw : g.pw + w]
+
+
+def softmax_reference(x: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 softmax along ``axis``."""
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def log_softmax_reference(x: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 log-softmax along ``axis``."""
+    x = np.asarray(x, dtype=np.float64)
+    z = x - x.max(axis=axis, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+
+
+def softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 softmax gradient from its output: y * (dy - sum(dy * y))."""
+    dy, y = np.asarray(dy, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+
+
+def log_softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1) -> np.ndarray:
+    """float64 log-softmax gradient from its output: dy - exp(y) * sum(dy)."""
+    dy, y = np.asarray(dy, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    return dy - np.exp(y) * dy.sum(axis=axis, keepdims=True)
+
+

@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..dispatch import recorded_whole
+from ..engine.pooling import PoolGeometry, checked_axis, pool2d_geometry
 from ..errors import NoGPUError, OperandError
 from ..tensors import ITEMSIZE, matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
 
@@ -34,212 +35,7 @@ __all__ = [
     "PoolGeometry", "pool2d_geometry",
     "max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward",
     "softmax", "log_softmax", "softmax_backward", "log_softmax_backward",
-    "max_pool2d_reference", "max_pool2d_backward_reference", "avg_pool2d_reference",
-    "avg_pool2d_backward_reference", "softmax_reference", "log_softmax_reference",
-    "softmax_backward_reference", "log_softmax_backward_reference",
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# Geometry (pure Python; shared by the kernels and the references)
-# ----------------------------------------------------------------------------------------------
-class PoolGeometry(NamedTuple):
-    """Normalized pooling attributes and the output's spatial size."""
-
-    kh: int
-    kw: int
-    sh: int
-    sw: int
-    ph: int
-    pw: int
-    ho: int
-    wo: int
-    dh: int = 1  # dilation (max pooling): window taps dh rows / dw columns apart
-    dw: int = 1
-
-
-def _pair(pattern: str, name: str, v: Any, minimum: int) -> tuple[int, int]:
-    vals = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
-    try:
-        a, b = vals
-    except (TypeError, ValueError):
-        raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}") from None
-    for e in (a, b):
-        if isinstance(e, bool) or not isinstance(e, (int, np.integer)):
-            raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}")
-        if e < minimum:
-            raise OperandError(pattern, name, f"expected values >= {minimum}, got {v!r}")
-    return int(a), int(b)
-
-
-def pool2d_geometry(
-    input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0, pattern: str = "pool2d",
-    ceil_mode: bool = False, dilation: Any = 1,
-) -> PoolGeometry:
-    """Check pooling attributes against an (N, C, H, W) shape; output size by PyTorch's formula (floor,
-    or with ``ceil_mode`` one more window where the last would start inside the input or its left
-    padding; every window then still covers real input, and the kernels clip windows to it).
-    ``dilation`` (max pooling) spreads a window's taps, its extent (k - 1) * d + 1.
-
-    Raises OperandError for a non-4-D shape, kernel, stride or dilation < 1, padding < 0 or more than
-    half the kernel (PyTorch's limit), or a (dilated) kernel larger than the padded input.
-    """
-    shape = tuple(int(s) for s in input_shape)
-    if len(shape) != 4:
-        raise OperandError(pattern, "x", f"expected a 4-D image (N, C, H, W), got rank {len(shape)} shape {shape}")
-    if min(shape) < 1:
-        raise OperandError(pattern, "x", f"expected every dim >= 1, got shape {shape}")
-    kh, kw = _pair(pattern, "kernel_size", kernel_size, 1)
-    sh, sw = _pair(pattern, "stride", kernel_size if stride is None else stride, 1)
-    ph, pw = _pair(pattern, "padding", padding, 0)
-    dh, dw = _pair(pattern, "dilation", dilation, 1)
-    _, _, h, w = shape
-    for axis, k, p, d, size in (("height", kh, ph, dh, h), ("width", kw, pw, dw, w)):
-        if 2 * p > k:
-            raise OperandError(pattern, "padding", f"{axis} padding {p} is more than half the kernel {k}")
-        extent = (k - 1) * d + 1
-        if extent > size + 2 * p:
-            what = f"kernel {k}" + (f" dilated by {d} (extent {extent})" if d > 1 else "")
-            raise OperandError(pattern, "kernel_size", f"{what} larger than padded input {axis} {size} + 2*{p} = {size + 2 * p}")
-    ho, wo = _out_size(h, (kh - 1) * dh + 1, sh, ph, ceil_mode), _out_size(w, (kw - 1) * dw + 1, sw, pw, ceil_mode)
-    return PoolGeometry(kh, kw, sh, sw, ph, pw, ho, wo, dh, dw)
-
-
-def _out_size(size: int, extent: int, s: int, p: int, ceil_mode: bool) -> int:
-    if not ceil_mode:
-        return (size + 2 * p - extent) // s + 1
-    out = -(-(size + 2 * p - extent) // s) + 1
-    return out - 1 if (out - 1) * s >= size + p else out
-
-
-def _axis(pattern: str, axis: Any, ndim: int) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
-        raise OperandError(pattern, "axis", f"expected an int in [{-ndim}, {ndim}), got {axis!r}")
-    return int(axis) % ndim
-
-
-# ----------------------------------------------------------------------------------------------
-# NumPy float64 references (the oracle of the tests)
-# ----------------------------------------------------------------------------------------------
-def _offsets(g: PoolGeometry, h: int, w: int, i: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Input rows and columns under window tap (i, j) of every output position, and their validity."""
-    rows = np.arange(g.ho) * g.sh - g.ph + i * g.dh
-    cols = np.arange(g.wo) * g.sw - g.pw + j * g.dw
-    valid = ((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :]
-    return np.clip(rows, 0, h - 1), np.clip(cols, 0, w - 1), valid
-
-
-def _avg_divisor(g: PoolGeometry, h: int, w: int, count_include_pad: bool, divisor_override: int | None = None) -> np.ndarray:
-    """(Ho, Wo) divisors as PyTorch: window clipped to the padded input, or to the input without pad
-    (or ``divisor_override`` everywhere)."""
-    if divisor_override is not None:
-        return np.full((g.ho, g.wo), float(divisor_override))
-    def span(n_out: int, s: int, p: int, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-        start = np.arange(n_out) * s - p
-        end = np.minimum(start + k, size + p)
-        return end - start, np.minimum(end, size) - np.maximum(start, 0)
-
-    padded_h, real_h = span(g.ho, g.sh, g.ph, g.kh, h)
-    padded_w, real_w = span(g.wo, g.sw, g.pw, g.kw, w)
-    return np.outer(padded_h, padded_w) if count_include_pad else np.outer(real_h, real_w)
-
-
-def max_pool2d_reference(
-    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: int | tuple = 0, ceil_mode: bool = False, dilation: Any = 1,
-) -> tuple[np.ndarray, np.ndarray]:
-    """float64 max pooling of (N, C, H, W) and int64 argmax (flat h*W+w in the input plane).
-
-    As PyTorch: padding never wins, ties keep the first position in row-major window order, NaN wins.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "max_pool2d_reference", ceil_mode, dilation)
-    n, c, h, w = x.shape
-    best = np.full((n, c, g.ho, g.wo), -np.inf)
-
-    def first(n_out: int, s: int, p: int, d: int) -> np.ndarray:  # the window's first tap inside the input
-        start = np.arange(n_out) * s - p
-        return np.where(start < 0, start + (-start + d - 1) // d * d, start)
-
-    first_h, first_w = first(g.ho, g.sh, g.ph, g.dh), first(g.wo, g.sw, g.pw, g.dw)
-    idx = np.broadcast_to((first_h[:, None] * w + first_w[None, :]), best.shape).astype(np.int64)
-    for i in range(g.kh):
-        for j in range(g.kw):
-            rows, cols, valid = _offsets(g, h, w, i, j)
-            v = x[:, :, rows[:, None], cols[None, :]]
-            take = valid & ((v > best) | np.isnan(v))
-            best = np.where(take, v, best)
-            idx = np.where(take, rows[:, None] * w + cols[None, :], idx)
-    return best, idx
-
-
-def max_pool2d_backward_reference(dy: np.ndarray, argmax: np.ndarray, input_shape: Sequence[int]) -> np.ndarray:
-    """float64 gradient of max pooling: dy scatter-added at argmax into zeros of ``input_shape``."""
-    dy = np.asarray(dy, dtype=np.float64)
-    n, c, h, w = (int(s) for s in input_shape)
-    dx = np.zeros((n * c, h * w))
-    rows = np.repeat(np.arange(n * c), dy.shape[2] * dy.shape[3])
-    np.add.at(dx, (rows, np.asarray(argmax).reshape(-1)), dy.reshape(-1))
-    return dx.reshape(n, c, h, w)
-
-
-def avg_pool2d_reference(
-    x: np.ndarray, kernel_size: Any, stride: Any = None, padding: Any = 0, count_include_pad: bool = True, ceil_mode: bool = False,
-    divisor_override: int | None = None,
-) -> np.ndarray:
-    """float64 average pooling of (N, C, H, W) with PyTorch's divisors (zero padding)."""
-    x = np.asarray(x, dtype=np.float64)
-    g = pool2d_geometry(x.shape, kernel_size, stride, padding, "avg_pool2d_reference", ceil_mode)
-    n, c, h, w = x.shape
-    total = np.zeros((n, c, g.ho, g.wo))
-    for i in range(g.kh):
-        for j in range(g.kw):
-            rows, cols, valid = _offsets(g, h, w, i, j)
-            total += np.where(valid, x[:, :, rows[:, None], cols[None, :]], 0.0)
-    return total / _avg_divisor(g, h, w, count_include_pad, divisor_override)
-
-
-def avg_pool2d_backward_reference(
-    dy: np.ndarray, input_shape: Sequence[int], kernel_size: Any, stride: Any = None, padding: Any = 0,
-    count_include_pad: bool = True, ceil_mode: bool = False, divisor_override: int | None = None,
-) -> np.ndarray:
-    """float64 gradient of avg_pool2d_reference with respect to its input."""
-    dy = np.asarray(dy, dtype=np.float64)
-    n, c, h, w = (int(s) for s in input_shape)
-    g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, "avg_pool2d_backward_reference", ceil_mode)
-    if dy.shape != (n, c, g.ho, g.wo):
-        raise OperandError("avg_pool2d_backward_reference", "dy", f"expected shape {(n, c, g.ho, g.wo)}, got {dy.shape}")
-    share = dy / _avg_divisor(g, h, w, count_include_pad, divisor_override)
-    dxp = np.zeros((n, c, h + 2 * g.ph + g.kh, w + 2 * g.pw + g.kw))
-    for i in range(g.kh):
-        for j in range(g.kw):
-            dxp[:, :, i : i + (g.ho - 1) * g.sh + 1 : g.sh, j : j + (g.wo - 1) * g.sw + 1 : g.sw] += share
-    return dxp[:, :, g.ph : g.ph + h, g.pw : g.pw + w]
-
-
-def softmax_reference(x: np.ndarray, axis: int = 1) -> np.ndarray:
-    """float64 softmax along ``axis``."""
-    x = np.asarray(x, dtype=np.float64)
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
-def log_softmax_reference(x: np.ndarray, axis: int = 1) -> np.ndarray:
-    """float64 log-softmax along ``axis``."""
-    x = np.asarray(x, dtype=np.float64)
-    z = x - x.max(axis=axis, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
-
-
-def softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1) -> np.ndarray:
-    """float64 softmax gradient from its output: y * (dy - sum(dy * y))."""
-    dy, y = np.asarray(dy, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
-
-
-def log_softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1) -> np.ndarray:
-    """float64 log-softmax gradient from its output: dy - exp(y) * sum(dy)."""
-    dy, y = np.asarray(dy, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    return dy - np.exp(y) * dy.sum(axis=axis, keepdims=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -655,7 +451,7 @@ def _softmax_call(P: str, mode: int, a_name: str, a: Any, dy: Any, axis: int) ->
         _same_place(P, ("dy", D), (a_name, A))
         if D.shape != A.shape:
             raise OperandError(P, a_name, f"expected dy's shape {D.shape}, got {A.shape}")
-    ax = _axis(P, axis, len(A.shape))
+    ax = checked_axis(P, axis, len(A.shape))
     like = A if D is None else D  # the result: x's (forward) or dy's (backward) type, dtype and layout
     with _Launch(P, like) as L:
         out, outv = L.empty(like, like.shape, like.layout)

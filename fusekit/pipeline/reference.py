@@ -1,5 +1,5 @@
 """The staged network in NumPy float64 on the host: fusekit stages through ``fusekit.engine.oracle``,
-pooling and softmax through ``fusekit.ops.pool``'s references, the rest in NumPy or (fallbacks)
+pooling and softmax through the oracle's references, the rest in NumPy or (fallbacks)
 PyTorch float64 on the CPU. What the CPU tests check the rewrites with."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 
 from ..engine import oracle
-from ..ops import pool
 from .ir import FUSEKIT_PATTERNS, Program, Stage, concat_parts, from_channel_rows, fused_operands, pool_options, run_torch_stage
 
 
@@ -22,11 +21,11 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
         y = oracle.evaluate(p, *ops, **attrs)[0]
         return from_channel_rows(y, s.out_shape) if p == "layernorm" else y
     if p == "max_pool2d":
-        return pool.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))[0]
+        return oracle.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))[0]
     if p == "avg_pool2d":
-        return pool.avg_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))
+        return oracle.avg_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))
     if p == "softmax":
-        return pool.softmax_reference(xs[0], s.attrs["axis"])
+        return oracle.softmax_reference(xs[0], s.attrs["axis"])
     if p == "reshape":
         return xs[0].reshape(s.out_shape)
     if p == "concat":
