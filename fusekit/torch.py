@@ -46,6 +46,7 @@ torch = import_or_explain("torch", "fusekit.torch", "fusekit[torch]", "PyTorch")
 
 from . import config, ops
 from .dispatch import taped
+from .engine.folding import bn_scale_shift, fold_into_conv
 from .errors import CaptureError, LayoutWarning, OperandError, TorchFallbackWarning, warn_once
 from .ops import pool
 from .ops.common import ACTIVATIONS, clip_attrs
@@ -603,10 +604,8 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
 
         def fold() -> tuple[torch.Tensor, torch.Tensor]:
             scale, shift = bn._scale_shift()  # bn(y) = y * scale + shift
-            w = (_f32(self.weight) * scale.reshape(-1, 1, 1, 1)).to(dtype)
-            if self.bias is not None:
-                shift = _f32(self.bias) * scale + shift
-            return w, shift.to(dtype)
+            w, b = fold_into_conv(_f32(self.weight), None if self.bias is None else _f32(self.bias), scale, shift)
+            return w.to(dtype), b.to(dtype)
 
         def kernel() -> tuple[torch.Tensor, torch.Tensor]:
             gamma, beta = (bn.weight, bn.bias) if bn.affine else (None, None)
@@ -733,10 +732,8 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
         (differentiable in weight and bias at every call when autograd needs it, else reused: _memo)."""
 
         def fold() -> tuple[torch.Tensor, torch.Tensor]:
-            inv = torch.rsqrt(_f32(self.running_var) + self.eps)
-            scale = _f32(self.weight) * inv if self.affine else inv
-            shift = -_f32(self.running_mean) * scale
-            return scale, (shift + _f32(self.bias) if self.affine else shift)
+            return bn_scale_shift(_f32(self.running_mean), _f32(self.running_var), self.eps,
+                                  _f32(self.weight) if self.affine else None, _f32(self.bias) if self.affine else None)
 
         return self._memo(fold, (self.weight, self.bias, self.running_mean, self.running_var), (self.eps,))
 

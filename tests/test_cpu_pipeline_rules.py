@@ -444,3 +444,29 @@ def test_channel_rows_of_a_dense_channels_last_image_are_a_view_and_of_a_slice_a
     assert not _is_view_of(channel_rows(part), part)
     nchw = torch.randn(2, 8, 3, 3)
     assert not _is_view_of(channel_rows(nchw), nchw)  # NCHW memory: the rows are a copy
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_one_batch_norm_fold_for_numpy_and_torch(affine, conv_bias):
+    """engine.folding's (scale, shift) and its fold into a convolution give eval-mode BatchNorm2d of
+    the convolution, on NumPy arrays and on torch tensors alike (the pipeline's and fusekit.torch's)."""
+    from fusekit.engine.folding import bn_scale_shift, fold_into_conv
+
+    torch.manual_seed(int(affine) * 2 + int(conv_bias))
+    conv, bn = nn.Conv2d(3, 6, 3, bias=conv_bias).double(), nn.BatchNorm2d(6, affine=affine).double().eval()
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    want = bn(conv(x)).detach()
+    g, b = (bn.weight.detach(), bn.bias.detach()) if affine else (None, None)
+    for lib in ("torch", "numpy"):
+        cv = (lambda t: t) if lib == "torch" else (lambda t: None if t is None else t.detach().numpy())  # noqa: E731
+        scale, shift = bn_scale_shift(cv(bn.running_mean), cv(bn.running_var), bn.eps, cv(g), cv(b))
+        w, bias = fold_into_conv(cv(conv.weight.detach()), cv(conv.bias.detach()) if conv_bias else None, scale, shift)
+        got = nn.functional.conv2d(x, torch.as_tensor(w), torch.as_tensor(bias))
+        assert float((got - want).abs().max()) < 1e-12, lib

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..engine.folding import bn_scale_shift, fold_into_conv
 from ..errors import OperandError, UnsupportedError
 
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
@@ -370,10 +371,10 @@ def fill_shapes(stages: list[Stage], input_name: str, input_shape: tuple[int, ..
 # ----------------------------------------------------------------------------------------------
 def fold_bn_weights(w: np.ndarray, b: np.ndarray | None, mean, var, gamma, beta, eps: float) -> tuple[np.ndarray, np.ndarray]:
     """(w', b') with conv(x, w') + b' == BN(conv(x, w) + b), in float64."""
-    scale = np.asarray(gamma, np.float64) / np.sqrt(np.asarray(var, np.float64) + float(eps))
-    w2 = np.asarray(w, np.float64) * scale.reshape(-1, *([1] * (w.ndim - 1)))
-    b0 = np.zeros(w.shape[0]) if b is None else np.asarray(b, np.float64)
-    return w2, (b0 - np.asarray(mean, np.float64)) * scale + np.asarray(beta, np.float64)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    scale, shift = bn_scale_shift(f64(mean), f64(var), float(eps), f64(gamma), f64(beta))
+    w2, b2 = fold_into_conv(f64(w), None if b is None else f64(b), scale, shift)
+    return w2, np.broadcast_to(b2, (w2.shape[0],)).copy()
 
 
 def rename(stages: list[Stage], old: str, new: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UnsupportedError
+from ..engine.folding import bn_scale_shift
 from .ir import Program, Stage, concat_parts, fill_shapes, fold_bn_weights, rename
 
 RELU = ("relu", 0.0)
@@ -113,9 +114,9 @@ def _bn_unfolded(c: _Ctx, s: Stage) -> Any:
 
 
 def _bn_scale_shift(c: _Ctx, s: Stage, _: Any) -> None:
-    w = s.weights
-    scale = np.asarray(w["gamma"], np.float64) / np.sqrt(np.asarray(w["var"], np.float64) + s.attrs["epsilon"])
-    s.weights = {"scale": scale, "shift": np.asarray(w["beta"], np.float64) - np.asarray(w["mean"], np.float64) * scale}
+    w = {k: np.asarray(v, np.float64) for k, v in s.weights.items()}
+    scale, shift = bn_scale_shift(w["mean"], w["var"], s.attrs["epsilon"], w["gamma"], w["beta"])
+    s.weights = {"scale": scale, "shift": shift}
 
 
 def _residual_operands(c: _Ctx, a: Stage) -> tuple[Stage, int] | None:
