@@ -840,3 +840,33 @@ def test_channel_views_are_slices_of_their_input(take, rng):
     assert mp.conflicts() == []
     x = rng.standard_normal((2, 3, 5, 5))
     assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
+
+
+def test_onnx_channel_splits_and_slices_are_channel_views(tmp_path, rng):
+    """ONNX Split and Slice over the channels of an image (what PyTorch's exporter writes for chunk
+    and x[:, a:b]) are channel views: planned as slices of their input's buffer, the reference unchanged."""
+    pytest.importorskip("onnx")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.branch = nn.Conv2d(3, 8, 1), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            a, b = y.chunk(2, 1)
+            return torch.cat([a, self.branch(b), y[:, 2:6]], 1)
+
+    m = M().eval()
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, torch.zeros(2, 3, 5, 5), str(path), dynamo=False, opset_version=17)
+    prog = fp.lower_model(str(path))
+    slices = sorted(s.attrs["channel_slice"] for s in prog.stages if s.pattern == "channel_slice")
+    assert slices == [0, 2, 4] and not prog.fallbacks, str(prog)
+    mp = plan_memory(prog)
+    assert mp.conflicts() == [] and mp.alias
+    x = rng.standard_normal((2, 3, 5, 5))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter's float32 constants

@@ -368,10 +368,13 @@ class _OnnxImporter:
         x, outs = self.v(n.ins[0]), list(n.node.output)
         sizes = self.consts[n.ins[1]].tolist() if len(n.ins) > 1 and n.ins[1] else n.a.get("split")
         made = []
+        axis = int(n.a.get("axis", 0))
         for k, o in enumerate(outs):
-            args = [Ref(x), [int(d) for d in sizes] if sizes is not None else len(outs), int(n.a.get("axis", 0)), k]
+            args = [Ref(x), [int(d) for d in sizes] if sizes is not None else len(outs), axis, k]
             st = torch_fallback(f"{n.name}[{k}]", [x], o, self.ops["Split"], args, {}, reason="ONNX Split has no fusekit pattern")
             st.attrs["op"] = "Split"
+            if sizes is not None and axis in (1, -3) and self.ndim.get(x) == 4:
+                st.attrs["channel_slice"] = int(sum(sizes[:k]))  # checked against the shapes in finish()
             made.append(st)
         for st in made[:-1]:
             self.stages.append(st)
@@ -391,6 +394,8 @@ class _OnnxImporter:
         refs = [self.v(i) for i in ins if i and i not in self.consts]
         st = torch_fallback(n.name, refs, n.out, self.ops[n.op], args, kwargs, reason=f"ONNX {n.op} has no fusekit pattern")
         st.attrs["op"] = n.op
+        if n.op == "Slice" and self.ndim.get(refs[0]) == 4 and [int(a) for a in args[3]] in ([1], [-3]) and list(args[4]) == [1]:
+            st.attrs["channel_slice"] = int(args[1][0])  # a start counted from the end is settled in finish()
         return st
 
     def fallback_call(self, n: _Node) -> tuple[list, dict, list[str]]:
@@ -434,6 +439,14 @@ class _OnnxImporter:
         out = self.v(self.m.graph.output[0].name)
         prog = Program(_live(self.stages, out), self.input, self.shape, out, "onnx")
         fill_shapes(prog.stages, prog.input, prog.input_shape)
+        for s in prog.stages:  # a channel view only where the shapes say it is one
+            if "channel_slice" in s.attrs:
+                first, (xs, ys) = int(s.attrs["channel_slice"]), (tuple(s.in_shapes[0]), tuple(s.out_shape))
+                first = first + xs[1] if first < 0 else first
+                if len(ys) == 4 and (ys[0], *ys[2:]) == (xs[0], *xs[2:]) and 0 <= first and first + ys[1] <= xs[1] and ys[1] < xs[1]:
+                    s.attrs["channel_slice"] = first
+                else:
+                    del s.attrs["channel_slice"]
         for s in prog.stages:
             if s.output in self.static and tuple(s.out_shape) != self.static[s.output]:
                 raise UnsupportedError(f"pipeline: ONNX node {s.name} ({s.kind}): its PyTorch form gives shape {tuple(s.out_shape)}, "
