@@ -870,3 +870,23 @@ def test_onnx_channel_splits_and_slices_are_channel_views(tmp_path, rng):
     x = rng.standard_normal((2, 3, 5, 5))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter's float32 constants
+
+
+def test_onnx_channel_shuffle_is_one_stage(tmp_path, rng):
+    """The exporter writes a channel shuffle as Reshape, Transpose, Reshape: it imports as one
+    channel_shuffle stage (not three copies), matching eager."""
+    pytest.importorskip("onnx")
+    class Shuffle(nn.Module):  # as ShuffleNetV2 writes it (nn.ChannelShuffle does not export)
+        def forward(self, x):
+            n, c, h, w = x.shape
+            return x.view(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)
+
+    m = nn.Sequential(nn.Conv2d(3, 8, 1), Shuffle(), nn.Conv2d(8, 4, 1)).eval()
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, torch.zeros(2, 3, 5, 5), str(path), dynamo=False, opset_version=17)
+    prog = fp.lower_model(str(path))
+    assert [s.attrs.get("op") for s in prog.stages if s.fallback] == ["channel_shuffle"], str(prog)
+    x = rng.standard_normal((2, 3, 5, 5))
+    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-6

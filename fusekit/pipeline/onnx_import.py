@@ -10,6 +10,7 @@ raises UnsupportedError.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -172,6 +173,33 @@ def _reduce_axes(a: dict[str, Any], ins: list[str], consts: dict[str, Any]) -> l
 def import_onnx(model: Any, shape: tuple[int, ...] | None = None) -> Program:
     """Primitive stages of an ONNX model, for an input of ``shape`` (default: from the graph, batch 1)."""
     return _OnnxImporter(load(model), shape).run()
+
+
+def _channel_shuffles(stages: list[Stage]) -> list[Stage]:
+    """ShuffleNet's channel shuffle as exported (Reshape to (N, g, C/g, H, W), Transpose 0 2 1 3 4,
+    Reshape back) as one PyTorch ``channel_shuffle`` stage instead of three copies."""
+    out = list(stages)
+    producer = {s.output: s for s in out}
+    uses = collections.Counter(i for s in out for i in s.inputs)
+    for c in list(out):
+        b = producer.get(c.inputs[0]) if c.attrs.get("op") == "Reshape" and len(c.out_shape) == 4 and c.inputs else None
+        a = producer.get(b.inputs[0]) if b is not None and b.attrs.get("op") == "Transpose" and uses[b.output] == 1 else None
+        if a is None or a.attrs.get("op") != "Reshape" or len(a.out_shape) != 5 or uses[a.output] != 1:
+            continue
+        if [int(p) for p in b.attrs["args"][1]] != [0, 2, 1, 3, 4]:
+            continue
+        n, g, cg, h, w = a.out_shape
+        if tuple(a.in_shapes[0]) != (n, g * cg, h, w) or tuple(c.out_shape) != (n, g * cg, h, w):
+            continue
+        import torch.nn.functional as F  # the three were PyTorch stages: PyTorch is here
+
+        x = a.inputs[0]
+        st = torch_fallback(c.name, [x], c.output, F.channel_shuffle, [Ref(x), int(g)], reason="channel shuffle: one PyTorch kernel")
+        st.attrs["op"], st.in_shapes, st.out_shape = "channel_shuffle", [tuple(a.in_shapes[0])], tuple(c.out_shape)
+        out[out.index(c)] = st
+        out.remove(a)
+        out.remove(b)
+    return out
 
 
 @dataclass
@@ -439,6 +467,7 @@ class _OnnxImporter:
         out = self.v(self.m.graph.output[0].name)
         prog = Program(_live(self.stages, out), self.input, self.shape, out, "onnx")
         fill_shapes(prog.stages, prog.input, prog.input_shape)
+        prog.stages = _channel_shuffles(prog.stages)
         for s in prog.stages:  # a channel view only where the shapes say it is one
             if "channel_slice" in s.attrs:
                 first, (xs, ys) = int(s.attrs["channel_slice"]), (tuple(s.in_shapes[0]), tuple(s.out_shape))
