@@ -470,3 +470,21 @@ def test_one_batch_norm_fold_for_numpy_and_torch(affine, conv_bias):
         w, bias = fold_into_conv(cv(conv.weight.detach()), cv(conv.bias.detach()) if conv_bias else None, scale, shift)
         got = nn.functional.conv2d(x, torch.as_tensor(w), torch.as_tensor(bias))
         assert float((got - want).abs().max()) < 1e-12, lib
+
+
+@pytest.mark.parametrize("size", [8, 9])
+def test_timm_same_padding_conv_lowers_for_the_fixed_size(size):
+    """timm's Conv2dSame (TensorFlow "same" padding from the input size): a plain convolution where the
+    padding is symmetric (odd sizes at stride 2), else one PyTorch pad and a convolution; float64 as eager."""
+    conv2d_same = pytest.importorskip("timm.layers.conv2d_same")
+    torch.manual_seed(size)
+    m = nn.Sequential(conv2d_same.Conv2dSame(3, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
+                      conv2d_same.Conv2dSame(8, 8, 3, stride=1, groups=8)).eval()
+    _randomize_bn(m)
+    prog = fp.lower_model(m, (2, 3, size, size))
+    pats = [s.pattern for s in prog.stages]
+    assert pats == (["torch", "conv_bias_relu", "conv_bias"] if size % 2 == 0 else ["conv_bias_relu", "conv_bias"]), str(prog)
+    assert [s.attrs.get("op") for s in prog.stages if s.fallback] == (["pad"] if size % 2 == 0 else [])
+    x = np.random.default_rng(size).standard_normal((2, 3, size, size))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12

@@ -248,6 +248,9 @@ class _Importer:
     def plain_node(self, node: Any) -> list[Stage]:
         if node.op == "call_module":
             mod = self.gm.get_submodule(node.target)
+            same = self.same_padding_conv(node, mod)
+            if same is not None:
+                return same
             tail = self.module_tail(node, mod)
             st = self.module_stage(node, mod)
             if st is None:
@@ -263,6 +266,33 @@ class _Importer:
                 st = self.fallback(node, self.callable_of(node), f"{getattr(t, '__name__', t)} has no fusekit rule")
             return [st]
         raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
+
+    def same_padding_conv(self, node: Any, mod: Any) -> list[Stage] | None:
+        """timm's Conv2dSame (TensorFlow's "same" padding, computed in its forward) for this fixed
+        input size: a convolution with that padding where it is symmetric, else a PyTorch pad of the
+        input (the one-sided extra row and column) and a convolution without padding."""
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        x = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+        if type(mod).__name__ != "Conv2dSame" or not isinstance(mod, nn.Conv2d) or not self.is_t(x) or self.values[x.name].dim() != 4:
+            return None
+        pads = []
+        for size, k, s, d in zip(self.values[x.name].shape[2:], mod.kernel_size, mod.stride, mod.dilation):
+            total = max((math.ceil(int(size) / s) - 1) * s + (k - 1) * d + 1 - int(size), 0)
+            pads.append((total // 2, total - total // 2))
+        (top, bottom), (left, right) = pads
+        name, src, stages = node.name, x.name, []
+        if (top, left) != (bottom, right):
+            src = f"{name}.pad"
+            stages.append(torch_fallback(src, [x.name], src, F.pad, [Ref(x.name), [left, right, top, bottom]],
+                                         reason="asymmetric \"same\" padding: one PyTorch pad"))
+            stages[-1].attrs["op"] = "pad"
+            top = left = 0
+        w = {"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
+        stages.append(Stage("conv", [src], name, weights=w, attrs=dict(padding=(top, left), stride=tuple(mod.stride),
+                                                                        dilation=tuple(mod.dilation), groups=mod.groups), name=name))
+        return stages
 
     # -- channel shuffle (ShuffleNet): view to (n, g, c / g, h, w), transpose(1, 2), view back ------
     def shuffle_node(self, node: Any) -> list[Stage] | None:
@@ -607,6 +637,10 @@ def import_module(model: Any, example_input: Any) -> Program:
     class Tracer(FxTracer):
         """fusekit.torch modules (a converted model) stay whole, as torch.nn's do; a submodule that
         cannot be traced (Python control flow on its input, say) stays whole too: one fallback stage."""
+
+        def is_leaf_module(self, m: Any, module_qualified_name: str) -> bool:  # type: ignore[override]
+            # timm's Conv2dSame computes its padding from the input's size: a leaf, lowered for the fixed size
+            return type(m).__name__ == "Conv2dSame" or super().is_leaf_module(m, module_qualified_name)
 
         def call_module(self, mod: Any, forward: Any, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
             path = self.path_of_module(mod)
