@@ -809,6 +809,29 @@ def test_a_part_of_two_concatenations_is_placed_once():
     assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
 
 
+def test_a_full_width_channel_slice_is_a_view(rng):
+    """GhostNet's ``torch.cat([a, b], 1)[:, :out_chs]`` with out_chs the whole width: a view of the
+    concatenation (no copy, no PyTorch stage); the float64 reference unchanged."""
+    from fusekit.pipeline.memory import plan_memory
+
+    class Ghost(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.primary, self.cheap = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 3, padding=1, groups=4)
+
+        def forward(self, x):
+            a = self.primary(x)
+            return torch.cat([a, self.cheap(a)], 1)[:, :8]
+
+    m = nn.Sequential(Ghost(), nn.Conv2d(8, 2, 1)).eval()
+    prog = fp.lower_model(m, (2, 3, 5, 5))
+    assert not prog.fallbacks and [s.pattern for s in prog.stages].count("channel_slice") == 1, str(prog)
+    sl = next(s for s in prog.stages if s.pattern == "channel_slice")
+    assert plan_memory(prog).alias[sl.output] == (sl.inputs[0], 0)
+    x = rng.standard_normal((2, 3, 5, 5))
+    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
+
+
 @pytest.mark.parametrize("take", ["chunk", "split", "slice", "narrow"])
 def test_channel_views_are_slices_of_their_input(take, rng):
     """chunk / split items, x[:, a:b] and narrow over channels are marked as channel views at

@@ -215,7 +215,7 @@ class _Importer:
         y, x = self.values.get(name), self.values.get(ins[0]) if len(ins) == 1 else None
         if not (isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor) and y.dim() == x.dim() == 4):
             return None
-        if (y.shape[0], *y.shape[2:]) != (x.shape[0], *x.shape[2:]) or y.shape[1] >= x.shape[1] or y.stride() != x.stride() or x.stride(1) < 1:
+        if (y.shape[0], *y.shape[2:]) != (x.shape[0], *x.shape[2:]) or y.shape[1] > x.shape[1] or y.stride() != x.stride() or x.stride(1) < 1:
             return None
         if y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
             return None
