@@ -865,6 +865,15 @@ def test_channel_views_are_slices_of_their_input(take, rng):
     assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
 
 
+def _exported(m, shape, tmp_path) -> str:
+    """``m`` exported by PyTorch's TorchScript ONNX exporter (opset 17) to a file; its path."""
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation notice
+        torch.onnx.export(m, torch.zeros(shape), str(path), dynamo=False, opset_version=17)
+    return str(path)
+
+
 def test_onnx_channel_splits_and_slices_are_channel_views(tmp_path, rng):
     """ONNX Split and Slice over the channels of an image (what PyTorch's exporter writes for chunk
     and x[:, a:b]) are channel views: planned as slices of their input's buffer, the reference unchanged."""
@@ -881,11 +890,7 @@ def test_onnx_channel_splits_and_slices_are_channel_views(tmp_path, rng):
             return torch.cat([a, self.branch(b), y[:, 2:6]], 1)
 
     m = M().eval()
-    path = tmp_path / "m.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(m, torch.zeros(2, 3, 5, 5), str(path), dynamo=False, opset_version=17)
-    prog = fp.lower_model(str(path))
+    prog = fp.lower_model(_exported(m, (2, 3, 5, 5), tmp_path))
     slices = sorted(s.attrs["channel_slice"] for s in prog.stages if s.pattern == "channel_slice")
     assert slices == [0, 2, 4] and not prog.fallbacks, str(prog)
     mp = plan_memory(prog)
@@ -905,11 +910,7 @@ def test_onnx_channel_shuffle_is_one_stage(tmp_path, rng):
             return x.view(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)
 
     m = nn.Sequential(nn.Conv2d(3, 8, 1), Shuffle(), nn.Conv2d(8, 4, 1)).eval()
-    path = tmp_path / "m.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(m, torch.zeros(2, 3, 5, 5), str(path), dynamo=False, opset_version=17)
-    prog = fp.lower_model(str(path))
+    prog = fp.lower_model(_exported(m, (2, 3, 5, 5), tmp_path))
     assert [s.attrs.get("op") for s in prog.stages if s.fallback] == ["channel_shuffle"], str(prog)
     x = rng.standard_normal((2, 3, 5, 5))
     assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-6

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedError
-from .ir import Program, Ref, Stage, fill_shapes, torch_fallback
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
 
 
 def _slicing(node: Any) -> bool:
@@ -299,15 +299,12 @@ class _Importer:
         """A channel shuffle as one PyTorch ``channel_shuffle`` stage at its last node; its view,
         transpose and contiguous make no stage. None for other nodes."""
         import torch
-        import torch.nn.functional as F
 
         if node.name in self.shuffle_inner:
             return []
         if node.name in self.shuffles:
             x, g = self.shuffles[node.name]
-            st = torch_fallback(node.name, [x], node.name, F.channel_shuffle, [Ref(x), g], reason="channel shuffle: one PyTorch kernel")
-            st.attrs["op"] = "channel_shuffle"
-            return [st]
+            return [channel_shuffle_stage(node.name, x, node.name, g)]
         chain = self.shuffle_chain(node, torch)
         if chain is None:
             return None
@@ -447,7 +444,7 @@ class _Importer:
     def module_stage(self, node: Any, mod: Any) -> Stage | None:
         import torch.nn as nn
 
-        if _own_forward(mod):  # e.g. timm's Conv2dSame (an nn.Conv2d padding itself in forward): run as it is
+        if _own_forward(mod):  # a layer subclass with a forward of its own: the layer's rules would not describe it
             return None
 
         x, name = (node.args[0] if node.args else None), node.name

@@ -343,6 +343,16 @@ def concat_parts(s: Stage) -> list[str] | None:
     return [str(p) for p in parts]
 
 
+def channel_shuffle_stage(name: str, x: str, output: str, groups: int) -> Stage:
+    """ShuffleNet's channel shuffle as one PyTorch ``channel_shuffle`` stage (the fx and ONNX routes'
+    view / reshape, transpose and view back, which would be three copies)."""
+    import torch.nn.functional as F  # only made from PyTorch's or an exporter's shuffle: PyTorch is here
+
+    st = torch_fallback(name, [x], output, F.channel_shuffle, [Ref(x), int(groups)], reason="channel shuffle: one PyTorch kernel")
+    st.attrs["op"] = "channel_shuffle"
+    return st
+
+
 def torch_fallback(name: str, inputs: list[str], output: str, fn: Callable, args: list | None = None,
                    kwargs: dict | None = None, reason: str = "no fusekit pattern") -> Stage:
     """A primitive stage PyTorch runs: ``fn(*args, **kwargs)`` with Ref(value) placeholders in args."""
@@ -373,8 +383,7 @@ def fold_bn_weights(w: np.ndarray, b: np.ndarray | None, mean, var, gamma, beta,
     """(w', b') with conv(x, w') + b' == BN(conv(x, w) + b), in float64."""
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     scale, shift = bn_scale_shift(f64(mean), f64(var), float(eps), f64(gamma), f64(beta))
-    w2, b2 = fold_into_conv(f64(w), None if b is None else f64(b), scale, shift)
-    return w2, np.broadcast_to(b2, (w2.shape[0],)).copy()
+    return fold_into_conv(f64(w), None if b is None else f64(b), scale, shift)
 
 
 def rename(stages: list[Stage], old: str, new: str) -> None:

@@ -36,9 +36,10 @@ class MemoryPlan:
     #: value -> (the value whose buffer holds it, first channel there): concatenation parts and views
     alias: dict[str, tuple[str, int]] = field(default_factory=dict)
 
-    def root(self, v: str) -> str:
-        """The value whose own buffer holds ``v`` (``v`` itself unless it is a channel slice)."""
-        return self.alias[v][0] if v in self.alias else v
+    def place(self, v: str) -> tuple[str, int]:
+        """(the value whose own buffer holds ``v``, ``v``'s first channel there): ``(v, 0)`` unless
+        ``v`` is a channel slice."""
+        return self.alias.get(v, (v, 0))
 
     @property
     def planned_bytes(self) -> int:
@@ -64,7 +65,7 @@ class MemoryPlan:
         """Each buffer-owning value's interval, widened over the values that are slices of it."""
         out: dict[str, tuple[int, int]] = {}
         for v, (a, b) in self.intervals.items():
-            r = self.root(v)
+            r = self.place(v)[0]
             a0, b0 = out.get(r, (a, b))
             out[r] = (min(a, a0), max(b, b0))
         return out

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import OperandError, UnsupportedError
-from .ir import Program, Ref, Stage, fill_shapes, torch_fallback
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
 
 
 def load(model: Any) -> Any:
@@ -191,11 +191,8 @@ def _channel_shuffles(stages: list[Stage]) -> list[Stage]:
         n, g, cg, h, w = a.out_shape
         if tuple(a.in_shapes[0]) != (n, g * cg, h, w) or tuple(c.out_shape) != (n, g * cg, h, w):
             continue
-        import torch.nn.functional as F  # the three were PyTorch stages: PyTorch is here
-
-        x = a.inputs[0]
-        st = torch_fallback(c.name, [x], c.output, F.channel_shuffle, [Ref(x), int(g)], reason="channel shuffle: one PyTorch kernel")
-        st.attrs["op"], st.in_shapes, st.out_shape = "channel_shuffle", [tuple(a.in_shapes[0])], tuple(c.out_shape)
+        st = channel_shuffle_stage(c.name, a.inputs[0], c.output, g)
+        st.in_shapes, st.out_shape = [tuple(a.in_shapes[0])], tuple(c.out_shape)
         out[out.index(c)] = st
         out.remove(a)
         out.remove(b)

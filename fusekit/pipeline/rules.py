@@ -40,6 +40,10 @@ class _Ctx:
                 return s
         return None
 
+    def readers(self, value: str) -> list[Stage]:
+        """The stages that read ``value``."""
+        return [s for s in self.stages if value in s.inputs]
+
     def uses(self, value: str) -> int:
         return sum(s.inputs.count(value) for s in self.stages) + (value == self.output)
 
@@ -228,7 +232,7 @@ def _channel_conv1d(c: _Ctx, s: Stage) -> Any:
         return None
     chain, act, v = [view], None, s.output
     for _ in range(2):  # an activation, then the view back
-        readers = [t for t in c.stages if v in t.inputs]
+        readers = c.readers(v)
         if len(readers) != 1 or c.uses(v) != 1:
             return None
         t = readers[0]
@@ -274,7 +278,7 @@ def _broadcast_expand(c: _Ctx, s: Stage) -> Any:
     g, out = tuple(s.in_shapes[0]), tuple(s.out_shape)
     if len(g) != 4 or len(out) != 4 or g[2:] != (1, 1) or g[:2] != out[:2]:
         return None
-    readers = [t for t in c.stages if s.output in t.inputs]
+    readers = c.readers(s.output)
     return True if readers and all(t.kind in ("mul", "add") for t in readers) and s.output != c.output else None
 
 

@@ -105,7 +105,7 @@ class Pipeline:
         shapes = self.program.shapes()
         with torch.cuda.device(dev):
             self._buffers = [torch.empty(max(int(n), 1), dtype=tdt, device=dev) for n in plan.sizes]
-            self.views: dict[str, Any] = {v: self._view(v, shapes[v]) for v in plan.assign}
+            self.views: dict[str, Any] = {v: self._view(v, shapes) for v in plan.assign}
             self.input_buffer = self.views[self.program.input]
             self.output_buffer = self.views[self.program.output]
             self.input_buffer.normal_()  # warm-up and capture read finite values
@@ -128,10 +128,11 @@ class Pipeline:
         self.built = True
         return self
 
-    def _view(self, name: str, shape: tuple[int, ...]) -> Any:
+    def _view(self, name: str, shapes: dict[str, tuple[int, ...]]) -> Any:
+        shape = shapes[name]
         if name in self.memory_plan.alias:  # a channel slice of a concatenation's buffer
-            root, first = self.memory_plan.alias[name]
-            return self._view(root, self.program.shapes()[root])[:, first:first + shape[1]]
+            root, first = self.memory_plan.place(name)
+            return self._view(root, shapes)[:, first:first + shape[1]]
         flat = self._buffers[self.memory_plan.assign[name]][: int(math.prod(shape))]
         if len(shape) == 4:
             n, c, h, w = shape
@@ -173,18 +174,18 @@ class Pipeline:
 
     def _is_view(self, s: Stage) -> bool:
         """Whether the planned buffers make channel-view stage ``s``'s output its input's slice."""
-        alias = self.memory_plan.alias
-        root, base = alias.get(s.inputs[0], (s.inputs[0], 0))
-        return alias.get(s.output) == (root, base + int(s.attrs["channel_slice"]))
+        root, base = self.memory_plan.place(s.inputs[0])
+        return self.memory_plan.alias.get(s.output) == (root, base + int(s.attrs["channel_slice"]))
 
-    def _layernorm_out(self, s: Stage, y: Any) -> tuple[Any, Any, Any] | None:
+    def _layernorm_out(self, x_rows: Any, x: Any, y: Any) -> tuple[Any, Any, Any] | None:
         """The outputs a channel layer norm's graph writes: y as rows of channels (a view of y's buffer)
         and its per-row mean and inverse deviation (float32, kept for the pipeline's life); None
-        where y's rows are not a view of it (y a channel slice of a concatenation)."""
+        where the rows of x or y are not a view of them (a channel slice of a concatenation: the rows
+        would be a copy taken once, here)."""
         import torch
 
         rows = channel_rows(y)
-        if not _is_view_of(rows, y):
+        if not (_is_view_of(x_rows, x) and _is_view_of(rows, y)):
             return None
         stats = torch.empty((rows.shape[0], 1, 1, 1), dtype=torch.float32, device=self.device)
         return rows, stats, torch.empty_like(stats)
@@ -193,7 +194,7 @@ class Pipeline:
         """A channel concatenation: the parts not already written in place are copied into their
         slices of the output; with none left it does nothing (its output is a view)."""
         alias, y = self.memory_plan.alias, self.views[s.output]
-        root, base = alias.get(s.output, (s.output, 0))
+        root, base = self.memory_plan.place(s.output)
         copies, off = [], 0
         for p in parts:
             c = self.views[p].shape[1]
@@ -235,9 +236,9 @@ class Pipeline:
             import fusekit
 
             operands, attrs = fused_operands(s, self.views, w)
-            out = self._layernorm_out(s, y) if s.pattern == "layernorm" else y
-            if out is None or (s.pattern == "layernorm" and not _is_view_of(operands[0], x)):
-                self.engines[i] = "torch (channel slice)"  # the rows of a channel slice are no view of it
+            out = self._layernorm_out(operands[0], x, y) if s.pattern == "layernorm" else y
+            if out is None:
+                self.engines[i] = "torch (channel slice)"
                 return self._torch_runner(s, w)
             try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
                 fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
@@ -567,7 +568,7 @@ class Pipeline:
 
 def _is_view_of(rows: Any, a: Any) -> bool:
     """Whether ``rows`` (:func:`channel_rows` of ``a``) is a dense view of ``a``'s memory, not a copy."""
-    return rows.data_ptr() == a.data_ptr() and rows.is_contiguous() and rows.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    return rows.data_ptr() == a.data_ptr() and rows.is_contiguous()
 
 
 class BatchedPipelines:
