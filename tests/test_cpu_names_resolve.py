@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import dis
 import importlib
+import importlib.util
 import pkgutil
 import types
 
@@ -77,3 +78,78 @@ def _undefined_in_source(path):
 @pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
 def test_test_modules_read_only_names_they_define(path):
     assert not _undefined_in_source(path), _undefined_in_source(path)
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent that is a plain module, or an optional dependency this machine lacks
+        return False
+
+
+def _fusekit_bindings(body) -> dict[str, str]:
+    """Names the statements ``body`` import as fusekit modules (``from fusekit.ops import pool`` -> pool)."""
+    import ast
+
+    out: dict[str, str] = {}
+    for node in body:
+        if isinstance(node, ast.Import):
+            out |= {(a.asname or a.name.split(".")[0]): (a.name if a.asname else a.name.split(".")[0])
+                    for a in node.names if a.name.startswith("fusekit")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusekit"):
+            out |= {(a.asname or a.name): f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")}
+    return out
+
+
+def _missing_module_attributes(path) -> list[str]:
+    """``module.name`` reads in a test file whose fusekit module has no such attribute: the file's
+    imports, or a function's own (a name the function assigns is its own, not the module)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    scopes = [(tree, _fusekit_bindings(tree.body))]
+    for f in ast.walk(tree):
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            own = {n.id for n in ast.walk(f) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            own |= {a.arg for a in ast.walk(f.args) if isinstance(a, ast.arg)}
+            scopes.append((f, {k: v for k, v in {**scopes[0][1], **_fusekit_bindings(ast.walk(f))}.items() if k not in own}))
+    missing = set()
+    for scope, bound in scopes:
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                try:
+                    mod = importlib.import_module(bound[node.value.id])
+                except ImportError:  # an optional dependency this machine lacks
+                    continue
+                if not hasattr(mod, node.attr) and not _is_module(f"{mod.__name__}.{node.attr}"):
+                    missing.add(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return sorted(missing)
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
+def test_test_modules_read_only_attributes_fusekit_has(path):
+    assert not _missing_module_attributes(path)
+
+
+def _code_strings(path) -> list[tuple[int, str]]:
+    """String constants of a test file that are Python programs run in a child process (f-strings,
+    whose pieces are not programs alone, are left out)."""
+    import ast
+    import re
+
+    tree = ast.parse(path.read_text())
+    pieces = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in pieces and n.value.count("\n") > 1
+            and re.search(r"^\s*(import|from) [\w.]+( import|,|\s*$)", n.value, re.M)]
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
+def test_child_programs_in_test_modules_compile(path):
+    import textwrap
+
+    for line, src in _code_strings(path):
+        try:
+            compile(textwrap.dedent(src), f"{path.name}:{line}", "exec")
+        except SyntaxError as e:
+            pytest.fail(f"the program at {path.name} line {line} does not compile: {e}")

@@ -124,8 +124,7 @@ def test_policy_is_part_of_the_key_and_chooses_the_plans():
     TF32-allowed keys never warn and stay within TF32's error."""
     res = child("""
         import json, warnings, torch, fusekit
-        import fusekit
-from fusekit import ops
+        from fusekit import ops
         torch.manual_seed(0)
         x = torch.randn(4, 32, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)
         w = (torch.randn(64, 32, 3, 3, device="cuda") / 17).contiguous(memory_format=torch.channels_last)
