@@ -114,6 +114,10 @@ def logical_shape(pattern: str, name: str, kind: str, shape: tuple[int, ...]) ->
         if len(shape) == 1:
             return (1, 1, shape[0])
         raise OperandError(pattern, name, f"expected a vector of shape (N,), got {shape}")
+    if kind == "batch_matrix":
+        if len(shape) != 3 or min(shape) < 1:
+            raise OperandError(pattern, name, f"expected a 3-D batch of matrices (batch, rows, columns) with every dim >= 1, got shape {shape}")
+        return shape
     if kind in ("matrix", "matrix_t"):
         if len(shape) != 2:
             raise OperandError(pattern, name, f"expected a 2-D matrix (rows, columns), got rank {len(shape)} shape {shape}")
@@ -158,9 +162,11 @@ def make_spec(pattern: str, name: str, kind: str, shape, strides, dtype: str, de
         if max(given) > 1 and strides[given.index(max(given))] != 1:
             raise OperandError(pattern, name, f"expected a contiguous vector, got strides {strides}")
         return TensorSpec.build(shape, dtype, device, "NCHW" if kind == "channel" else "ROW", view=given if len(given) == 1 else None)
-    if kind in ("matrix", "matrix_t"):
+    if kind in ("matrix", "matrix_t", "batch_matrix"):
         if not matches(strides, row_strides(given), given):
             raise OperandError(pattern, name, f"expected a dense row-major matrix, got strides {strides}; pass a contiguous copy")
+        if kind == "batch_matrix":
+            return TensorSpec.build(shape, dtype, device, "ROW")
         return TensorSpec.build(shape, dtype, device, "ROW" if kind == "matrix" else "COL", view=given)
     nchw, nhwc = nchw_strides(shape), nhwc_strides(shape)
     # With H = W = 1 both layouts describe the same memory: call it channels-last, which cuDNN's

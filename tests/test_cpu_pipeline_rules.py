@@ -404,11 +404,12 @@ class _Eca(nn.Module):
 @pytest.mark.parametrize(("k", "dilation", "bias"), [(3, 1, False), (5, 1, True), (3, 2, False)])
 def test_eca_conv1d_lowers_to_a_1x1_convolution_and_a_channel_gate(k, dilation, bias):
     """The Conv1d over the pooled channels is a 1x1 convolution with a banded weight (its sigmoid fused),
-    the expand_as is dropped and the multiply is the channel gate: no PyTorch stage; float64 as eager."""
+    the expand_as is dropped and the multiply is the channel gate, folded into the 1x1 projection after
+    it: no PyTorch stage; float64 as eager."""
     torch.manual_seed(k + dilation)
     m = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), _Eca(k, dilation, bias), nn.Conv2d(12, 4, 1)).eval()
     prog = fp.lower_model(m, (2, 3, 6, 6))
-    assert [s.pattern for s in prog.stages] == ["conv_bias", "avg_pool2d", "conv_bias_act", "channel_gate", "conv_bias"], str(prog)
+    assert [s.pattern for s in prog.stages] == ["conv_bias", "avg_pool2d", "conv_bias_act", "batched_matmul_bias"], str(prog)
     assert prog.stages[2].attrs["act"] == ("sigmoid", 0.0) and not prog.fallbacks
     x = np.random.default_rng(k).standard_normal((2, 3, 6, 6))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
@@ -488,3 +489,68 @@ def test_timm_same_padding_conv_lowers_for_the_fixed_size(size):
     x = np.random.default_rng(size).standard_normal((2, 3, size, size))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
+class _MBConvTail(nn.Module):
+    """EfficientNet's block end: depthwise conv, SE gate, 1x1 projection + BN (+ the block's input)."""
+
+    def __init__(self, c, k, residual):
+        super().__init__()
+        self.dw, self.se = nn.Conv2d(c, c, 3, padding=1, groups=c), SE(c)
+        self.proj, self.bn, self.residual = nn.Conv2d(c, k, 1, bias=False), nn.BatchNorm2d(k), residual
+
+    def forward(self, x):
+        y = self.bn(self.proj(self.se(F.silu(self.dw(x)))))
+        return y + x if self.residual else y
+
+
+@pytest.mark.parametrize(("c", "k", "hw", "residual", "folded"), [
+    (16, 8, 6, False, True), (16, 16, 6, True, True), (16, 36, 6, False, True), (16, 37, 6, False, False), (24, 24, 5, True, True)])
+def test_gated_projection_is_a_batched_matmul_where_its_weights_are_smaller(c, k, hw, residual, folded):
+    """conv1x1(x * gate) (+ BN, + residual) is one gconv stage, a batched matmul of x's pixel rows by
+    the gate-scaled weights, where N*C*K <= N*H*W*C (K <= H*W); else the gate and the conv stay
+    apart. Float64 as eager either way."""
+    torch.manual_seed(c + k)
+    prog = _check(_randomize_bn(_MBConvTail(c, k if not residual else c, residual)), (2, c, hw, hw))
+    pats = [s.pattern for s in prog.stages]
+    if folded:
+        assert pats[-1] == ("batched_matmul_bias_add" if residual else "batched_matmul_bias") and "channel_gate" not in pats, str(prog)
+        g = prog.stages[-1]
+        assert g.kind == "gconv" and g.in_shapes[:2] == [(2, c, hw, hw), (2, c, 1, 1)]
+        assert g.weights["wt"].shape == (c, g.out_shape[1])
+    else:
+        assert pats[-2:] == ["channel_gate", "conv_bias"], str(prog)
+
+
+def test_gated_projection_needs_a_plain_1x1_convolution():
+    """A 3x3, strided or grouped convolution after the gate, or a gate read twice, keeps the multiply."""
+
+    class M(nn.Module):
+        def __init__(self, conv, twice=False):
+            super().__init__()
+            self.se, self.conv, self.twice = SE(8), conv, twice
+
+        def forward(self, x):
+            g = self.se(x)
+            return self.conv(g) + (g.mean() if self.twice else 0)
+
+    for m in (M(nn.Conv2d(8, 4, 3, padding=1)), M(nn.Conv2d(8, 4, 1, stride=2)), M(nn.Conv2d(8, 4, 1, groups=2)),
+              M(nn.Conv2d(8, 4, 1), twice=True)):
+        prog = _check(m.eval(), (2, 8, 6, 6))
+        assert not any(s.kind == "gconv" for s in prog.stages) and any(s.pattern == "channel_gate" for s in prog.stages), str(prog)
+
+
+def test_pixel_rows_of_a_dense_channels_last_image_are_a_view():
+    from fusekit.pipeline.ir import from_pixel_rows, gate_scaled_weights, pixel_rows
+    from fusekit.pipeline.runtime import _is_view_of
+
+    x = torch.randn(2, 8, 3, 5).contiguous(memory_format=torch.channels_last)
+    r = pixel_rows(x)
+    assert r.shape == (2, 15, 8) and _is_view_of(r, x)
+    assert torch.equal(from_pixel_rows(r, x.shape), x)
+    assert not _is_view_of(pixel_rows(x.contiguous()), x.contiguous())
+    gate, w = torch.rand(2, 8, 1, 1, dtype=torch.float64), torch.randn(4, 8, 1, 1, dtype=torch.float64)
+    xd = x.double()
+    sw = gate_scaled_weights(gate, w.reshape(4, 8).t())
+    want = F.conv2d(xd * gate, w)
+    assert torch.allclose(from_pixel_rows(pixel_rows(xd) @ sw, want.shape), want, atol=1e-12)

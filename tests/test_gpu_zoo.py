@@ -153,3 +153,62 @@ def test_zoo_model_compiles_and_matches_float32_eager(name):
         rel, fp16_rel = float((y - want).norm() / want.norm()), float((h - want).norm() / want.norm())
         print(f"{name}: pipeline rel {rel:.2e}, PyTorch float16 rel {fp16_rel:.2e}")
         assert rel < max(5e-3, 4 * fp16_rel), (rel, fp16_rel)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_batched_matmul_bias_against_oracle(residual):
+    """A matrix per sample on both sides (the gate-scaled weights of a squeeze-excitation projection),
+    bias and an optional residual: one cuDNN graph against float64."""
+    import fusekit
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(8, 196, 48, device="cuda", generator=gen).half()
+    w = (torch.randn(8, 48, 24, device="cuda", generator=gen) / 7).half()
+    b, z = torch.randn(24, device="cuda", generator=gen).half(), torch.randn(8, 196, 24, device="cuda", generator=gen).half()
+    name, ops_ = ("batched_matmul_bias_add", (x, w, b, z)) if residual else ("batched_matmul_bias", (x, w, b))
+    got = fusekit.call(name, *ops_)
+    assert tuple(got.shape) == (8, 196, 24)
+    assert rel(got, oracle.evaluate(name, *[_f64(t) for t in ops_])[0]) < 2e-3
+
+
+class _GatedTail(torch.nn.Module):
+    """EfficientNet's block end: SE gate, 1x1 projection + BN, plus the block's input."""
+
+    def __init__(self, c):
+        super().__init__()
+        nn = torch.nn
+        self.dw, self.fc1, self.fc2 = nn.Conv2d(c, c, 3, padding=1, groups=c), nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+        self.proj, self.bn = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.dw(x))
+        g = torch.sigmoid(self.fc2(torch.nn.functional.silu(self.fc1(y.mean((2, 3), keepdim=True)))))
+        return self.bn(self.proj(y * g)) + x
+
+
+def test_gated_projections_run_as_batched_matmul_graphs():
+    """The gate folded into the projection: the gconv stage runs its cuDNN graph (the gate-scaled weights
+    computed each call from the live gate), matches PyTorch's float32 split form of the stage and the
+    float32 model, and two calls with different inputs give different, right answers."""
+    import fusekit.pipeline as fp
+
+    torch.manual_seed(5)
+    m = _GatedTail(32).cuda().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 1.5)
+    pipe = fp.compile(m, torch.zeros(4, 32, 14, 14), dtype="float16", choose=False)
+    i = [k for k, s in enumerate(pipe.stages) if s.kind == "gconv"]
+    assert len(i) == 1 and pipe.stages[i[0]].pattern == "batched_matmul_bias_add", str(pipe.program)
+    assert not pipe.engines[i[0]].startswith("torch"), pipe.engines[i[0]]
+    assert [r["rel_err"] for r in pipe.check() if r["stage"] == i[0]][0] < 2e-3
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    outs = []
+    for _ in range(2):
+        x = torch.randn(4, 32, 14, 14, device="cuda", generator=gen)
+        y = pipe(x).float()
+        with torch.no_grad():
+            want = m(x)
+        assert rel(y, _f64(want)) < 5e-3
+        outs.append(y)
+    assert not torch.equal(outs[0], outs[1])

@@ -34,6 +34,7 @@ SHAPE_HINT = {
     "channel": "C",
     "matrix": "M,N",
     "matrix_t": "M,N",
+    "batch_matrix": "B,M,N",
     "row": "N",
     "tensor": "D1[,D2[,D3,D4]]",
 }

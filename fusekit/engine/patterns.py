@@ -36,6 +36,7 @@ KINDS = {
     "channel": "per-channel vector of length C, given as (C,) or (1, C, 1, 1)",
     "matrix": "2-D row-major matrix (M, N), seen by cuDNN as (1, M, N)",
     "matrix_t": "2-D row-major matrix (M, N) used transposed, seen by cuDNN as (1, N, M)",
+    "batch_matrix": "3-D row-major batch of matrices (B, M, N), seen by cuDNN as is",
     "row": "vector of length N broadcast over the rows of a matrix, seen by cuDNN as (1, 1, N)",
     "tensor": "any operand of an elementwise op: 4-D as an image, 2-D as a matrix, 1-D as a row",
 }
@@ -191,6 +192,8 @@ def _matmul_shape(c: _Ctx) -> Shape:
     a, b = c.shapes["a"], c.shapes["b"]
     if a[-1] != b[-2]:
         raise c.fail("b", f"expected {a[-1]} rows to match the columns of '{c.names['a']}' (cuDNN shape {a}), got cuDNN shape {b}")
+    if b[0] not in (1, a[0]):
+        raise c.fail("b", f"expected a batch of {a[0]} matrices (or 1) to match '{c.names['a']}' (cuDNN shape {a}), got cuDNN shape {b}")
     return (a[0], a[1], b[2])
 
 

@@ -6,9 +6,13 @@ Importers (``fx_import``, ``onnx_import``, ``nn_import``) emit *primitive* stage
 
     conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, identity, torch
 
+and the rules make ``cln`` (layer norm over channels) and ``gconv`` (a 1x1 convolution of an image
+times its (N, C, 1, 1) gate) from them.
+
 ``rules.lower`` rewrites them into *lowered* stages, each with a ``pattern``: a fused cuDNN graph
 (:data:`FUSEKIT_PATTERNS`: BN folded, bias, residual add and activation epilogues; scale-shift,
-activation, add and squeeze-excitation gate graphs), a fusekit pooling kernel (:data:`POOL_PATTERNS`;
+activation, add and squeeze-excitation gate graphs; a 1x1 convolution of a gated image as a batched
+matmul with per-sample weights), a fusekit pooling kernel (:data:`POOL_PATTERNS`;
 global average pooling is avg_pool2d over the whole plane), ``reshape`` (a copy) or ``torch`` (run by
 PyTorch: a fallback).
 
@@ -28,7 +32,7 @@ from ..errors import OperandError, UnsupportedError
 
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
                     "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
-                    "conv_bias_hardswish", "layernorm")
+                    "conv_bias_hardswish", "layernorm", "batched_matmul_bias", "batched_matmul_bias_add")
 POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax")
 
 
@@ -102,7 +106,7 @@ def stage_cost(s: Stage, itemsize: int) -> tuple[float, float]:
     elems = sum(math.prod(sh) for sh in s.in_shapes) + math.prod(s.out_shape)
     weights = sum(int(np.asarray(w).size) for w in s.weights.values())
     flops = 0.0
-    if s.kind == "conv" and "w" in s.weights:
+    if s.kind in ("conv", "gconv") and "w" in s.weights:
         k, cg, r, q = s.weights["w"].shape
         flops = 2.0 * math.prod(s.out_shape) * cg * r * q
     elif s.kind == "linear":
@@ -165,6 +169,8 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
             raise OperandError("pipeline", s.name, f"expected {kk[1] * int(s.attrs.get('groups', 1))} input channels "
                                f"(its weights' {tuple(kk)}), got input shape {x}", what="stage")
         return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"]))
+    if k == "gconv":  # conv1x1(x * gate)
+        return (x[0], s.weights["w"].shape[0], x[2], x[3])
     if k in ("bn", "relu", "act", "identity", "softmax", "cln"):
         return x
     if k in ("add", "mul"):
@@ -291,6 +297,9 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             y = F.conv2d(x, weights["w"], weights.get("b"), stride=_pair(a["stride"]), padding=_pair(a["padding"]),
                          dilation=_pair(a["dilation"]), groups=int(a.get("groups", 1)))
             return torch_act(y + env[s.inputs[1]] if a.get("add") else y, act, out)
+        if k == "gconv":  # split: the gate multiply, then the 1x1 convolution
+            y = F.conv2d(x * env[s.inputs[1]], weights["w"], weights.get("b"))
+            return torch_act(y + env[s.inputs[2]] if a.get("add") else y, act, out)
         if k == "linear":
             return torch_act(F.linear(x, weights["w"], weights.get("b")), act, out)
         if k == "bn":  # a batch norm with nothing to fold into: x * scale + shift per channel
@@ -435,10 +444,38 @@ def from_channel_rows(rows: Any, shape: tuple[int, ...]) -> Any:
     return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else np.transpose(t, (0, 3, 1, 2))
 
 
-def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def pixel_rows(a: Any) -> Any:
+    """An (N, C, H, W) image as (N, H*W, C): each sample's pixels as rows of channels, what a 1x1
+    convolution multiplies by its weights. A view for a dense channels-last torch tensor (a copy for
+    NumPy arrays)."""
+    n, c, h, w = a.shape
+    t = a.permute(0, 2, 3, 1) if hasattr(a, "permute") else np.transpose(a, (0, 2, 3, 1))
+    return t.reshape(n, h * w, c)
+
+
+def from_pixel_rows(rows: Any, shape: tuple[int, ...]) -> Any:
+    """The inverse of :func:`pixel_rows` for an image of ``shape`` (N, C, H, W)."""
+    n, c, h, w = shape
+    t = rows.reshape(n, h, w, c)
+    return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else np.transpose(t, (0, 3, 1, 2))
+
+
+def gate_scaled_weights(gate: Any, wt: Any, out: Any = None) -> Any:
+    """Per-sample weights of a gated 1x1 convolution: (N, C, K) = gate (N, C, 1, 1) times the
+    transposed weights ``wt`` (C, K), so that conv1x1(x * gate)[n] = pixel_rows(x)[n] @ result[n]."""
+    g = gate.reshape(gate.shape[0], gate.shape[1], 1)
+    if out is None:
+        return g * wt
+    import torch
+
+    return torch.mul(g, wt, out=out)
+
+
+def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any], scaled: Any = None) -> tuple[tuple, dict[str, Any]]:
     """(operands, attributes) of a stage with a fusekit pattern, as ``fusekit.ops.<pattern>`` and the
     oracle take them: ``values`` maps value names to arrays, ``weights`` the stage's weights (any array
-    type). The one place that says which operand and attribute each pattern reads."""
+    type); ``scaled``: a gconv stage's buffer of gate-scaled weights (default: computed here). The one
+    place that says which operand and attribute each pattern reads."""
     x = values[s.inputs[0]]
     p, a = s.pattern, s.attrs
     act = a.get("act") or ("identity", 0.0)
@@ -452,6 +489,10 @@ def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any]) ->
         return ops, {**conv, "groups": int(a.get("groups", 1)), **act_attrs}
     if p.startswith("linear"):
         return (x, weights["w"], weights["b"]), act_attrs
+    if p.startswith("batched_matmul_bias"):  # a gconv stage: x's pixel rows times the gate-scaled weights, per sample
+        sw = gate_scaled_weights(values[s.inputs[1]], weights["wt"]) if scaled is None else scaled
+        z = (pixel_rows(values[s.inputs[2]]),) if p.endswith("_add") else ()
+        return (pixel_rows(x), sw, weights["b"]) + z, {}
     if p == "channel_scale_shift_act":
         return (x, weights["scale"], weights["shift"]), act_attrs
     if p in ("add_act", "channel_gate"):

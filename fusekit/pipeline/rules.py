@@ -282,6 +282,32 @@ def _broadcast_expand(c: _Ctx, s: Stage) -> Any:
     return True if readers and all(t.kind in ("mul", "add") for t in readers) and s.output != c.output else None
 
 
+def _gated_projection(c: _Ctx, s: Stage) -> Any:
+    """A plain 1x1 convolution (stride 1, no padding, one group; a residual allowed) of an image times
+    its (N, C, 1, 1) gate, the squeeze-excitation block's output projection, where the gate-scaled
+    weights (N*C*K) are no larger than the gated image (N*H*W*C). Found: the multiply."""
+    a, w = s.attrs, np.asarray(s.weights["w"])
+    if (w.shape[2:] != (1, 1) or int(a.get("groups", 1)) != 1 or a.get("act")
+            or any(tuple(int(e) for e in a[key]) != want for key, want in (("stride", (1, 1)), ("padding", (0, 0)), ("dilation", (1, 1))))):
+        return None
+    m = c.single_use(s.inputs[0], "mul")
+    if m is None or _gate_order(m) is None:
+        return None
+    _, k, h, wd = s.out_shape
+    return m if h * wd >= k else None
+
+
+def _gated_projection_as_gconv(c: _Ctx, s: Stage, m: Stage) -> None:
+    """conv1x1(x * gate) + b (+ z) as one stage: per sample, x's pixel rows times the weights scaled
+    by the gate (a batched matmul), so the gated image is never written."""
+    image, gate = (m.inputs[i] for i in _gate_order(m))
+    k, ch = np.asarray(s.weights["w"]).shape[:2]
+    s.kind, s.inputs = "gconv", [image, gate, *s.inputs[1:]]
+    s.weights["wt"] = np.asarray(s.weights["w"], np.float64).reshape(k, ch).T.copy()
+    s.name = m.name + "+" + s.name
+    c.stages.remove(m)
+
+
 RULES: tuple[Rule, ...] = (
     Rule("drop identities (dropout, stochastic depth in eval)", ("identity",), _always, _drop_identity),
     Rule("ECA: a Conv1d across a pooled vector's channels as a 1x1 convolution", ("torch",), _channel_conv1d, _channel_conv1d_as_conv),
@@ -295,6 +321,7 @@ RULES: tuple[Rule, ...] = (
     Rule("hardsigmoid epilogue as a clip, its constants folded into the weights", ("conv", "linear", "bn"), _hardsigmoid_epilogue,
          _hardsigmoid_as_clip),
     Rule("hardswish epilogue of a conv with its constants as channel operands", ("conv",), _hardswish_conv, _hardswish_constants),
+    Rule("squeeze-excitation gate folded into the 1x1 projection after it", ("conv",), _gated_projection, _gated_projection_as_gconv),
 )
 
 
@@ -328,6 +355,8 @@ def pattern_for(s: Stage) -> tuple[str, str]:
     k, rank = s.kind, len(s.in_shapes[0]) if s.in_shapes else 0
     if k == "conv":
         return _conv_pattern(s), ""
+    if k == "gconv":
+        return ("batched_matmul_bias_add" if s.attrs.get("add") else "batched_matmul_bias"), ""
     if k == "linear":
         act = s.attrs.get("act")
         return ("linear_bias" if act is None else "linear_bias_relu" if tuple(act) == RELU else "linear_bias_act"), ""
@@ -338,8 +367,8 @@ def pattern_for(s: Stage) -> tuple[str, str]:
     if k == "cln":
         return ("layernorm", "") if rank == 4 else ("torch", f"layer norm over channels of a rank-{rank} tensor")
     if k == "add":
-        same = len(s.in_shapes) == 2 and tuple(s.in_shapes[0]) == tuple(s.out_shape)
-        return ("add_act", "") if same and rank in (2, 4) else ("torch", "add that broadcasts its first operand, or not 2-D / 4-D")
+        same = len(s.in_shapes) == 2 and tuple(s.in_shapes[0]) == tuple(s.out_shape) and len(s.in_shapes[1]) == rank
+        return ("add_act", "") if same and rank in (2, 4) else ("torch", "add that broadcasts its first operand or a lower-rank one, or not 2-D / 4-D")
     if k == "mul":
         return ("channel_gate", "") if _gate_order(s) else ("torch", "multiply other than an (N, C, 1, 1) gate over an image")
     simple = {"maxpool": "max_pool2d", "avgpool": "avg_pool2d", "gap": "avg_pool2d", "softmax": "softmax", "flatten": "reshape"}
@@ -370,7 +399,7 @@ def lower(prog: Program) -> Program:
         if s.kind == "mul" and _gate_order(s):
             s.inputs = [s.inputs[i] for i in _gate_order(s)]
         s.pattern, s.reason = pattern_for(s)
-        if s.kind in ("conv", "linear") and "b" not in s.weights:
+        if s.kind in ("conv", "gconv", "linear") and "b" not in s.weights:
             s.weights["b"] = np.zeros(s.weights["w"].shape[0])
         if s.kind == "act":
             s.attrs["act"] = (s.attrs["activation"], float(s.attrs["alpha"]))

@@ -24,7 +24,7 @@ from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
 from . import reference as _reference
 from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, channel_rows, concat_parts,
-                 fused_operands, is_global_pool, pool_options, run_torch_stage)
+                 fused_operands, gate_scaled_weights, is_global_pool, pixel_rows, pool_options, run_torch_stage)
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -190,6 +190,55 @@ class Pipeline:
         stats = torch.empty((rows.shape[0], 1, 1, 1), dtype=torch.float32, device=self.device)
         return rows, stats, torch.empty_like(stats)
 
+    def _rows_out(self, s: Stage, operands: tuple, y: Any) -> Any:
+        """A gconv stage's output as pixel rows (a view of y's buffer); None where an image operand's
+        or y's rows would be a copy (a channel slice of a concatenation)."""
+        images = [self.views[s.inputs[0]], *(self.views[v] for v in s.inputs[2:])]
+        rows = pixel_rows(y)
+        if not (_is_view_of(rows, y) and all(_is_view_of(r, a) for r, a in zip((operands[0], *operands[3:]), images))):
+            return None
+        return rows
+
+    def _fused_runner(self, i: int, s: Stage, w: dict[str, Any], x: Any, y: Any) -> Callable[[], None]:
+        """A stage with a fusekit pattern: its cuDNN graph (PyTorch's kernel where cuDNN refuses it or
+        the operands cannot be given to it without a copy)."""
+        import torch
+
+        import fusekit
+        from .. import ops
+
+        pre = None
+        if s.kind == "gconv":  # the gate-scaled weights are computed into a buffer of the stage's, then the batched matmul
+            gate, wt = self.views[s.inputs[1]], w["wt"]
+            sw = torch.empty((gate.shape[0], gate.shape[1], wt.shape[1]), dtype=self.torch_dtype, device=self.device)
+            pre = lambda: gate_scaled_weights(gate, wt, out=sw)  # noqa: E731
+            operands, attrs = fused_operands(s, self.views, w, scaled=sw)
+            out = self._rows_out(s, operands, y)
+        else:
+            operands, attrs = fused_operands(s, self.views, w)
+            out = self._layernorm_out(operands[0], x, y) if s.pattern == "layernorm" else y
+        if out is None:
+            self.engines[i] = "torch (channel slice)"
+            return self._torch_runner(s, w)
+        try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
+            fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
+        except FusekitError as e:
+            self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {e})")
+            self.engines[i], self.sources[i] = "torch (refused)", "-"
+            return self._torch_runner(s, w)
+        self.sources[i] = "pending"
+        self._fused[i] = (operands, attrs, out)
+        if pre is not None:
+            def run() -> None:
+                pre()
+                fusekit.call(s.pattern, *operands, out=out, **attrs)
+
+            return run
+        if s.pattern == "layernorm":  # the graph itself, on the rows (ops.layernorm would copy channels-last x)
+            return lambda: fusekit.call("layernorm", *operands, out=out, **attrs)
+        f = getattr(ops, s.pattern)
+        return lambda: f(*operands, out=y, **attrs)
+
     def _concat_runner(self, i: int, s: Stage, parts: list[str]) -> Callable[[], None]:
         """A channel concatenation: the parts not already written in place are copied into their
         slices of the output; with none left it does nothing (its output is a view)."""
@@ -212,7 +261,6 @@ class Pipeline:
         return run
 
     def _runner(self, i: int, s: Stage) -> Callable[[], None]:
-        from .. import ops
         from ..ops import pool
 
         w = self._stage_weights[i]
@@ -233,25 +281,7 @@ class Pipeline:
             self.engines[i] = "torch (channel slice)"  # fusekit's pooling kernels take dense arrays only
             return self._torch_runner(s, w)
         if s.pattern in FUSEKIT_PATTERNS:
-            import fusekit
-
-            operands, attrs = fused_operands(s, self.views, w)
-            out = self._layernorm_out(operands[0], x, y) if s.pattern == "layernorm" else y
-            if out is None:
-                self.engines[i] = "torch (channel slice)"
-                return self._torch_runner(s, w)
-            try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
-                fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
-            except FusekitError as e:
-                self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {e})")
-                self.engines[i], self.sources[i] = "torch (refused)", "-"
-                return self._torch_runner(s, w)
-            self.sources[i] = "pending"
-            self._fused[i] = (operands, attrs, out)
-            if s.pattern == "layernorm":  # the graph itself, on the rows (ops.layernorm would copy channels-last x)
-                return lambda: fusekit.call("layernorm", *operands, out=out, **attrs)
-            f = getattr(ops, s.pattern)
-            return lambda: f(*operands, out=y, **attrs)
+            return self._fused_runner(i, s, w, x, y)
         if s.pattern == "max_pool2d":
             k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
