@@ -503,3 +503,27 @@ def test_warn_once_warns_once_per_key_and_category():
         assert warn_once(("k",), "after forgetting", LayoutWarning) is True
     assert [str(w.message) for w in got] == ["first", "other category", "after forgetting"]
     assert got[0].filename == __file__
+
+
+def test_a_pointer_off_cudnns_alignment_is_refused_before_cudnn(fake):
+    """cuDNN's graph tensors are 16-byte aligned: an operand or out= view starting elsewhere (a channel
+    slice at an odd offset) is an OperandError naming it, not CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER."""
+    x, w, b = good_operands()
+    odd = FakeArray(x.shape, layout="NHWC", ptr=x.ptr + 6)
+    with raises_operand("x", r"2-byte aligned; cuDNN's graphs need 16-byte aligned arrays \(float16: a view must start at a multiple of 8"):
+        fusekit.conv_bias_relu(odd, w, FakeArray((16,)), padding=1)
+    with raises_operand("y", r"8-byte aligned"):
+        fusekit.conv_bias_relu(x, w, FakeArray((16,)), padding=1, out=FakeArray((2, 16, 9, 9), layout="NHWC", ptr=0x7F00_1000_0008))
+
+
+def test_channel_slices_of_one_buffer_interleave_without_overlapping(fake):
+    """A conv reading channels [0, 8) of a 32-channel channels-last buffer may write channels [8, 24) of
+    it (in every pixel the two ranges are apart); writing [0, 16) would overwrite what it reads."""
+    pitch, base = 32, 0x7F00_2000_0000
+    st = (9 * 9 * pitch, 1, 9 * pitch, pitch)
+    x = FakeArray((2, 8, 9, 9), strides=st, ptr=base)
+    w = FakeArray((16, 8, 3, 3), layout="NHWC")
+    with pytest.raises(AssertionError, match="reached cuDNN"):
+        fusekit.conv_bias_relu(x, w, FakeArray((16,)), padding=1, out=FakeArray((2, 16, 9, 9), strides=st, ptr=base + 8 * 2))
+    with raises_operand("y", r"out overlaps the memory of 'x'"):
+        fusekit.conv_bias_relu(x, w, FakeArray((16,)), padding=1, out=FakeArray((2, 16, 9, 9), strides=st, ptr=base))

@@ -3,6 +3,7 @@ inferred, and the key assembled with the device and library versions. No cuDNN g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..errors import ArityError, OperandError
@@ -29,7 +30,7 @@ def check_operands(
     aligns = []
     first: tuple[str, TensorSpec] | None = None
     adapter0: Adapter | None = None
-    extents: list[tuple[str, tuple[int, int]]] = []  # (name, [first byte, last byte + 1)) of each array
+    extents: list[tuple[str, _Memory]] = []  # the memory each array addresses
     for o, a in zip(pattern.operands, operands):
         ad = adapter_for(a, name, o.name)
         adapter0 = adapter0 or ad
@@ -47,8 +48,8 @@ def check_operands(
             first = (o.name, spec)
         specs[o.name] = spec
         sig, ptr = ad.probe(a)
-        aligns.append(sig[-1])
-        extents.append((o.name, _extent(shape, strides, ptr, spec.dtype)))
+        aligns.append(_aligned(name, o.name, sig[-1], spec.dtype))
+        extents.append((o.name, _Memory.of(shape, strides, ptr, spec.dtype)))
     norm = pattern.normalize_attrs(attrs)
     wanted = output_specs(pattern, specs, norm)
     for i, (oname, want) in enumerate(wanted.items()):
@@ -64,8 +65,8 @@ def check_operands(
                 )
             want = got
             sig, ptr = ad.probe(a)
-            aligns.append(sig[-1])
-            _check_overlap(pattern, oname, _extent(shape, strides, ptr, got.dtype), extents)
+            aligns.append(_aligned(name, oname, sig[-1], got.dtype))
+            _check_overlap(pattern, oname, _Memory.of(shape, strides, ptr, got.dtype), extents)
         else:
             aligns.append(32)  # fresh allocations from CuPy's and torch's pools are 256-byte aligned
         specs[oname] = want
@@ -73,30 +74,81 @@ def check_operands(
     return specs, norm, aligns, adapter0
 
 
-def _extent(shape: Sequence[int], strides: Sequence[int], ptr: int, dtype: str) -> tuple[int, int]:
-    """[first byte, last byte + 1) of the memory an array of ``shape`` and ``strides`` (elements) at
-    ``ptr`` addresses (empty when a dim is 0)."""
-    if any(int(d) == 0 for d in shape):
-        return ptr, ptr
-    last = sum((int(d) - 1) * abs(int(st)) for d, st in zip(shape, strides))
-    return ptr, ptr + (last + 1) * ITEMSIZE.get(dtype, 8)
+#: Byte alignment cuDNN's graph tensors are described with: a pointer off it fails at execute
+#: (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER), so it is refused here, before anything reaches cuDNN.
+CUDNN_ALIGNMENT = 16
 
 
-def _check_overlap(pattern: Pattern, oname: str, ext: tuple[int, int], seen: list[tuple[str, tuple[int, int]]]) -> None:
+def _aligned(pattern: str, name: str, align: int, dtype: str) -> int:
+    """``align`` (the pointer's alignment), or OperandError where it is below :data:`CUDNN_ALIGNMENT`."""
+    if align < CUDNN_ALIGNMENT:
+        per = CUDNN_ALIGNMENT // ITEMSIZE.get(dtype, 1)
+        raise OperandError(pattern, name, f"its data pointer is {align}-byte aligned; cuDNN's graphs need {CUDNN_ALIGNMENT}-byte "
+                           f"aligned arrays ({dtype}: a view must start at a multiple of {per} elements): pass a copy")
+    return align
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """The memory an array addresses: [lo, hi) bytes, and its layout (to tell apart channel slices
+    of one channels-last buffer, which interleave without sharing an element)."""
+
+    lo: int
+    hi: int
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+    @staticmethod
+    def of(shape: Sequence[int], strides: Sequence[int], ptr: int, dtype: str) -> "_Memory":
+        shape, strides, item = tuple(int(d) for d in shape), tuple(int(s) for s in strides), ITEMSIZE.get(dtype, 8)
+        if any(d == 0 for d in shape):
+            return _Memory(ptr, ptr, ptr, shape, strides, item)
+        last = sum((d - 1) * abs(st) for d, st in zip(shape, strides))
+        return _Memory(ptr, ptr + (last + 1) * item, ptr, shape, strides, item)
+
+    def shares(self, o: "_Memory") -> bool:
+        """Whether the two arrays may address a common byte. Two channel slices of one (N, C, H, W)
+        channels-last buffer (the same pitch P = W-stride, channel stride 1, the same N, H, W) are
+        disjoint when one's channels end before the other's begin within every pixel."""
+        if not (self.lo < o.hi and o.lo < self.hi):
+            return False
+        a, b = (self, o) if self.ptr <= o.ptr else (o, self)
+        pitch = a.pitch()
+        if (pitch is None or pitch != b.pitch() or a.itemsize != b.itemsize or (a.shape[0], *a.shape[2:]) != (b.shape[0], *b.shape[2:])
+                or (b.ptr - a.ptr) % a.itemsize):
+            return True
+        d = (b.ptr - a.ptr) // a.itemsize
+        return not (a.shape[1] <= d and d + b.shape[1] <= pitch)
+
+    def pitch(self) -> int | None:
+        """Elements from one pixel's channels to the next's, for an (N, C, H, W) channels-last layout
+        (channel stride 1, pixels ``pitch`` apart, rows and samples dense in pixels); else None."""
+        if len(self.shape) != 4:
+            return None
+        n, c, h, w = self.shape
+        sn, sc, sh, sw = self.strides
+        p = sw if w > 1 else sh // w if h > 1 else sn // (h * w)
+        if (c > 1 and sc != 1) or p < c or (w > 1 and sw != p) or (h > 1 and sh != w * p) or (n > 1 and sn != h * w * p):
+            return None
+        return p
+
+
+def _check_overlap(pattern: Pattern, oname: str, mem: _Memory, seen: list[tuple[str, _Memory]]) -> None:
     """An ``out=`` array must not share memory with an operand or another output (the graph would read
     what it has already overwritten), unless the pattern declares the pair safe in place with the
     very same memory (``in_place`` in its file)."""
-    lo, hi = ext
-    for other, (olo, ohi) in seen:
-        if lo < ohi and olo < hi:
-            if pattern.in_place.get(oname) == other and (lo, hi) == (olo, ohi):
+    for other, omem in seen:
+        if mem.shares(omem):
+            if pattern.in_place.get(oname) == other and (mem.lo, mem.hi) == (omem.lo, omem.hi):
                 continue
             allowed = f" (the pattern allows out '{oname}' to be exactly '{pattern.in_place[oname]}')" if oname in pattern.in_place else ""
             raise OperandError(
                 pattern.name, oname, f"out overlaps the memory of '{other}'; the result would be garbage: "
                 f"pass a separate output array{allowed}"
             )
-    seen.append((oname, ext))
+    seen.append((oname, mem))
 
 
 def output_specs(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple) -> dict[str, TensorSpec]:

@@ -84,14 +84,20 @@ class MemoryPlan:
         return bad
 
 
-def channel_aliases(prog: Program) -> dict[str, tuple[str, int]]:
+#: Byte alignment a channel slice must start at to be handed to cuDNN (its graphs' tensor alignment).
+SLICE_ALIGNMENT = 16
+
+
+def channel_aliases(prog: Program, itemsize: int = 2) -> dict[str, tuple[str, int]]:
     """Channel slices for copy-free concatenation: value -> (the value whose buffer holds it, first
     channel). Concatenations are visited last to first; each part is placed in its concatenation's
     buffer unless it is the input or the output, or already placed elsewhere (then the concatenation
     copies it). A concatenation whose
     parts already sit side by side in one buffer (DenseNet's growing prefixes) is itself a slice.
     Then, in stage order, a stage marked ``channel_slice`` (a ``chunk`` or ``split`` item, ``x[:, a:b]``)
-    whose output is not placed yet becomes a slice of its input's buffer."""
+    whose output is not placed yet becomes a slice of its input's buffer. Only slices whose first
+    channel is :data:`SLICE_ALIGNMENT`-byte aligned are made (cuDNN refuses others): the rest get
+    their own buffers (and a copy)."""
     producer = {s.output: s for s in prog.stages}
     shapes = prog.shapes()
     pinned = {prog.input, prog.output}
@@ -99,6 +105,9 @@ def channel_aliases(prog: Program) -> dict[str, tuple[str, int]]:
 
     def where(v: str) -> tuple[str, int]:
         return alias.get(v, (v, 0))
+
+    def aligned(first: int) -> bool:
+        return first * itemsize % SLICE_ALIGNMENT == 0
 
     for s in reversed(prog.stages):
         parts = concat_parts(s)
@@ -108,26 +117,28 @@ def channel_aliases(prog: Program) -> dict[str, tuple[str, int]]:
         offsets = [sum(widths[:k]) for k in range(len(parts))]
         placed = [where(p) for p in parts]
         if (s.output not in alias and s.output not in pinned and all(p in alias for p in parts)
-                and len({r for r, _ in placed}) == 1 and all(o == placed[0][1] + off for (_, o), off in zip(placed, offsets))):
+                and len({r for r, _ in placed}) == 1 and all(o == placed[0][1] + off for (_, o), off in zip(placed, offsets))
+                and aligned(placed[0][1])):
             alias[s.output] = placed[0]  # its parts are already contiguous in one buffer
             continue
         root, base = where(s.output)
         for p, off in zip(parts, offsets):
             st = producer.get(p)
-            if p in alias or p in pinned or st is None or p == root:
+            if p in alias or p in pinned or st is None or p == root or not aligned(base + off):
                 continue
             alias[p] = (root, base + off)
     for s in prog.stages:  # channel views (chunk / split items): slices of their input's buffer
         first = s.attrs.get("channel_slice")
         if first is not None and s.output not in alias and s.output not in pinned:
             root, base = where(s.inputs[0])
-            alias[s.output] = (root, base + int(first))
+            if aligned(base + int(first)):
+                alias[s.output] = (root, base + int(first))
     return alias
 def plan_memory(prog: Program, itemsize: int = 2) -> MemoryPlan:
     """Assign every value of ``prog`` to a buffer (see the module docstring)."""
     shapes = prog.shapes()
     numel = {v: int(math.prod(s)) for v, s in shapes.items()}
-    alias = channel_aliases(prog)
+    alias = channel_aliases(prog, itemsize)
     n = len(prog.stages)
     first = {prog.input: -1}
     last = {prog.input: -1}
