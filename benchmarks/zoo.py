@@ -152,12 +152,16 @@ def compiled_peer(rec: dict, half: torch.nn.Module, x: torch.Tensor, iters: int,
 
 
 def markdown(recs: list[dict], meta: dict) -> str:
-    head = (f"# The CNN zoo: fusekit pipeline vs PyTorch ({meta['gpu']})\n\n{meta['date']}, torch {meta['torch']}, cuDNN {meta['cudnn']}, "
-            f"float16 channels-last, eval, random weights with BN statistics of random images. Milliseconds per forward, median "
-            f"of {meta['trials']} trials of {meta['iters']} calls (CUDA events, a fresh input before each trial); 'best PyTorch' is "
-            f"the fastest of eager, eager in a CUDA graph and (where run) torch.compile max-autotune, in the same process.\n\n")
-    cols = "| model | batch | fusekit | eager | eager CUDA graph | max-autotune (compile s) | x best PyTorch | fused time | fused stages | rel err (PyTorch fp16) | top-1 |"
-    rows = [cols, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The results table; each row names the run (its start time) it was measured in."""
+    runs = sorted({r.get("date", meta["date"]) for r in recs})
+    head = (f"# The CNN zoo: fusekit pipeline vs PyTorch ({meta['gpu']})\n\nRuns {', '.join(runs)} (each row names its own), torch "
+            f"{meta['torch']}, cuDNN {meta['cudnn']}, float16 channels-last, eval, random weights with BN statistics of random images. "
+            f"Milliseconds per forward, median of {meta['trials']} trials of {meta['iters']} calls (CUDA events, a fresh input before "
+            f"each trial); 'best PyTorch' is the fastest of eager, eager in a CUDA graph and (where run) torch.compile max-autotune, "
+            f"in the same process as the row's fusekit figure.\n\n")
+    cols = ("| model | batch | fusekit | eager | eager CUDA graph | max-autotune (compile s) | x best PyTorch | fused time | fused stages "
+            "| rel err (PyTorch fp16) | top-1 | run |")
+    rows = [cols, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(v: Any, spec: str = ".3f") -> str:
         return "-" if v is None else format(v, spec)
@@ -165,14 +169,15 @@ def markdown(recs: list[dict], meta: dict) -> str:
     for r in recs:
         if not r.get("compiled"):
             rows.append(f"| {r['model']} | {r['batch']} | **fails**: {str(r.get('error'))[:120]} | {f(r.get('torch_eager_ms'))} | "
-                        f"{f(r.get('torch_graph_ms'))} | | | | | | |")
+                        f"{f(r.get('torch_graph_ms'))} | | | | | | | {r.get('date', '')} |")
             continue
         mat = r.get("torch_compile_max_autotune_ms")
         rows.append(
             f"| {r['model']} | {r['batch']} | {f(r['fusekit_ms'])} | {f(r.get('torch_eager_ms'))} | {f(r.get('torch_graph_ms'))} | "
             f"{f(mat)}{'' if mat is None else ' (' + format(r['torch_compile_max_autotune_s'], '.0f') + ')'} | "
             f"{f(r['speedup_vs_best'], '.2f')}x | {r['fused_time_fraction']:.0%} | {r['fused_stages']}/{r['stages']} | "
-            f"{r['rel_err']:.1e} ({r['torch_fp16_rel_err']:.1e}) | {r['top1_agreement']:.2f} ({r['torch_fp16_top1_agreement']:.2f}) |")
+            f"{r['rel_err']:.1e} ({r['torch_fp16_rel_err']:.1e}) | {r['top1_agreement']:.2f} ({r['torch_fp16_top1_agreement']:.2f}) | "
+            f"{r.get('date', '')} |")
     ok = [r for r in recs if r.get("compiled") and r["batch"] >= 32]
     geo = math.exp(sum(math.log(r["speedup_vs_best"]) for r in ok) / len(ok)) if ok else None
     tail = f"\n\nGeometric mean speed-up over the best PyTorch variant at batch >= 32: {f(geo, '.2f')}x over {len(ok)} models.\n"
