@@ -572,7 +572,7 @@ _TAPES: dict[tuple, Any] = {}  # key -> _Tape (replays) | (_Tape | None, recordi
 
 class _Rec(threading.local):
     steps: list | None = None  # (call, operands, outs given or None, outputs) of each run() while recording
-    block: Any = None  # a fusekit.torch_replay tape recording on this thread (its .fk notes each call)
+    block: Any = None  # a fusekit.torch.replay tape recording on this thread (its .fk notes each call)
 
 
 _REC = _Rec()

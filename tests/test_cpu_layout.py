@@ -14,7 +14,7 @@ LAYERS = {
     "engine": 1,
     "dispatch": 2,
     "ops": 3,
-    "nn": 4, "torch": 4, "torch_replay": 4, "pipeline": 4, "viz": 4,
+    "nn": 4, "torch": 4, "pipeline": 4, "viz": 4,
     "cli": 5,
     "__init__": 6, "__main__": 6,  # `python -m fusekit`: the CLI
 }

@@ -98,6 +98,10 @@ def _fusekit_bindings(body) -> dict[str, str]:
                     for a in node.names if a.name.startswith("fusekit")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusekit"):
             out |= {(a.asname or a.name): f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")}
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+              and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", getattr(node.value.func, "id", "")) == "importorskip"
+              and node.value.args and isinstance(node.value.args[0], ast.Constant) and str(node.value.args[0].value).startswith("fusekit")):
+            out[node.targets[0].id] = node.value.args[0].value  # ft = pytest.importorskip("fusekit.torch")
     return out
 
 

@@ -48,7 +48,7 @@ def _channel(v, name):
 
 def _image(*ts):
     for t in ts:
-        assert t.dim() == 4 and ft._is_dense(t), f"operand not dense NCHW / NHWC: strides {t.stride()}"
+        assert t.dim() == 4 and ft.common._is_dense(t), f"operand not dense NCHW / NHWC: strides {t.stride()}"
 
 
 def _same_dtype(*ts):
@@ -320,13 +320,13 @@ class FakePool:
 def fake(monkeypatch):
     """fusekit.torch's modules on CPU tensors (float64 too) through the fake ops; returns the call log."""
     ops = FakeOps()
-    monkeypatch.setattr(ft, "ops", ops)
-    monkeypatch.setattr(ft, "pool", FakePool(ops.calls))
+    monkeypatch.setattr(ft.common, "ops", ops)
+    monkeypatch.setattr(ft.common, "pool", FakePool(ops.calls))
 
     def on_graphs(x, who, ranks=(4,)):
         return isinstance(x, torch.Tensor) and x.is_floating_point() and (ranks is None or x.dim() in ranks) and x.numel() > 0
 
-    monkeypatch.setattr(ft, "_on_graphs", on_graphs)
+    monkeypatch.setattr(ft.common, "on_graphs", on_graphs)
     return ops.calls
 
 
@@ -396,7 +396,7 @@ def test_conv_padding_modes_pad_the_input_first(mode, padding, kernel, expect_ex
     if expect_extra is not None:
         assert m._fk_extra == tuple(t._reversed_padding_repeated_twice)
     x = torch.randn(2, 4, 7, 9).contiguous(memory_format=torch.channels_last)
-    y = ft._padded(x, (1, 2, 1, 2), mode)
+    y = ft.common._padded(x, (1, 2, 1, 2), mode)
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, F.pad(x, (1, 2, 1, 2), mode=mode))
 
 
@@ -580,7 +580,7 @@ def test_batchnorm_half_parameters_and_buffers(fake, dtype):
 def test_autocast_casts_like_torch(fake, monkeypatch):
     """Under autocast: conv, transposed conv and Linear compute in the autocast dtype from float32
     parameters, whose gradients come back float32; BN stays in its input dtype; softmax goes float32."""
-    monkeypatch.setattr(ft, "_amp_dtype", lambda: torch.bfloat16)
+    monkeypatch.setattr(ft.common, "amp_dtype", lambda: torch.bfloat16)
     torch.manual_seed(0)
     conv, bn, lin = ft.Conv2d(4, 8, 3, padding=1), ft.BatchNorm2d(8), ft.Linear(8, 5)
     convt, sm = ft.ConvTranspose2d(8, 4, 2, stride=2), ft.Softmax(1)
@@ -770,14 +770,14 @@ def test_cpu_tensors_run_pytorch_with_one_warning(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 def test_hand_on_passes_only_the_exact_unmodified_tensor():
     a, b = torch.nn.ReLU(), torch.nn.ReLU()
-    y = ft._hand_on(torch.randn(3), (a, b))
-    assert not ft._already_done(y, b)  # b's turn comes after a's
-    assert ft._already_done(y, a) and ft._already_done(y, b) and not ft._already_done(y, b)
-    z = ft._hand_on(torch.randn(3), (a,))
+    y = ft.common._hand_on(torch.randn(3), (a, b))
+    assert not ft.common._already_done(y, b)  # b's turn comes after a's
+    assert ft.common._already_done(y, a) and ft.common._already_done(y, b) and not ft.common._already_done(y, b)
+    z = ft.common._hand_on(torch.randn(3), (a,))
     z.add_(1)  # modified in place after the producer: computed again
-    assert not ft._already_done(z, a)
-    w = ft._hand_on(torch.randn(3), (a,))
-    assert not ft._already_done(w.clone(), a) and not ft._already_done(w[:2], a)
+    assert not ft.common._already_done(z, a)
+    w = ft.common._hand_on(torch.randn(3), (a,))
+    assert not ft.common._already_done(w.clone(), a) and not ft.common._already_done(w[:2], a)
 
 
 def small_cnn():
@@ -850,10 +850,10 @@ def test_eval_folds_are_computed_once_and_follow_every_change(fake):
     check()
     first = _folds(fk)
     assert all(f is not None for f in first)
-    assert ft.ops.folded == 2  # without autograd: ops.fold_batchnorm's one kernel per conv
+    assert ft.common.ops.folded == 2  # without autograd: ops.fold_batchnorm's one kernel per conv
     check()
     assert all(a is b for a, b in zip(first, _folds(fk)))  # reused, not recomputed
-    assert ft.ops.folded == 2
+    assert ft.common.ops.folded == 2
     for m in (fk, ref):  # an optimizer step on the parameters
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for p in m.parameters():
@@ -877,14 +877,14 @@ def test_eval_folds_are_computed_once_and_follow_every_change(fake):
         assert rel(fk(x), ref(x)) < 1e-6
     # autograd: the fold at every call, gradients reach the BN's parameters (compare checks them)
     fk.eval()
-    kernels = ft.ops.folded
+    kernels = ft.common.ops.folded
     compare(fk, ref, x, tol=1e-6)
-    assert _folds(fk) == [None] * 2 and ft.ops.folded == kernels  # the differentiable fold, not the kernel
+    assert _folds(fk) == [None] * 2 and ft.common.ops.folded == kernels  # the differentiable fold, not the kernel
     # a frozen model under autograd (an input gradient only): the held fold serves, gradients flow to x
     for m in (fk, ref):
         m.requires_grad_(False)
     compare(fk, ref, x, tol=1e-6)
-    assert all(f is not None for f in _folds(fk)) and ft.ops.folded == kernels + 2
+    assert all(f is not None for f in _folds(fk)) and ft.common.ops.folded == kernels + 2
 
 
 def test_converted_models_run_under_inference_mode(fake):
@@ -957,9 +957,9 @@ def test_relu_output_changed_in_place_is_not_fused(fake):
     x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
     with torch.no_grad():
         h = fk[2](fk[1](fk[0](x)))
-    assert ft._relu_output_clip(h) == float("inf")
+    assert ft.common._relu_output_clip(h) == float("inf")
     h.add_(1.0)
-    assert ft._relu_output_clip(h) is None
+    assert ft.common._relu_output_clip(h) is None
     h.requires_grad_(True)
     fk[3](h).sum().backward()
     assert "dgrad_drelu" not in fake and h.grad is not None
@@ -1116,7 +1116,7 @@ def test_convert_twice_and_fuse_off():
     assert r2.replaced == [] and len(r2.fused) == len(r1.fused)
     plain, r3 = ft.convert(small_cnn(), fuse=False)
     assert r3.fused == [] and len(r3.replaced) == len(r1.replaced)
-    assert all(m._fk_bn is None and m._fk_relu is None for m in plain.modules() if isinstance(m, ft._Fusekit))
+    assert all(m._fk_bn is None and m._fk_relu is None for m in plain.modules() if isinstance(m, ft.modules._Fusekit))
 
 
 def test_deepcopy_keeps_links_inside_the_copy():
@@ -1263,9 +1263,9 @@ def test_graphed_forward_captures_each_signature_after_its_warmup(monkeypatch):
             replays.append(tuple(x.shape))
             return (x * 2,)
 
-    monkeypatch.setattr(ft, "_Captured", Captured)
-    monkeypatch.setattr(ft, "_Replay", Replay)
-    monkeypatch.setattr(ft._GraphedForward, "eligible",
+    monkeypatch.setattr(ft.graphs, "_Captured", Captured)
+    monkeypatch.setattr(ft.graphs, "_Replay", Replay)
+    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible",
                         lambda self, a, k: a[0] if self.model.training and torch.is_grad_enabled() and len(a) == 1 else None)
     model = ft.graphed(torch.nn.Linear(3, 3), warmup=2, max_graphs=3)
     x = torch.randn(4, 3)
@@ -1276,11 +1276,11 @@ def test_graphed_forward_captures_each_signature_after_its_warmup(monkeypatch):
     assert ran_original(model(x), x) and ran_original(model(x), x) and not made
     assert torch.equal(model(x), x * 2) and made == [((4, 3), False, None)] and replays == [(4, 3)]
     assert torch.equal(model(x), x * 2) and len(made) == 1 and len(replays) == 2
-    monkeypatch.setattr(ft, "_amp_dtype", lambda: torch.float16)
+    monkeypatch.setattr(ft.common, "amp_dtype", lambda: torch.float16)
     for _ in range(3):
         model(x)
     assert made[-1] == ((4, 3), False, torch.float16)
-    monkeypatch.setattr(ft, "_amp_dtype", lambda: None)
+    monkeypatch.setattr(ft.common, "amp_dtype", lambda: None)
     xg = torch.randn(4, 3, requires_grad=True)
     for _ in range(3):
         model(xg)
@@ -1319,7 +1319,7 @@ def test_graphed_checks_its_arguments_before_capturing(monkeypatch):
     parameter on another device, hooks on any submodule, a model graphed twice) before anything is
     captured."""
     called = []
-    monkeypatch.setattr(ft, "_Captured", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(ft.graphs, "_Captured", lambda *a, **k: called.append(a))
     model = torch.nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8)
     cases = [
@@ -1349,13 +1349,13 @@ def test_a_graphed_model_copies_and_pickles_without_its_graphs(monkeypatch):
     import copy
     import pickle
 
-    monkeypatch.setattr(ft._GraphedForward, "eligible", lambda self, a, k: None)  # CPU: every call uncaptured
+    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible", lambda self, a, k: None)  # CPU: every call uncaptured
     model = ft.graphed(torch.nn.Linear(3, 3), warmup=2, max_graphs=2)
     model.forward.graphs[("a signature",)] = object()  # stands for a capture
     x = torch.randn(4, 3)
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         fwd = twin.forward
-        assert isinstance(fwd, ft._GraphedForward) and fwd.model is twin and not fwd.graphs
+        assert isinstance(fwd, ft.graphs._GraphedForward) and fwd.model is twin and not fwd.graphs
         assert (fwd.warmup, fwd.max_graphs) == (2, 2)
         with torch.no_grad():
             twin.weight.mul_(2)
@@ -1392,9 +1392,9 @@ def test_graphed_eval_graphs_capture_eval_forwards_without_autograd(monkeypatch)
         def apply(cap, x, *params):
             return (x * 100,)
 
-    monkeypatch.setattr(ft, "_Captured", Captured)
-    monkeypatch.setattr(ft, "_Replay", Replay)
-    monkeypatch.setattr(ft._GraphedForward, "eligible", lambda self, a, k: a[0] if self.wants_graph() and len(a) == 1 else None)
+    monkeypatch.setattr(ft.graphs, "_Captured", Captured)
+    monkeypatch.setattr(ft.graphs, "_Replay", Replay)
+    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible", lambda self, a, k: a[0] if self.wants_graph() and len(a) == 1 else None)
     x = torch.randn(4, 3)
     plain = ft.graphed(_ScaleNet(), warmup=2, eval_graphs=False).eval()
     with torch.no_grad():
@@ -1476,8 +1476,8 @@ def test_graphed_replays_give_autograd_the_uncaptured_gradients(monkeypatch):
     buffers, outputs keep their values after the next call, and two forwards before one backward
     (the second would overwrite the activations the first's backward reads) give the uncaptured
     gradients: the second call runs uncaptured."""
-    monkeypatch.setattr(ft, "_Captured", _FakeCapture)
-    monkeypatch.setattr(ft._GraphedForward, "eligible",
+    monkeypatch.setattr(ft.graphs, "_Captured", _FakeCapture)
+    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible",
                         lambda self, a, k: a[0] if self.model.training and torch.is_grad_enabled() and len(a) == 1 else None)
     model, ref = ft.graphed(_ScaleNet(), warmup=1), _ScaleNet()
     xs = [torch.randn(5) for _ in range(6)]

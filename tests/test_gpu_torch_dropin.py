@@ -443,9 +443,9 @@ def test_converted_torchvision_model_matches_original(name, precision):
     passed, added = [], []  # per BN call: whether its input came from a conv that did its work (folded), and the residual's add + ReLU too
 
     def handed_on(m, i, s=passed):
-        ids = ft()._tagged(i[0], ft()._DONE)
+        ids = ft().common._tagged(i[0], ft().common._DONE)
         s.append(ids is not None and ids[0] == id(m))
-        added.append(len(i) == 2 and ft()._tagged(i[0], ft()._ADDED) == id(i[1]))
+        added.append(len(i) == 2 and ft().common._tagged(i[0], ft().common._ADDED) == id(i[1]))
 
     for bn in (m for m in fk.modules() if isinstance(m, ft().BatchNorm2d)):
         bn.register_forward_pre_hook(handed_on)
@@ -642,8 +642,8 @@ def test_converted_relu6_blocks_train_on_fused_graphs(precision, monkeypatch):
     assert report.counts().get("ReLU6") == 2 and sum("BN+ReLU6" in what for _, what in report.fused) == 2, report
     ref64 = copy.deepcopy(base).double()
     clips, fed = [], []
-    real_bn, real_grads = ft().ops.batchnorm, opsconv._conv_grads
-    monkeypatch.setattr(ft().ops, "batchnorm", lambda *a, **k: clips.append(k.get("upper_clip")) or real_bn(*a, **k))
+    real_bn, real_grads = ft().common.ops.batchnorm, opsconv._conv_grads
+    monkeypatch.setattr(ft().common.ops, "batchnorm", lambda *a, **k: clips.append(k.get("upper_clip")) or real_bn(*a, **k))
     monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: fed.append(a[9:]) or real_grads(*a))
     x = cl(torch.randn(8, 32, 14, 14, device="cuda"))
     g = cl(torch.randn(8, 32, 14, 14, device="cuda"))
@@ -1048,7 +1048,7 @@ def test_replayed_model_trains_as_its_modules_do(amp):
     tape = next(iter(model.forward.tapes.values()))
     assert sum(e[0] == 1 for e in tape.entries) >= 40, "the tape holds too few fusekit graphs: layers ran outside fusekit"
     assert any(e[0] == 2 for e in tape.entries), "the max pool (a fusekit kernel of its own) is not in the tape"
-    from fusekit.torch_replay import _name
+    from fusekit.torch.replay import _name
 
     names = [_name(e) for e in tape.entries]
     fwd, bwd = names[:tape.fwd_end], names[tape.fwd_end:]

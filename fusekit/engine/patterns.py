@@ -93,6 +93,11 @@ class _Ctx:
         return OperandError(self.pattern, self.names[port], message)
 
 
+def conv_out_size(size: int, kernel: int, padding: int, stride: int, dilation: int) -> int:
+    """A convolution's output length along one spatial dim (PyTorch's and cuDNN's formula)."""
+    return (size + 2 * padding - (kernel - 1) * dilation - 1) // stride + 1
+
+
 def _conv_fprop_shape(c: _Ctx) -> Shape:
     x, w = c.shapes["image"], c.shapes["weight"]
     pad, stride, dil = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"]
@@ -104,8 +109,7 @@ def _conv_fprop_shape(c: _Ctx) -> Shape:
     _check_groups(c, "weight", w[0], "filters")
     out = [x[0], w[0]]
     for i in range(2):
-        eff = (w[2 + i] - 1) * dil[i] + 1
-        size = (x[2 + i] + 2 * pad[i] - eff) // stride[i] + 1
+        size = conv_out_size(x[2 + i], w[2 + i], pad[i], stride[i], dil[i])
         if size < 1:
             raise c.fail(
                 "image",
@@ -700,5 +704,5 @@ def register(pattern: Pattern) -> Pattern:
 __all__: Sequence[str] = [
     "KINDS", "OPS", "OpSig", "Operand", "AttrSpec", "Op", "Pattern",
     "parse_pattern", "load_pattern", "get_pattern", "list_patterns", "pattern_dirs", "register",
-    "scan_patterns", "check_size", "MAX_DIM", "MAX_ELEMENTS", "PatternWarning",
+    "scan_patterns", "check_size", "MAX_DIM", "MAX_ELEMENTS", "PatternWarning", "conv_out_size",
 ]

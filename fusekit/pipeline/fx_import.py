@@ -52,12 +52,18 @@ def _permutation(node: Any, template: Any) -> tuple[int, ...] | None:
     return tuple(d % 4 for d in dims) if len(dims) == 4 else None
 
 
+def _is_fusekit_layer(mod: Any) -> bool:
+    """Whether ``mod`` is (or derives from) a fusekit.torch module, told by its classes' module (this
+    layer does not import fusekit.torch)."""
+    return any(c.__module__ == "fusekit.torch" for c in type(mod).__mro__)
+
+
 def _own_forward(mod: Any) -> bool:
     """Whether ``mod``'s class replaces the forward of the torch.nn layer it derives from (so the rules
     for that layer would not describe it); fusekit.torch's own layers are described by them."""
     import torch.nn as nn
 
-    if any(c.__module__ == "fusekit.torch" for c in type(mod).__mro__):
+    if _is_fusekit_layer(mod):
         return False
     for cls in type(mod).__mro__:
         if cls.__module__.startswith("torch.nn.modules") and cls not in (nn.Module, nn.Identity, nn.Sequential):
@@ -627,17 +633,15 @@ def import_module(model: Any, example_input: Any) -> Program:
     import torch.fx
 
     shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
-    from ..torch import FxTracer
-
     m = copy.deepcopy(model).cpu().float().eval()
 
-    class Tracer(FxTracer):
+    class Tracer(torch.fx.Tracer):
         """fusekit.torch modules (a converted model) stay whole, as torch.nn's do; a submodule that
         cannot be traced (Python control flow on its input, say) stays whole too: one fallback stage."""
 
         def is_leaf_module(self, m: Any, module_qualified_name: str) -> bool:  # type: ignore[override]
             # timm's Conv2dSame computes its padding from the input's size: a leaf, lowered for the fixed size
-            return type(m).__name__ == "Conv2dSame" or super().is_leaf_module(m, module_qualified_name)
+            return _is_fusekit_layer(m) or type(m).__name__ == "Conv2dSame" or super().is_leaf_module(m, module_qualified_name)
 
         def call_module(self, mod: Any, forward: Any, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
             path = self.path_of_module(mod)

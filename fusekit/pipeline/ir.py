@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..engine.folding import bn_scale_shift, fold_into_conv
+from ..engine.patterns import conv_out_size
 from ..errors import OperandError, UnsupportedError
 
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
@@ -125,7 +126,7 @@ def _pair(v: Any) -> tuple[int, int]:
 
 def conv_out_hw(h: int, w: int, kernel, padding, stride, dilation) -> tuple[int, int]:
     (r, s), (ph, pw), (sh, sw), (dh, dw) = _pair(kernel), _pair(padding), _pair(stride), _pair(dilation)
-    return (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1
+    return conv_out_size(h, r, ph, sh, dh), conv_out_size(w, s, pw, sw, dw)
 
 
 def pool_out_hw(h: int, w: int, kernel, stride, padding, ceil_mode: bool = False, dilation=1) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import dispatch
+from .. import dispatch
 
 #: aten ops a tape cannot hold: host reads of device values, and outputs whose shape depends on them.
 _HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "equal", "is_nonzero")
