@@ -436,15 +436,15 @@ def test_channel_rows_of_a_dense_channels_last_image_are_a_view_and_of_a_slice_a
     """A built pipeline runs the layer-norm graph on rows of channels only where those rows are a view
     of the planned buffer (a copy taken at build would be stale at every later call)."""
     from fusekit.pipeline.ir import channel_rows
-    from fusekit.pipeline.runtime import _is_view_of
+    from fusekit.pipeline.ir import is_view_of
 
     dense = torch.randn(2, 8, 3, 3).contiguous(memory_format=torch.channels_last)
-    assert _is_view_of(channel_rows(dense), dense)
+    assert is_view_of(channel_rows(dense), dense)
     wide = torch.randn(2, 3, 3, 16)  # an NHWC buffer of 16 channels; channels 4..11 as an (N, C, H, W) slice
     part = wide[..., 4:12].permute(0, 3, 1, 2)
-    assert not _is_view_of(channel_rows(part), part)
+    assert not is_view_of(channel_rows(part), part)
     nchw = torch.randn(2, 8, 3, 3)
-    assert not _is_view_of(channel_rows(nchw), nchw)  # NCHW memory: the rows are a copy
+    assert not is_view_of(channel_rows(nchw), nchw)  # NCHW memory: the rows are a copy
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -542,13 +542,13 @@ def test_gated_projection_needs_a_plain_1x1_convolution():
 
 def test_pixel_rows_of_a_dense_channels_last_image_are_a_view():
     from fusekit.pipeline.ir import from_pixel_rows, gate_scaled_weights, pixel_rows
-    from fusekit.pipeline.runtime import _is_view_of
+    from fusekit.pipeline.ir import is_view_of
 
     x = torch.randn(2, 8, 3, 5).contiguous(memory_format=torch.channels_last)
     r = pixel_rows(x)
-    assert r.shape == (2, 15, 8) and _is_view_of(r, x)
+    assert r.shape == (2, 15, 8) and is_view_of(r, x)
     assert torch.equal(from_pixel_rows(r, x.shape), x)
-    assert not _is_view_of(pixel_rows(x.contiguous()), x.contiguous())
+    assert not is_view_of(pixel_rows(x.contiguous()), x.contiguous())
     gate, w = torch.rand(2, 8, 1, 1, dtype=torch.float64), torch.randn(4, 8, 1, 1, dtype=torch.float64)
     xd = x.double()
     sw = gate_scaled_weights(gate, w.reshape(4, 8).t())

@@ -745,10 +745,11 @@ def test_mode_validation_and_env(monkeypatch):
 def test_two_bad_entries_moved_aside_in_one_millisecond_are_both_kept(tmp_path, monkeypatch):
     """Moved-aside files were named <name>.<ms>.bad: a second one within the same millisecond
     replaced the first (seen in CI, where a test quarantined three files back to back)."""
-    import fusekit.engine.cache as cache_mod
+    import time
+
     from fusekit.engine.cache import DiskStore
 
-    monkeypatch.setattr(cache_mod.time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
     store = DiskStore(tmp_path)
     p = tmp_path / "x.plan"
     for i in range(3):

@@ -20,7 +20,8 @@ from ..errors import OperandError
 from .ir import Program, Ref, Stage
 from .memory import MemoryPlan, plan_memory
 from .rules import RULES, Rule, lower
-from .runtime import BatchedPipelines, Pipeline, compile
+from .runtime import Pipeline
+from .serving import BatchedPipelines, compile
 
 
 def _is_onnx(model: Any) -> bool:

@@ -445,6 +445,12 @@ def from_channel_rows(rows: Any, shape: tuple[int, ...]) -> Any:
     return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else np.transpose(t, (0, 3, 1, 2))
 
 
+def is_view_of(rows: Any, a: Any) -> bool:
+    """Whether ``rows`` (:func:`channel_rows` or :func:`pixel_rows` of torch tensor ``a``) is a dense
+    view of ``a``'s memory, not a copy."""
+    return rows.data_ptr() == a.data_ptr() and rows.is_contiguous()
+
+
 def pixel_rows(a: Any) -> Any:
     """An (N, C, H, W) image as (N, H*W, C): each sample's pixels as rows of channels, what a 1x1
     convolution multiplies by its weights. A view for a dense channels-last torch tensor (a copy for
