@@ -8,7 +8,7 @@ Layers, each importing only from the ones below it:
   ops            fusekit.ops: conv, linear, norm, pool (pooling and softmax)
   dispatch       fusekit.dispatch: operands -> key -> plan -> execute, with the fallbacks
   engine         fusekit.engine: patterns, oracle, lower, keys, cache, autotune, planner, runtime
-  base           fusekit.tensors (specs, adapters), fusekit.errors, fusekit.config
+  base           fusekit.tensors (specs), fusekit.adapters (CuPy, PyTorch, DLPack), fusekit.errors, fusekit.config
 """
 
 import sys as _sys

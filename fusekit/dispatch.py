@@ -43,7 +43,8 @@ from .engine.planner import planner
 from .engine.lower import load_cudnn
 from .engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory, versions
 from .errors import ArityError, CaptureError, warn_once, FusionWarning, LayoutWarning, NumericsWarning, OperandError, UnsupportedError, WorkspaceWarning
-from .tensors import ITEMSIZE, SIGNATURES, STREAMS, Adapter, TensorSpec, adapter_for, as_device_array
+from .tensors import ITEMSIZE, TensorSpec
+from .adapters import SIGNATURES, STREAMS, Adapter, adapter_for, as_device_array
 
 __all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch", "taped"]
 

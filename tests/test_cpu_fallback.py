@@ -230,7 +230,7 @@ def test_cupy_fence_first_made_inside_a_capture_raises_capture_error(monkeypatch
     up (a CaptureError) instead of failing inside CUDA."""
     pytest.importorskip("cupy")
     from fusekit.errors import CaptureError
-    from fusekit.tensors import CupyAdapter
+    from fusekit.adapters import CupyAdapter
 
     ad = CupyAdapter()
     monkeypatch.setattr(ad, "capturing", lambda dev: True)

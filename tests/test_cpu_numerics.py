@@ -20,7 +20,7 @@ import pytest
 from plankeys import key as plan_key
 
 import fusekit
-from fusekit import config, dispatch, tensors
+from fusekit import adapters, config, dispatch, tensors
 from fusekit.engine import cache as cache_mod
 from fusekit.engine import keys, runtime
 from fusekit.engine import lower as lower_mod
@@ -54,7 +54,7 @@ class OutOfMemoryError(MemoryError):
     """What CuPy raises (and what torch.OutOfMemoryError is named)."""
 
 
-class DevAdapter(tensors.Adapter):
+class DevAdapter(adapters.Adapter):
     name = "fakedev"
 
     def __init__(self):
@@ -172,8 +172,8 @@ def world(monkeypatch, tmp_path):
     w = World()
     rt = runtime.Runtime()
     handle = SimpleNamespace(stream=0)
-    monkeypatch.setitem(tensors._BY_TYPE, Dev, w.adapter)
-    tensors.adapter_for(Dev((1,)))  # registered for the dispatch table's signatures, as a first call would
+    monkeypatch.setitem(adapters._BY_TYPE, Dev, w.adapter)
+    adapters.adapter_for(Dev((1,)))  # registered for the dispatch table's signatures, as a first call would
     monkeypatch.setattr(keys, "versions", lambda: runtime.Versions(91900, "1.32.0"))
     monkeypatch.setattr(keys, "RUNTIME", rt)
     monkeypatch.setattr(dispatch, "RUNTIME", rt)
@@ -199,7 +199,7 @@ def world(monkeypatch, tmp_path):
     w.rt, w.handle = rt, handle
     yield w
     for table in ("SIGNATURES", "STREAMS"):
-        getattr(tensors, table).pop(Dev, None)
+        getattr(adapters, table).pop(Dev, None)
 
 
 def linear_operands(batch=7, fin=300, fout=77, dtype="float32"):

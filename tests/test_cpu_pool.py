@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from fusekit import pool, tensors
+from fusekit import adapters, pool, tensors
 from fusekit.errors import OperandError
 from torchref import rel
 from fusekit.engine import oracle
@@ -410,7 +410,7 @@ class FakeDev:
         self.strides, self.dtype, self.device = tuple(strides), dtype, device
 
 
-class FakeDevAdapter(tensors.Adapter):
+class FakeDevAdapter(adapters.Adapter):
     name = "fake"
 
     def describe(self, a):
@@ -428,7 +428,7 @@ class Tripwire:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setitem(tensors._BY_TYPE, FakeDev, FakeDevAdapter())
+    monkeypatch.setitem(adapters._BY_TYPE, FakeDev, FakeDevAdapter())
     monkeypatch.setattr(pool, "_Launch", Tripwire)
     yield
     for table in ("SIGNATURES", "STREAMS"):
@@ -547,7 +547,7 @@ class HostArray:
         return self.a.astype(np.float64)
 
 
-class HostAdapter(tensors.Adapter):
+class HostAdapter(adapters.Adapter):
     name = "host"
 
     def describe(self, h):
@@ -673,7 +673,7 @@ def host_launch(host_kernels, monkeypatch):
                         lib.set_idx(b, t)
                         fn(*cargs)
 
-    monkeypatch.setitem(tensors._BY_TYPE, HostArray, HostAdapter())
+    monkeypatch.setitem(adapters._BY_TYPE, HostArray, HostAdapter())
     monkeypatch.setattr(pool, "_Launch", HostLaunch)
     yield
     for table in ("SIGNATURES", "STREAMS"):

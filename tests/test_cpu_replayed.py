@@ -127,7 +127,7 @@ class Mixed(torch.nn.Module):
 
 
 def names(tape: object) -> tuple[list[str], list[str]]:
-    from fusekit.torch.replay import _name
+    from fusekit.torch.tape import _name
 
     got = [_name(e) for e in tape.entries]
     return got[:tape.fwd_end], got[tape.fwd_end:]

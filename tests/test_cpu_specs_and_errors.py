@@ -1,14 +1,14 @@
 """CPU: operand specs, pointer alignment, and every user error of the public API raised before cuDNN.
 
 The public-API tests run on fake "device arrays" read by a fake Adapter registered in
-``tensors._BY_TYPE``; everything that would reach cuDNN or the GPU is replaced by a tripwire.
+``adapters._BY_TYPE``; everything that would reach cuDNN or the GPU is replaced by a tripwire.
 """
 
 import numpy as np
 import pytest
 
 import fusekit
-from fusekit import dispatch, tensors
+from fusekit import adapters, dispatch
 from fusekit.engine import keys, runtime
 from fusekit.engine import lower as lower_mod
 from fusekit.errors import FusekitError, OperandError
@@ -142,7 +142,7 @@ class FakeArray:
         self.dtype, self.device, self.ptr = dtype, device, ptr
 
 
-class FakeAdapter(tensors.Adapter):
+class FakeAdapter(adapters.Adapter):
     name = "fake"
 
     def probe(self, a):
@@ -183,7 +183,7 @@ def _tripwire(*args, **kwargs):
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setitem(tensors._BY_TYPE, FakeArray, FakeAdapter())
+    monkeypatch.setitem(adapters._BY_TYPE, FakeArray, FakeAdapter())
     monkeypatch.setattr(runtime, "versions", _tripwire)
     monkeypatch.setattr(keys, "versions", _tripwire)  # keys imported the name
     monkeypatch.setattr(runtime, "load_cudnn", _tripwire)
@@ -198,7 +198,7 @@ def fake(monkeypatch):
     yield
     # adapter_for copies a type registered only in _BY_TYPE into the hot path's tables: undo that
     for table in ("SIGNATURES", "STREAMS"):
-        getattr(tensors, table, {}).pop(FakeArray, None)
+        getattr(adapters, table).pop(FakeArray, None)
     assert dispatch._FAST == {}, "a failed call left a dispatch entry"
     assert (len(cache), cache.stats.builds, cache.stats.misses) == before, "a failed call touched the plan cache"
 

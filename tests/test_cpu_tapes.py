@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import fusekit  # noqa: E402
 from fusekit import dispatch  # noqa: E402
-from fusekit.tensors import TorchAdapter  # noqa: E402
+from fusekit.adapters import TorchAdapter  # noqa: E402
 from stand_in_calls import call, launcher  # noqa: E402
 
 

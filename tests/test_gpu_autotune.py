@@ -147,7 +147,7 @@ FUSION_CHILD = textwrap.dedent(
     import json, sys
     import torch
     from fusekit import dispatch, ops
-    from fusekit.tensors import library
+    from fusekit.adapters import library
 
     if sys.argv[1] == "no-timing":  # a later process must read the decisions, not time them again
         def refuse(*a, **k):

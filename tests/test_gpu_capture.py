@@ -325,7 +325,7 @@ def test_residual_read_right_after_its_producer_replays_like_eager(monkeypatch):
     conv writing its residual had finished, when the two ran back to back in a CUDA graph (replays
     1e-2 off, and each one different). Dispatch fences that case: one fence kernel is captured,
     before the add, and every replay equals the eager result bit for bit."""
-    from fusekit.tensors import TorchAdapter
+    from fusekit.adapters import TorchAdapter
 
     p = {"w1": _rand((128, 256, 1, 1)) * 0.06, "b1": _rand((128,)) * 0.1, "w2": _rand((128, 128, 3, 3)) * 0.03,
          "b2": _rand((128,)) * 0.1, "wd": _rand((512, 256, 1, 1)) * 0.06, "bd": _rand((512,)) * 0.1,
@@ -358,7 +358,7 @@ def test_cupy_residual_read_right_after_its_producer_is_fenced(monkeypatch):
     """The same block on CuPy arrays under a CuPy stream capture: CupyAdapter's fence kernel is
     captured once, before the add, and every replay equals the eager result bit for bit."""
     cp = pytest.importorskip("cupy")
-    from fusekit.tensors import CupyAdapter
+    from fusekit.adapters import CupyAdapter
 
     def to_cupy(t):
         return cp.from_dlpack(t.detach())

@@ -145,7 +145,7 @@ def test_cupy_first_call_timing_reads_gpu_time_as_torch_does():
     """fused_or_split times both routes with Adapter.device_ms: on CuPy arrays it read the host's
     launch rate (a 22 us dgrad timed 104 us, 5x torch's figure for the same graph); with a spin kernel queued first it reads GPU time, as on torch tensors."""
     cp = pytest.importorskip("cupy")
-    from fusekit.tensors import library
+    from fusekit.adapters import library
 
     cl = torch.channels_last
     dz = torch.randn(64, 16, 32, 32, device="cuda").contiguous(memory_format=cl)

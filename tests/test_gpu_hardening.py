@@ -171,7 +171,7 @@ OOM_CHILD = """
 import json, warnings, torch, torch.nn.functional as F, fusekit
 from fusekit.engine import lower
 from fusekit.engine.runtime import RUNTIME, forget_stream
-from fusekit.tensors import library
+from fusekit.adapters import library
 
 torch.manual_seed(0)
 ad, side = library("torch"), torch.cuda.Stream()

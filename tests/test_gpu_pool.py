@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import fusekit  # noqa: E402
-from fusekit import pool, tensors  # noqa: E402
+from fusekit import adapters, pool  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
 from torchref import float64_nchw, rel  # noqa: E402
 from fusekit.engine import oracle  # noqa: E402
@@ -33,7 +33,7 @@ HW = (9, 11)
 def cupy_has_bf16() -> bool:
     try:
         a = cp.zeros(2, dtype=cp.float32).astype(cp.dtype("bfloat16"))
-        return tensors.library("cupy").describe(a)[2] == "bfloat16" and torch.from_dlpack(a).dtype == torch.bfloat16
+        return adapters.library("cupy").describe(a)[2] == "bfloat16" and torch.from_dlpack(a).dtype == torch.bfloat16
     except Exception:  # noqa: BLE001
         return False
 

@@ -1048,7 +1048,7 @@ def test_replayed_model_trains_as_its_modules_do(amp):
     tape = next(iter(model.forward.tapes.values()))
     assert sum(e[0] == 1 for e in tape.entries) >= 40, "the tape holds too few fusekit graphs: layers ran outside fusekit"
     assert any(e[0] == 2 for e in tape.entries), "the max pool (a fusekit kernel of its own) is not in the tape"
-    from fusekit.torch.replay import _name
+    from fusekit.torch.tape import _name
 
     names = [_name(e) for e in tape.entries]
     fwd, bwd = names[:tape.fwd_end], names[tape.fwd_end:]

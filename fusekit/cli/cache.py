@@ -13,7 +13,6 @@ from typing import Any
 import click
 
 from fusekit import config
-from fusekit import config
 from fusekit.engine.cache import DiskStore, Entry, EntryError, PlanKey
 from fusekit.engine.patterns import get_pattern
 from fusekit.errors import FusekitError

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import OperandError, UnsupportedError
-from ..tensors import Adapter, TensorSpec, library
+from ..tensors import TensorSpec
+from ..adapters import Adapter, library
 from . import keys, lower
 from .cache import Plan, PlanCache, PlanKey, default_cache
 from .patterns import Pattern, get_pattern

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..errors import ArityError, OperandError
-from ..tensors import ITEMSIZE, LAYOUT_STRIDES, Adapter, TensorSpec, adapter_for, logical_shape, make_spec, view_shape
+from ..tensors import ITEMSIZE, LAYOUT_STRIDES, TensorSpec, logical_shape, make_spec, view_shape
+from ..adapters import Adapter, adapter_for
 from .cache import PlanKey
 from .lower import COMPUTE_DTYPE, tf32_allowed
 from .patterns import Pattern

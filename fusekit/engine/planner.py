@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import UnsupportedError
-from ..tensors import Adapter
+from ..adapters import Adapter
 from . import lower
 from .autotune import TuneOptions, tune
 from .cache import Entry, Plan, PlanCache, PlanKey

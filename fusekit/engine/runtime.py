@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import NoGPUError
-from ..tensors import Adapter
+from ..adapters import Adapter
 from .lower import load_cudnn, preload_frontend
 
 

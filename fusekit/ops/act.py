@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..dispatch import call, fused_or_split, run
-from ..tensors import adapter_for
+from ..adapters import adapter_for
 from .common import tag
 from .norm import affine_identity, channel_vectors
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from .. import config
 from ..dispatch import call, fused_or_split
-from ..tensors import TensorSpec, adapter_for, matches, nhwc_strides
+from ..tensors import TensorSpec, matches, nhwc_strides
+from ..adapters import adapter_for
 
 #: Per-channel sums over fewer channels than this read their channels-last operands as rows of
 #: several pixels (see :func:`_pixels_per_row`).

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from ..dispatch import call, fused_or_split, run
 from ..engine.patterns import get_pattern
-from ..tensors import adapter_for
+from ..adapters import adapter_for
 from .common import bias_grad, cast_like, clip_attrs, empty_as, few_channels_last, relu_bias_grad, tag
 from .norm import affine_identity
 

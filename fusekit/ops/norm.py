@@ -10,7 +10,8 @@ import numpy as np
 
 from ..dispatch import call, fused_or_split
 from ..errors import OperandError
-from ..tensors import TensorSpec, adapter_for, make_spec
+from ..tensors import TensorSpec, make_spec
+from ..adapters import adapter_for
 from .common import bias_grad, clip_attrs, tag
 
 _CHANNEL_VECTORS: dict[tuple, tuple[Any, ...]] = {}

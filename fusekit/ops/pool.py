@@ -24,7 +24,8 @@ import numpy as np
 from ..dispatch import recorded_whole
 from ..engine.pooling import PoolGeometry, checked_axis, pool2d_geometry
 from ..errors import NoGPUError, OperandError
-from ..tensors import ITEMSIZE, matches, adapter_for, as_device_array, nchw_strides, nhwc_strides, row_strides
+from ..tensors import ITEMSIZE, matches, nchw_strides, nhwc_strides, row_strides
+from ..adapters import adapter_for, as_device_array
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64")

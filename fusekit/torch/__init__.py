@@ -28,7 +28,7 @@ Inputs that are neither dense NCHW nor dense channels-last (slices, transposes) 
 with a :class:`fusekit.errors.LayoutWarning` once per module type.
 
 The package: ``functions`` (the autograd Functions), ``modules`` (the drop-in modules), ``conversion``
-(``convert``), ``graphs`` (``graphed``, ``replayed``), ``replay`` (the recorded-tape machinery), and
+(``convert``), ``graphs`` (``graphed``, ``replayed``), ``replay`` and ``tape`` (recorded-tape replay), and
 ``common`` (what they share, among it the backend they run on).
 """
 

@@ -1,0 +1,143 @@
+"""What the fx importer reads off a traced graph: node and module predicates, attribute and
+argument forms, each node's value on the example input, and the wrappers that make one item of a
+multi-output node a stage of its own."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any
+
+import numpy as np
+
+
+
+def _slicing(node: Any) -> bool:
+    """Whether fx ``node`` takes part of a tensor without computing (indexing, ``narrow``, an item of
+    ``chunk`` / ``split``): only such a node's output may be planned as a view of its input."""
+    import torch
+
+    return node.target in (operator.getitem, torch.narrow, "narrow", torch.Tensor.narrow)
+
+
+def _np(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float64)
+    return t.detach().cpu().to(dtype=__import__("torch").float64).numpy().copy()
+
+
+class _Named:
+    """A value name where a rule expects an fx node."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _permutation(node: Any, template: Any) -> tuple[int, ...] | None:
+    """The dims of ``x.permute(...)`` / ``torch.permute(x, dims)`` on a 4-D value, normalized; None if not 4-D."""
+    dims = node.args[1:] if len(node.args) > 2 else (node.args[1] if len(node.args) == 2 else node.kwargs.get("dims", ()))
+    dims = template(dims)
+    dims = tuple(int(d) for d in (dims if isinstance(dims, (list, tuple)) else (dims,)))
+    return tuple(d % 4 for d in dims) if len(dims) == 4 else None
+
+
+def _is_fusekit_layer(mod: Any) -> bool:
+    """Whether ``mod`` is (or derives from) a fusekit.torch module, told by its classes' module (this
+    layer does not import fusekit.torch)."""
+    return any(c.__module__ == "fusekit.torch" for c in type(mod).__mro__)
+
+
+def _own_forward(mod: Any) -> bool:
+    """Whether ``mod``'s class replaces the forward of the torch.nn layer it derives from (so the rules
+    for that layer would not describe it); fusekit.torch's own layers are described by them."""
+    import torch.nn as nn
+
+    if _is_fusekit_layer(mod):
+        return False
+    for cls in type(mod).__mro__:
+        if cls.__module__.startswith("torch.nn.modules") and cls not in (nn.Module, nn.Identity, nn.Sequential):
+            return type(mod).forward is not cls.forward
+    return False
+
+
+def _p(v: Any) -> tuple[int, int]:
+    if isinstance(v, (list, tuple)):
+        return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
+    return (int(v), int(v)) if v is not None else (0, 0)
+
+
+def _dims(v: Any) -> tuple[int, ...]:
+    """A ``dim`` argument (an int or a sequence) as a tuple of ints."""
+    return tuple(int(d) for d in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _record_values(gm: Any, example: Any) -> dict[str, Any]:
+    import torch
+    import torch.fx
+
+    from ..errors import TorchFallbackWarning
+
+    values: dict[str, Any] = {}
+
+    class Rec(torch.fx.Interpreter):
+        def run_node(self, n):  # type: ignore[override]
+            v = super().run_node(n)
+            values[n.name] = v
+            return v
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", TorchFallbackWarning)  # fusekit.torch modules on these CPU values run PyTorch's code
+        Rec(gm).run(example)
+    return values
+
+
+def _method(name: str) -> Any:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    call.__name__ = f"Tensor.{name}"
+    return call
+
+
+def _item(fn: Any, index: Any) -> Any:
+    """``fn(...)[index]``: one tensor of a node that returns several (a module if ``fn`` is one, so
+    that it moves to a device and dtype as modules do)."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        return _ModuleItem(fn, index)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)[index]
+
+    call.__name__ = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
+    return call
+
+
+class _ModuleItem(__import__("torch").nn.Module):
+    def __init__(self, module: Any, index: Any) -> None:
+        super().__init__()
+        self.module, self.index = module, index
+        self.__name__ = f"{type(module).__name__}[{index}]"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)[self.index]
+
+
+def _module_activation(mod: Any) -> tuple[str, float] | None:
+    """(activation, alpha) of an activation module, else None."""
+    import torch.nn as nn
+
+    simple = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid"}
+    for cls, name in simple.items():
+        if isinstance(mod, cls):
+            return name, 0.0
+    if isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
+        return "clip", float(mod.max_val)
+    if isinstance(mod, nn.GELU):
+        return ("gelu_tanh" if mod.approximate == "tanh" else "gelu"), 0.0
+    if isinstance(mod, nn.LeakyReLU):
+        return "leaky_relu", float(mod.negative_slope)
+    if isinstance(mod, nn.ELU):
+        return "elu", float(mod.alpha)
+    return None
