@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh tests bench-conv bench-autotune bench-train bench-norm
 # Everything under $OUT is packed into $OUT/run.tgz at the end (KEEP_FILES=1: left as is).
 # realuse: the README's CLI jobs and examples/ as a new user runs them.
-# BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) and TEST_K (a pytest -k expression) narrow the test parts; tests-NAME runs tests/test_gpu_NAME.py alone.
+# BENCH_ARGS are passed to the bench scripts; TEST_FILES (default tests/) and TEST_K (a pytest -k expression) narrow the test parts; tests-NAME runs tests/<subject>/test_gpu_NAME.py alone.
 set -uo pipefail
 # once per machine: a second call of this script in the same command finds the wheels installed
 [ -d /tmp/site/cudnn ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -45,7 +45,7 @@ PY
       grep -A 27 "slowest 25" "$OUT/gpu_tests_xdist.log" | cut -c1-200
       [ -s "$OUT/capture_watch.log" ] && head -40 "$OUT/capture_watch.log" | cut -c1-300 ;;
     tests-*)
-      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf "tests/test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
+      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/*/"test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;
     notebooks)  # needs the nbclient/ipykernel wheels in .whl (see notebooks/execute.py); executed copies and key figures under $OUT
       timeout -k 10 ${NOTEBOOKS_TIMEOUT:-240} python3 notebooks/execute.py --out "$OUT/notebooks" --figures "$OUT/figures" > "$OUT/notebooks.log" 2>&1

@@ -54,6 +54,10 @@ def test_global_names_resolve(name):
     assert not missing, f"{name} reads undefined globals: {missing}"
 
 
+TESTS = __import__("pathlib").Path(__file__).resolve().parent
+TEST_FILES = sorted(TESTS.rglob("*.py"))
+
+
 def _undefined_in_source(path):
     """Global names the functions of a source file read that the file never defines (static: the
     GPU tests cannot be imported without a GPU library)."""
@@ -75,7 +79,7 @@ def _undefined_in_source(path):
     return sorted(missing)
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(TESTS)))
 def test_test_modules_read_only_names_they_define(path):
     assert not _undefined_in_source(path), _undefined_in_source(path)
 
@@ -130,7 +134,7 @@ def _missing_module_attributes(path) -> list[str]:
     return sorted(missing)
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(TESTS)))
 def test_test_modules_read_only_attributes_fusekit_has(path):
     assert not _missing_module_attributes(path)
 
@@ -148,7 +152,7 @@ def _code_strings(path) -> list[tuple[int, str]]:
             and re.search(r"^\s*(import|from) [\w.]+( import|,|\s*$)", n.value, re.M)]
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parent.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(TESTS)))
 def test_child_programs_in_test_modules_compile(path):
     import textwrap
 

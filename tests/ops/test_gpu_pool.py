@@ -15,7 +15,7 @@ F = torch.nn.functional
 import fusekit  # noqa: E402
 from fusekit import adapters, pool  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
-from torchref import float64_nchw, rel  # noqa: E402
+from helpers import float64_nchw, host64, rel  # noqa: E402
 from fusekit.engine import oracle  # noqa: E402
 
 LIBS = ["cupy", "torch"]
@@ -57,14 +57,6 @@ def make(lib, shape, dtype, layout, scale=1.0):
 
 def as_torch(a):
     return a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
-
-
-def to_np(a):
-    return as_torch(a).detach().double().cpu().numpy()
-
-
-def rel_np(a, ref):
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def check_result(a, lib, dtype, shape, layout):
@@ -119,8 +111,8 @@ def test_max_pool2d(lib, dtype, layout, c, geom):
     y_inf, none = pool.max_pool2d(x, *geom, indices=False)  # inference (NHWC, C % 8 == 0: the 16-byte-lane kernel)
     check_result(y_inf, lib, dtype, ref_y.shape, layout)
     assert none is None and torch.equal(as_torch(y_inf), ref_y)
-    ny, ni = oracle.max_pool2d_reference(to_np(x), *geom)
-    np.testing.assert_array_equal(to_np(y), ny)
+    ny, ni = oracle.max_pool2d_reference(host64(x), *geom)
+    np.testing.assert_array_equal(host64(y), ny)
     np.testing.assert_array_equal(as_torch(am).cpu().numpy(), ni)
 
     dy = make(lib, tuple(ref_y.shape), dtype, layout)
@@ -128,7 +120,7 @@ def test_max_pool2d(lib, dtype, layout, c, geom):
     check_result(dx, lib, dtype, shape, layout)
     _, (g,) = autograd(lambda a: F.max_pool2d(a, *geom), [x], dy)
     assert rel(dx, g) < TOL[dtype]
-    assert rel_np(to_np(dx), oracle.max_pool2d_backward_reference(to_np(dy), ni, shape)) < TOL[dtype]
+    assert rel(host64(dx), oracle.max_pool2d_backward_reference(host64(dy), ni, shape)) < TOL[dtype]
     # PyTorch's int64 indices are accepted as they are
     idx64 = ref_i if lib == "torch" else cp.from_dlpack(ref_i)
     assert rel(pool.max_pool2d_backward(dy, idx64, shape), g) < TOL[dtype]
@@ -150,12 +142,12 @@ def test_avg_pool2d(lib, dtype, layout, c, geom):
         check_result(y, lib, dtype, ref_y.shape, layout)
         assert rel(y, ref_y) < TOL[dtype]
         assert rel(y, F.avg_pool2d(as_torch(x), *geom, count_include_pad=cip)) < TOL[dtype]  # torch in x's dtype
-        assert rel_np(to_np(y), oracle.avg_pool2d_reference(to_np(x), *geom, count_include_pad=cip)) < TOL[dtype]
+        assert rel(host64(y), oracle.avg_pool2d_reference(host64(x), *geom, count_include_pad=cip)) < TOL[dtype]
         dx = pool.avg_pool2d_backward(dy, shape, *geom, count_include_pad=cip)
         check_result(dx, lib, dtype, shape, layout)
         assert rel(dx, g) < TOL[dtype]
-        ref = oracle.avg_pool2d_backward_reference(to_np(dy), shape, *geom, count_include_pad=cip)
-        assert rel_np(to_np(dx), ref) < TOL[dtype]
+        ref = oracle.avg_pool2d_backward_reference(host64(dy), shape, *geom, count_include_pad=cip)
+        assert rel(host64(dx), ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("geom", [(2, 2, 0), (3, 3, 1), ((2, 3), (2, 2), (0, 1))], ids=["k2s2p0", "k3s3p1", "k23s22p01"])
@@ -287,11 +279,11 @@ def test_softmax_and_log_softmax(lib, dtype, shape, layout):
         check_result(y, lib, dtype, shape, out_layout)
         assert rel(y, ref_y) < TOL[dtype], fwd.__name__
         assert rel(y, tfn(as_torch(x), dim=1)) < TOL[dtype], fwd.__name__  # torch in x's dtype
-        assert rel_np(to_np(y), ref_fwd(to_np(x), 1)) < TOL[dtype], fwd.__name__
+        assert rel(host64(y), ref_fwd(host64(x), 1)) < TOL[dtype], fwd.__name__
         dx = bwd(dy, y)
         check_result(dx, lib, dtype, shape, out_layout)
         assert rel(dx, g) < TOL[dtype], bwd.__name__
-        assert rel_np(to_np(dx), ref_bwd(to_np(dy), to_np(y), 1)) < TOL[dtype], bwd.__name__
+        assert rel(host64(dx), ref_bwd(host64(dy), host64(y), 1)) < TOL[dtype], bwd.__name__
 
 
 @pytest.mark.parametrize("lib", LIBS)
@@ -300,7 +292,7 @@ def test_softmax_backward_follows_dy_layout(lib):
     dy = make(lib, (2, 64, 5, 7), "float16", "NCHW")
     dx = pool.softmax_backward(dy, y)
     check_result(dx, lib, "float16", (2, 64, 5, 7), "NCHW")
-    assert rel_np(to_np(dx), oracle.softmax_backward_reference(to_np(dy), to_np(y), 1)) < TOL["float16"]
+    assert rel(host64(dx), oracle.softmax_backward_reference(host64(dy), host64(y), 1)) < TOL["float16"]
 
 
 @pytest.mark.parametrize("shape, layout, axis", [((2, 3, 5, 40), "NCHW", -1), ((2, 3, 5, 7), "NHWC", 2), ((40, 6), "ROW", 0), ((3, 4096), "ROW", 1)])
@@ -308,12 +300,12 @@ def test_softmax_other_axes(shape, layout, axis):
     x = make("cupy", shape, "float32", layout, scale=3.0)
     dy = make("cupy", shape, "float32", layout)
     y, ly = pool.softmax(x, axis), pool.log_softmax(x, axis)
-    assert rel_np(to_np(y), oracle.softmax_reference(to_np(x), axis)) < TOL["float32"]
-    assert rel_np(to_np(ly), oracle.log_softmax_reference(to_np(x), axis)) < TOL["float32"]
+    assert rel(host64(y), oracle.softmax_reference(host64(x), axis)) < TOL["float32"]
+    assert rel(host64(ly), oracle.log_softmax_reference(host64(x), axis)) < TOL["float32"]
     dx = pool.softmax_backward(dy, y, axis)
-    assert rel_np(to_np(dx), oracle.softmax_backward_reference(to_np(dy), to_np(y), axis)) < TOL["float32"]
+    assert rel(host64(dx), oracle.softmax_backward_reference(host64(dy), host64(y), axis)) < TOL["float32"]
     dx = pool.log_softmax_backward(dy, ly, axis)
-    assert rel_np(to_np(dx), oracle.log_softmax_backward_reference(to_np(dy), to_np(ly), axis)) < TOL["float32"]
+    assert rel(host64(dx), oracle.log_softmax_backward_reference(host64(dy), host64(ly), axis)) < TOL["float32"]
 
 
 def test_softmax_is_stable_for_large_logits():
@@ -369,7 +361,7 @@ def test_cupy_inputs_run_on_cupys_current_stream(launch_streams):
         y = pool.avg_pool2d(x, 3, 1, 1)
         st.synchronize()
     assert launch_streams == [st.ptr]
-    assert rel_np(to_np(y), oracle.avg_pool2d_reference(to_np(x), 3, 1, 1)) < TOL["float32"]
+    assert rel(host64(y), oracle.avg_pool2d_reference(host64(x), 3, 1, 1)) < TOL["float32"]
 
 
 def test_tensors_that_require_grad_are_read_without_autograd():
@@ -406,9 +398,9 @@ def test_pooling_into_out_without_indices(lib, out_layout):
     out = make(lib, tuple(want.shape), "float16", out_layout) * float("nan")
     y, am = pool.max_pool2d(x, 3, 2, 1, out=out, indices=False)
     assert y is out and am is None
-    assert np.array_equal(to_np(y), to_np(want))
+    assert np.array_equal(host64(y), host64(want))
     out2 = make(lib, tuple(want.shape), "float16", out_layout) * float("nan")
     assert pool.avg_pool2d(x, 3, 2, 1, out=out2) is out2
-    assert np.array_equal(to_np(out2), to_np(pool.avg_pool2d(x, 3, 2, 1)))
+    assert np.array_equal(host64(out2), host64(pool.avg_pool2d(x, 3, 2, 1)))
     with pytest.raises(OperandError, match=r"max_pool2d: operand 'out': expected a \w+ array of shape \(2, 8, 5, 6\)"):
         pool.max_pool2d(x, 3, 2, 1, out=make(lib, (2, 8, 5, 5), "float16", "NCHW"))

@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-from torchref import float64_nchw, rel
+from helpers import float64_nchw, rel
 
 import fusekit
 from fusekit import dispatch, ops

@@ -6,7 +6,7 @@ import pytest
 
 from fusekit.engine import oracle
 from fusekit.engine.patterns import ACTIVATIONS
-from torchref import rel  # noqa: E402
+from helpers import host64, rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -29,10 +29,6 @@ def _nhwc(shape, gen, scale=1.0):
     return (torch.randn(shape, device="cuda", generator=gen) * scale).half().contiguous(memory_format=torch.channels_last)
 
 
-def _f64(t):
-    return t.detach().float().cpu().numpy().astype(np.float64)
-
-
 @pytest.mark.parametrize("act", _acts(sorted(ACTIVATIONS)))
 @pytest.mark.parametrize("groups", [1, 16])
 def test_conv_bias_act_against_oracle_and_split(act, groups):
@@ -45,7 +41,7 @@ def test_conv_bias_act_against_oracle_and_split(act, groups):
     alpha = ALPHA.get(act, 0.0)
     kw = dict(padding=1, groups=groups, activation=act, alpha=alpha)
     fused = fusekit.call("conv_bias_act", x, w, b, **kw)  # the fused graph itself (no fused-or-split choice)
-    want = oracle.evaluate("conv_bias_act", _f64(x), _f64(w), _f64(b), **kw)[0]
+    want = oracle.evaluate("conv_bias_act", host64(x), host64(w), host64(b), **kw)[0]
     split = ops.act(ops.conv_bias(x, w, b, padding=1, groups=groups), activation=act, alpha=alpha)
     via_ops = ops.conv_bias_act(x, w, b, **kw)
     torch.cuda.synchronize()
@@ -61,12 +57,12 @@ def test_pointwise_act_graphs_against_oracle(act):
     gen = torch.Generator(device="cuda").manual_seed(11)
     x, z = _nhwc((8, 24, 10, 10), gen, 3.0), _nhwc((8, 24, 10, 10), gen)
     g, b = torch.rand(24, device="cuda", generator=gen) + 0.5, torch.randn(24, device="cuda", generator=gen)
-    xs = _f64(x)
+    xs = host64(x)
     cases = {
         "act": (ops.act(x, activation=act), oracle.activation(xs, act)),
-        "add_act": (ops.add_act(x, z, activation=act), oracle.activation(xs + _f64(z), act)),
+        "add_act": (ops.add_act(x, z, activation=act), oracle.activation(xs + host64(z), act)),
         "scale_shift": (ops.channel_scale_shift_act(x, g, b, activation=act),
-                        oracle.activation(xs * _f64(g).reshape(1, -1, 1, 1) + _f64(b).reshape(1, -1, 1, 1), act)),
+                        oracle.activation(xs * host64(g).reshape(1, -1, 1, 1) + host64(b).reshape(1, -1, 1, 1), act)),
     }
     torch.cuda.synchronize()
     for name, (got, want) in cases.items():
@@ -74,7 +70,7 @@ def test_pointwise_act_graphs_against_oracle(act):
     m, wl = torch.randn(32, 64, device="cuda", generator=gen).half(), (torch.randn(48, 64, device="cuda", generator=gen) * 0.2).half()
     bl = torch.randn(48, device="cuda", generator=gen).half()
     got = ops.linear_bias_act(m, wl, bl, activation=act)
-    want = oracle.activation(_f64(m) @ _f64(wl).T + _f64(bl), act)
+    want = oracle.activation(host64(m) @ host64(wl).T + host64(bl), act)
     assert rel(got, want) < 5e-3
 
 
@@ -89,7 +85,7 @@ def test_conv_bias_hardswish_with_channel_constants_against_oracle(groups):
     x, w = _nhwc((4, 16, 14, 14), gen, 2.0), _nhwc((32, 16 // groups, 3, 3), gen, 0.3)
     b = (torch.randn(32, device="cuda", generator=gen) * 0.5).half()
     gs, gb = hardswish_constants(x, 32)
-    want = oracle.evaluate("conv_bias_hardswish", _f64(x), _f64(w), _f64(b), _f64(gs), _f64(gb), padding=(1, 1), groups=groups)[0]
+    want = oracle.evaluate("conv_bias_hardswish", host64(x), host64(w), host64(b), host64(gs), host64(gb), padding=(1, 1), groups=groups)[0]
     got = ops.conv_bias_hardswish(x, w, b, gs, gb, padding=1, groups=groups)
     via = ops.conv_bias_act(x, w, b, activation="hardswish", padding=1, groups=groups)
     pt = torch.nn.functional.hardswish(torch.nn.functional.conv2d(x.double(), w.double(), b.double(), padding=1, groups=groups))
@@ -109,7 +105,7 @@ def test_channel_gate_against_oracle():
     x = _nhwc((8, 24, 10, 10), gen, 3.0)
     s = torch.rand((8, 24, 1, 1), device="cuda", generator=gen).half()
     got = ops.channel_gate(x, s)
-    assert rel(got, _f64(x) * _f64(s)) < 2e-3
+    assert rel(got, host64(x) * host64(s)) < 2e-3
 
 
 ZOO = ["efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf", "densenet121", "shufflenet_v2_x1_0", "convnext_tiny"]
@@ -168,7 +164,7 @@ def test_batched_matmul_bias_against_oracle(residual):
     name, ops_ = ("batched_matmul_bias_add", (x, w, b, z)) if residual else ("batched_matmul_bias", (x, w, b))
     got = fusekit.call(name, *ops_)
     assert tuple(got.shape) == (8, 196, 24)
-    assert rel(got, oracle.evaluate(name, *[_f64(t) for t in ops_])[0]) < 2e-3
+    assert rel(got, oracle.evaluate(name, *[host64(t) for t in ops_])[0]) < 2e-3
 
 
 class _GatedTail(torch.nn.Module):
@@ -209,6 +205,6 @@ def test_gated_projections_run_as_batched_matmul_graphs():
         y = pipe(x).float()
         with torch.no_grad():
             want = m(x)
-        assert rel(y, _f64(want)) < 5e-3
+        assert rel(y, host64(want)) < 5e-3
         outs.append(y)
     assert not torch.equal(outs[0], outs[1])

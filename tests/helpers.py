@@ -50,3 +50,11 @@ def rel(a, ref):
     a, ref = host64(a), host64(ref)
     assert np.isfinite(a).all(), "non-finite values"
     return float(np.linalg.norm(a - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+
+
+def rel_max(a, ref):
+    """Largest absolute difference of ``a`` from ``ref`` relative to ``ref``'s largest magnitude (host arrays)."""
+    import numpy as np
+
+    a, ref = np.asarray(a, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-300))

@@ -172,7 +172,7 @@ def test_the_readmes_pattern_example_loads_and_shadows_no_shipped_pattern(tmp_pa
 
     from fusekit.engine import oracle
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     text = next(t for t in re.findall(r"```toml\n(.*?)```", readme, re.S) if "[[ops]]" in t)
     pat = parse_pattern(text)
     shipped = set(list_patterns())

@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, example, given, note, seed, settings
 from hypothesis import strategies as st
 from regressions import REGRESSIONS
-from torchref import float64_nchw
+from helpers import float64_nchw
 
 from fusekit import ops
 from fusekit.ops import pool

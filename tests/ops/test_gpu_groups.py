@@ -7,7 +7,7 @@ import math
 import warnings
 
 import pytest
-from torchref import rel, rnd
+from helpers import rel, rnd
 
 from fusekit import ops
 from fusekit.errors import FusionWarning, OperandError

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from torchref import rel  # noqa: E402
+from helpers import rel  # noqa: E402
 from fusekit.errors import forget_warnings  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -680,7 +680,7 @@ def test_train_resnet_example_tracks_eager():
     wrong gradient would show) and 5% over all 30. Random-init ResNet training is chaotic (see the
     example's docstring); should the 30-step gap pass 5%, it must stay within twice the gap of eager
     against eager from weights perturbed by a relative 1e-3."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import train_resnet
 
     steps = 30
@@ -706,7 +706,7 @@ def test_train_resnet_example_wrapped_tracks_uncaptured(wrap):
     autocast): 30 steps of the same loop (fp16 AMP, GradScaler, SGD momentum) track the uncaptured
     converted model from the same weights on the same batches: within 1% over the first 10 steps, 5%
     over all 30; replayed, the steps after the recordings replay."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import train_resnet
 
     steps = 30

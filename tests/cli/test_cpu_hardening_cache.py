@@ -12,7 +12,7 @@ import pytest
 
 from fusekit.engine.cache import DiskStore, fusion_digest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_cli_cache import BUILT, invoke, store  # noqa: E402,F401  (the fixture)
 
 

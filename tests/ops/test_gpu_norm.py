@@ -5,7 +5,7 @@ import pytest
 
 import fusekit
 from fusekit import ops
-from torchref import rel  # noqa: E402
+from helpers import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -6,7 +6,7 @@ next conv, scale-shift), in three dtypes and both layouts."""
 import math
 
 import pytest
-from torchref import rel, rnd
+from helpers import rel, rnd
 
 from fusekit import ops
 from fusekit.ops.common import relu_bias_grad

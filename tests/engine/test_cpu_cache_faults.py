@@ -276,7 +276,7 @@ _KILLED_WRITER = textwrap.dedent(
 def test_writer_killed_mid_write_leaves_a_leftover(tmp_path):
     root = tmp_path / "store"
     child = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WRITER, str(root), str(Path(__file__).parent)],
+        [sys.executable, "-c", _KILLED_WRITER, str(root), str(Path(__file__).resolve().parents[1])],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -212,10 +212,10 @@ def test_key_json_round_trip_and_stable_fingerprint():
     # independent of the process (hash randomization) that computes it
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "import test_cpu_store as t; print(t.key().fingerprint())"
+        "import plankeys; print(plankeys.key().fingerprint())"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        [sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])],
         env={**os.environ, "PYTHONHASHSEED": "12345"},
         capture_output=True,
         text=True,

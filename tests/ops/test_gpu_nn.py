@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from torchref import rel  # noqa: E402
+from helpers import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")

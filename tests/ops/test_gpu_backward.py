@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchref import rel, rnd
+from helpers import rel, rnd
 
 from fusekit import ops
 
@@ -207,7 +207,7 @@ def test_torch_modules_match_eager_gradients():
 
 
 def test_autoencoder_trains_like_eager():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import autoencoder
 
     steps = 300

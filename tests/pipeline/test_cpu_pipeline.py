@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import fusekit.pipeline as fp  # noqa: E402
+from helpers import rel_max  # noqa: E402
 from fusekit.errors import UnsupportedError  # noqa: E402
 from fusekit.pipeline.memory import plan_memory  # noqa: E402
 
@@ -69,10 +70,6 @@ def small():
     return m
 
 
-def _rel(a, b):
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-300))
-
-
 def test_fx_stage_kinds_and_fallbacks(small):
     prog = fp.lower_model(small, torch.zeros(2, 3, 20, 20))
     pats = [s.pattern for s in prog.stages]
@@ -101,12 +98,12 @@ def test_fx_reference_matches_torch_float64(small, rng):
     want = small.double()(torch.from_numpy(x)).detach().numpy()
     small.float()
     assert got.shape == want.shape
-    assert _rel(got, want) < 1e-10
+    assert rel_max(got, want) < 1e-10
     # intermediate check: the folded stem equals conv -> BN -> ReLU of the original
     env = fp.reference.evaluate(prog, x, keep=True)
     stem = small.stem.double()(torch.from_numpy(x)).detach().numpy()
     small.float()
-    assert _rel(env[prog.stages[0].output], stem) < 1e-10
+    assert rel_max(env[prog.stages[0].output], stem) < 1e-10
 
 
 def test_ceil_mode_pools_lower_to_fusekit_kernels(rng):
@@ -121,7 +118,7 @@ def test_ceil_mode_pools_lower_to_fusekit_kernels(rng):
     assert pools == [("max_pool2d", (7, 7)), ("avg_pool2d", (4, 4)), ("avg_pool2d", (3, 3))], pools  # floor: 6, 3, 2
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-12
 
 
 def test_dilated_max_pool_and_divisor_override_lower_to_fusekit_kernels(rng):
@@ -136,7 +133,7 @@ def test_dilated_max_pool_and_divisor_override_lower_to_fusekit_kernels(rng):
     assert not any(s.pattern == "torch" for s in prog.stages)
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-12
 
 
 def test_bn_folding_conv_without_bias_and_with_bias(rng):
@@ -147,7 +144,7 @@ def test_bn_folding_conv_without_bias_and_with_bias(rng):
         assert [s.pattern for s in prog.stages] == ["conv_bias"]
         x = rng.standard_normal((1, 4, 9, 9))
         want = m.double()(torch.from_numpy(x)).detach().numpy()
-        assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-10
+        assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-10
 
 
 def test_unfoldable_bn_and_its_relu_are_one_scale_shift_graph(rng):
@@ -157,7 +154,7 @@ def test_unfoldable_bn_and_its_relu_are_one_scale_shift_graph(rng):
     assert [s.pattern for s in prog.stages] == ["channel_scale_shift_act", "max_pool2d", "reshape", "linear_bias"]
     assert prog.stages[0].attrs["act"] == ("relu", 0.0) and set(prog.stages[0].weights) == {"scale", "shift"}
     x = rng.standard_normal((2, 3, 8, 8))
-    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
+    assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
 
 
 def test_view_flatten_and_functional_ops(rng):
@@ -176,7 +173,7 @@ def test_view_flatten_and_functional_ops(rng):
     prog = fp.lower_model(m, (3, 3, 3, 3))
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "reshape", "linear_bias"]
     x = rng.standard_normal((3, 3, 3, 3))
-    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
+    assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-10
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,7 +243,7 @@ def test_onnx_import_and_reference(rng, tmp_path):
         assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "avg_pool2d", "reshape", "linear_bias"]
         assert prog.fallbacks == []
         x = rng.standard_normal((2, 3, 8, 8))
-        assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p)) < 1e-10
+        assert rel_max(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p)) < 1e-10
     from fusekit.pipeline.onnx_import import input_shape
 
     assert input_shape(model, batch=4) == (4, 3, 8, 8)
@@ -260,12 +257,12 @@ def test_onnx_node_without_a_pattern_is_a_fallback_and_activations_fuse(rng):
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "torch", "avg_pool2d", "reshape", "linear_bias"]
     assert len(prog.fallbacks) == 1 and "Erf" in prog.fallbacks[0]
     x = rng.standard_normal((2, 3, 8, 8))
-    assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, extra="Erf")) < 1e-10
+    assert rel_max(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, extra="Erf")) < 1e-10
     model, p = _onnx_cnn(rng, extra="Sigmoid")
     prog = fp.lower_model(model, (2, 3, 8, 8))
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu", "max_pool2d", "act", "avg_pool2d", "reshape", "linear_bias"]
     assert prog.fallbacks == [] and prog.stages[2].attrs["activation"] == "sigmoid"
-    assert _rel(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, extra="Sigmoid")) < 1e-10
+    assert rel_max(fp.Pipeline(prog).reference(x), _onnx_numpy(x, p, extra="Sigmoid")) < 1e-10
 
 
 @needs_onnx
@@ -288,11 +285,11 @@ def test_onnx_dilated_max_pool_matches_the_onnx_reference_evaluator(rng):
     x = rng.standard_normal((2, 3, 13, 11))
     (want,) = ReferenceEvaluator(model).run(None, {"x": x})
     got = fp.Pipeline(prog).reference(x)
-    assert got.shape == want.shape and _rel(got, want) == 0.0
+    assert got.shape == want.shape and rel_max(got, want) == 0.0
     model = pool_model("MaxPool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)  # no pads: ONNX's and PyTorch's sizes agree
     (want,) = ReferenceEvaluator(model).run(None, {"x": x})
     got = fp.Pipeline(fp.lower_model(model, (2, 3, 13, 11))).reference(x)
-    assert got.shape == want.shape and _rel(got, want) == 0.0
+    assert got.shape == want.shape and rel_max(got, want) == 0.0
     with pytest.raises(UnsupportedError, match="AveragePool"):
         fp.lower_model(pool_model("AveragePool", kernel_shape=[3, 3], dilations=[2, 2]), (2, 3, 13, 11))
     ceil_padded = helper.make_graph(  # PyTorch drops a last window that starts in the padding, ONNX keeps it
@@ -324,7 +321,7 @@ def test_onnx_export_of_torch_model_if_available(small, rng, tmp_path):
     x = rng.standard_normal((2, 3, 20, 20))
     want = small.double()(torch.from_numpy(x)).detach().numpy()
     small.float()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-9
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-9
     assert sum(s.pattern.startswith("conv_bias") for s in prog.stages) == 4  # the grouped conv fused too
 
 
@@ -368,7 +365,7 @@ def test_onnx_export_of_modern_cnn_forms_fuses_them(rng, tmp_path, opset):
     x = rng.standard_normal((2, 3, 12, 12))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter folds BN into the conv in float32
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter folds BN into the conv in float32
 
 
 @needs_onnx
@@ -480,7 +477,7 @@ def test_relu6_and_linear_residual_tails_fuse(rng):
     assert prog.stages[3].attrs["act"] == ("clip", 3.0) and prog.fallbacks == []
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-12
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
@@ -507,12 +504,12 @@ def test_torch_implementation_of_every_stage_matches_reference(name, rng):
         tenv = {n: torch.from_numpy(env[n]) for n in s.inputs}
         w = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in s.weights.items()}
         got = run_torch_stage(s, tenv, s.fn, w).numpy()
-        assert _rel(got, env[s.output]) < 1e-12, (s.name, s.pattern)
+        assert rel_max(got, env[s.output]) < 1e-12, (s.name, s.pattern)
     want = {"resnet18": {"conv_bias_relu", "conv_bias_add_relu", "max_pool2d", "avg_pool2d", "linear_bias"},
             "mobilenet_v2": {"conv_bias_relu6", "conv_bias_add", "conv_bias", "avg_pool2d", "linear_bias"}}[name]
     assert want <= kinds, kinds
     y = TorchProgram(prog, "float64", "cpu")(torch.from_numpy(x)).numpy()
-    assert _rel(y, env[prog.output]) < 1e-12
+    assert rel_max(y, env[prog.output]) < 1e-12
 
 
 def test_verify_moves_a_disagreeing_stage_to_pytorch(small, monkeypatch):
@@ -563,7 +560,7 @@ def test_converted_model_imports_like_the_original(fuse_residual, rng):
     assert sum(s.pattern == "conv_bias_add_relu" for s in got.stages) == 8  # every block's end: conv + BN + add + ReLU
     ref = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
-    assert _rel(fp.reference.evaluate(got, x), ref) < 1e-10
+    assert rel_max(fp.reference.evaluate(got, x), ref) < 1e-10
 
 
 def test_fusekit_modules_with_their_own_activation_import_with_it(rng):
@@ -576,7 +573,7 @@ def test_fusekit_modules_with_their_own_activation_import_with_it(rng):
     prog = fp.lower_model(m, x.shape)
     assert [s.pattern for s in prog.stages] == ["conv_bias_relu6", "conv_bias_relu"], str(prog)
     ref = m.double()(torch.from_numpy(x)).detach().numpy()
-    assert _rel(fp.reference.evaluate(prog, x), ref) < 1e-10
+    assert rel_max(fp.reference.evaluate(prog, x), ref) < 1e-10
 
 
 @needs_onnx
@@ -710,7 +707,7 @@ def test_onnx_from_pytorchs_default_dynamo_exporter(rng):
     x = rng.standard_normal((2, 3, 12, 12))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     m.float()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-6
 
 
 def test_onnx_fallback_op_names_are_the_fallback_functions():
@@ -778,7 +775,7 @@ def test_concatenation_parts_are_planned_as_channel_slices():
     assert concat_parts(final)[2] not in half.alias and half.conflicts() == []
     x = np.random.default_rng(0).standard_normal((2, 3, 6, 6))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-12
 
 
 def test_a_part_of_two_concatenations_is_placed_once():
@@ -813,7 +810,7 @@ def test_a_part_of_two_concatenations_is_placed_once():
     assert [mp.alias[p][0] == xx.output for p in concat_parts(xx) if p in views] == [False, True]
     assert mp.conflicts() == []
     x = np.random.default_rng(1).standard_normal((1, 3, 4, 4))
-    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
 
 
 def test_a_full_width_channel_slice_is_a_view(rng):
@@ -836,7 +833,7 @@ def test_a_full_width_channel_slice_is_a_view(rng):
     sl = next(s for s in prog.stages if s.pattern == "channel_slice")
     assert plan_memory(prog).alias[sl.output] == (sl.inputs[0], 0)
     x = rng.standard_normal((2, 3, 5, 5))
-    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
 
 
 @pytest.mark.parametrize("take", ["chunk", "split", "slice", "narrow"])
@@ -869,7 +866,7 @@ def test_channel_views_are_slices_of_their_input(take, rng):
     assert mp.alias[a] == (prog.output, 0)  # written into the concatenation (the program output) by its copy
     assert mp.conflicts() == []
     x = rng.standard_normal((2, 3, 5, 5))
-    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
+    assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-12
 
 
 def _exported(m, shape, tmp_path) -> str:
@@ -904,7 +901,7 @@ def test_onnx_channel_splits_and_slices_are_channel_views(tmp_path, rng):
     assert mp.conflicts() == [] and mp.alias
     x = rng.standard_normal((2, 3, 5, 5))
     want = m.double()(torch.from_numpy(x)).detach().numpy()
-    assert _rel(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter's float32 constants
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-6  # the exporter's float32 constants
 
 
 def test_onnx_channel_shuffle_is_one_stage(tmp_path, rng):
@@ -920,4 +917,4 @@ def test_onnx_channel_shuffle_is_one_stage(tmp_path, rng):
     prog = fp.lower_model(_exported(m, (2, 3, 5, 5), tmp_path))
     assert [s.attrs.get("op") for s in prog.stages if s.fallback] == ["channel_shuffle"], str(prog)
     x = rng.standard_normal((2, 3, 5, 5))
-    assert _rel(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-6
+    assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-6

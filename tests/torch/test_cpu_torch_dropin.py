@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fusekit.torch")
 
 from fusekit.errors import CaptureError, LayoutWarning, OperandError
-from torchref import rel  # noqa: E402
+from helpers import rel  # noqa: E402
 from fusekit.errors import forget_warnings  # noqa: E402
 
 F = torch.nn.functional

@@ -11,7 +11,7 @@ import pytest
 
 from fusekit import ops
 from fusekit.ops import pool
-from torchref import rel  # noqa: E402
+from helpers import rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -21,7 +21,7 @@ from fusekit import config
 from fusekit.cli import main
 from fusekit.errors import FusekitError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 60.0  # a case still running after this long is a hang
 
 

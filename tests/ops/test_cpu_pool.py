@@ -15,7 +15,7 @@ import pytest
 
 from fusekit import adapters, pool, tensors
 from fusekit.errors import OperandError
-from torchref import rel
+from helpers import rel
 from fusekit.engine import oracle
 
 
@@ -827,7 +827,7 @@ def test_reference_copies_are_nchw_whatever_the_strides_of_size1_dims(shape, rng
     backward (shifted by the padding, pytorch#188344): every cupy-NHWC-C=1 padded case failed."""
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
-    from torchref import float64_nchw
+    from helpers import float64_nchw
 
     n, c, h, w = shape
     x = rng.standard_normal((n, h, w, c)).astype(np.float32)
@@ -859,6 +859,6 @@ def test_cuda_sources_ship_as_package_files():
     assert 'extern "C" __global__ void fold_batchnorm(' in pool.kernel_file("fold_batchnorm.cu")
     with pytest.raises(ValueError, match="float64"):
         pool.dtype_prelude("float64")
-    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     kernels = Path(pool.__file__).parent / "kernels"
     assert shipped["fusekit.ops"] == ["kernels/*.cu", "kernels/*.cuh"] and sorted(p.suffix for p in kernels.iterdir()) == [".cu", ".cu", ".cuh", ".cuh", ".cuh"]
