@@ -94,3 +94,20 @@ def test_no_import_circles():
     for m in sorted(graph):
         visit(m, [])
 
+
+
+def test_test_folders_do_not_shadow_modules_the_tests_import():
+    """tests/ is on sys.path (its conftest), so a folder there named like a library is a namespace
+    package that a failed `import torch` (a machine without PyTorch) silently resolves to."""
+    import importlib.util
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    libraries = {"torch", "torchvision", "timm", "numpy", "cupy", "cudnn", "onnx", "onnxruntime", "click", "pytest", "hypothesis",
+                 "matplotlib", "nbformat", "nbclient", "platformdirs", "fusekit", "helpers", "examples"}
+    assert not folders & libraries, folders & libraries
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != tests]
+    for name in folders:  # nor like any other top-level module importable here
+        spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
+        assert spec is None, f"tests/{name} shadows {spec.origin or spec.submodule_search_locations}"
