@@ -122,7 +122,7 @@ def bench_shape(c, h, w, k, r, stride, quick: bool) -> dict:
     # host cost per call on a cache hit
     g, uids = plan.graph, plan.uids
     x0, o0 = xs[0], outs[0]
-    call = dispatch._FAST[next(k_ for k_, v in dispatch._FAST.items() if v.plan is plan)]
+    call = dispatch.resolved_call(plan)
     ws = call.workspace
     handle = call.handle
     ptrs = [x0.data_ptr(), wt.data_ptr(), b.data_ptr(), o0.data_ptr()]

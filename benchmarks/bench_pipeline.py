@@ -83,7 +83,7 @@ def bench_case(
         x.normal_()
         pipe.input_buffer.copy_(x)
 
-    rec["fusekit_ms"] = cuda_time_ms(pipe._graph.replay if pipe.graph_captured else pipe.forward_eager, iters=iters, trials=trials, before_trial=fresh)
+    rec["fusekit_ms"] = cuda_time_ms(pipe.replay, iters=iters, trials=trials, before_trial=fresh)
     rec["peak_mem_mb_fusekit"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
     rec["weights_mb_fusekit"] = round(pipe.weight_bytes / 2**20, 1)
     mp = pipe.memory_plan
@@ -98,7 +98,7 @@ def bench_case(
     rec["floor_ms"] = round(sum(r["floor_ms"] for r in roof), 4)
     rec["floor_compute_ms"] = round(sum(r["floor_ms"] for r in roof if r["bound"] == "compute"), 4)
     rec["floor_memory_ms"] = round(sum(r["floor_ms"] for r in roof if r["bound"] == "memory"), 4)
-    rec["peaks"] = pipe._peaks_text()
+    rec["peaks"] = pipe.peaks_text()
     log(f"{name} b{batch}: fusekit {rec['fusekit_ms']:.3f} ms (build {rec['fusekit_build_s']} s, {rec['fallbacks']} fallbacks)")
     if agreement_inputs and name.startswith("resnet"):
         rec.update(agreement(pipe, cpu_model, shape, agreement_inputs))
@@ -117,7 +117,7 @@ def bench_case(
             x.normal_()
             tuned.input_buffer.copy_(x)
 
-        rec["fusekit_tuned_ms"] = cuda_time_ms(tuned._graph.replay if tuned.graph_captured else tuned.forward_eager,
+        rec["fusekit_tuned_ms"] = cuda_time_ms(tuned.replay,
                                                iters=iters, trials=trials, before_trial=fresh_t)
         log(f"{name} b{batch}: fusekit autotuned {rec['fusekit_tuned_ms']:.3f} ms (tuning and build {rec['fusekit_tune_s']} s)")
         tuned = None  # noqa: F841

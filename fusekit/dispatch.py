@@ -46,7 +46,7 @@ from .errors import ArityError, CaptureError, warn_once, FusionWarning, LayoutWa
 from .tensors import ITEMSIZE, TensorSpec
 from .adapters import SIGNATURES, STREAMS, Adapter, adapter_for, as_device_array
 
-__all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch", "taped"]
+__all__ = ["run", "call", "plan_for", "alternatives", "fused_or_split", "clear_dispatch", "taped", "resolved_calls", "resolved_call"]
 
 
 class _Call:
@@ -134,6 +134,17 @@ def _watch(cache: PlanCache) -> None:
     if cache not in _WATCHED:
         cache.on_evict(_drop_plan)
         _WATCHED.add(cache)
+
+
+def resolved_calls() -> int:
+    """How many call signatures the dispatch table holds (each bound to a resolved call)."""
+    return len(_FAST)
+
+
+def resolved_call(plan: Plan) -> Any:
+    """A resolved call that runs ``plan`` (its ``handle``, ``stream``, ``workspace``), or None."""
+    with _FAST_LOCK:
+        return next((c for c in _FAST.values() if c.plan is plan), None)
 
 
 def clear_dispatch() -> None:

@@ -12,7 +12,6 @@ caller's current stream.
 from __future__ import annotations
 
 import copy
-import io
 import math
 import statistics
 import warnings
@@ -305,6 +304,15 @@ class Pipeline:
             return self._torch_runner(s, w)
         raise FusekitError(f"pipeline: stage {s.name} has no runner for pattern {s.pattern!r}")
 
+    def replay(self) -> None:
+        """One forward from what the input buffer holds into the output buffer, on the current stream:
+        the captured CUDA graph's replay, or the stages run one by one where capture failed. What a
+        timing loop calls (no copies in or out)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.forward_eager()
+
     def forward_eager(self) -> None:
         """Run every stage once on the current stream (no graph)."""
         for r in self._runners:
@@ -475,10 +483,7 @@ class Pipeline:
                 self.input_buffer[:b].copy_(xt)
                 if b < static[0]:
                     self.input_buffer[b:].zero_()
-            if self._graph is not None:
-                self._graph.replay()
-            else:
-                self.forward_eager()
+            self.replay()
             out = self.output_buffer if b == static[0] else self.output_buffer[:b]
             if not clone:
                 return out
@@ -542,7 +547,8 @@ class Pipeline:
                 "fused_time_fraction": (cudnn + kernel) / total if total else 0.0,
                 "torch_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
 
-    def _peaks_text(self) -> str:
+    def peaks_text(self) -> str:
+        """The matmul and copy peaks measured on this GPU, as the report states them."""
         from .bench import measured_peaks
 
         f, b = measured_peaks(self.device, self.dtype)
@@ -551,46 +557,6 @@ class Pipeline:
     def report(self) -> str:
         """A table of stages (pattern, shapes, engine, plan source, eager time and its roofline floor),
         the fallbacks and memory."""
-        from rich.console import Console
-        from rich.table import Table
+        from .report import report
 
-        roof = self.roofline() if self.built else None
-        t = Table(title=f"fusekit pipeline ({self.program.source}, {self.dtype}, channels-last)")
-        cols = ("#", "kind", "pattern", "shapes (in -> out)", "engine", "plan", "ms", "floor ms", "bound", "x floor", "source nodes")
-        for col in cols:
-            wrap = col in ("engine", "source nodes")
-            t.add_column(col, justify="right" if col in ("#", "ms", "floor ms", "x floor") else "left",
-                         overflow="fold" if wrap else "ellipsis", no_wrap=not wrap)
-        for i, s in enumerate(self.stages):
-            ins = ", ".join("x".join(map(str, sh)) for sh in s.in_shapes)
-            ms = self.times_ms[i]
-            r = roof[i] if roof else None
-            floor = ("-", "-", "-") if r is None else (
-                f"{r['floor_ms']:.4f}", r["bound"], "-" if r["x_floor"] is None else f"{r['x_floor']:.1f}")
-            t.add_row(str(i), s.kind, s.pattern, f"{ins} -> {'x'.join(map(str, s.out_shape))}", self.engines[i], self.sources[i],
-                      "-" if ms is None else f"{ms:.3f}", *floor, s.name)
-        buf = io.StringIO()
-        con = Console(file=buf, width=220, force_terminal=False, force_jupyter=False, color_system=None)
-        con.print(t)
-        mp = self.memory_plan
-        total = [m for m in self.times_ms if m is not None]
-        split = self.time_split() if self.built else None
-        lines = [
-            f"stages: {len(self.stages)} ({sum(s.pattern in FUSEKIT_PATTERNS for s in self.stages)} fused cuDNN graphs, "
-            f"{sum(s.fallback for s in self.stages) + len(self.build_fallbacks)} PyTorch fallbacks)",
-            f"sum of stage times: {sum(total):.3f} ms (each stage replayed alone)" if total else "stage times: not measured (no GPU build)",
-        ] + ([
-            "GPU time: {cudnn_ms:.3f} ms fused cuDNN graphs, {kernel_ms:.3f} ms fusekit kernels, {torch_ms:.3f} ms PyTorch "
-            "({fused_time_fraction:.0%} fused)".format(**split),
-        ] + [f"  PyTorch {op}: {ms:.3f} ms" for op, ms in list(split["torch_by_op"].items())[:8]] if split else []) + ([
-            f"roofline floor (peaks measured here: {self._peaks_text()}): {sum(r['floor_ms'] for r in roof):.3f} ms, "
-            f"{sum(r['bound'] == 'compute' for r in roof)} stages compute-bound, {sum(r['bound'] == 'memory' for r in roof)} memory-bound",
-        ] if roof else []) + [
-            f"CUDA graph: {'captured' if self.graph_captured else ('failed: ' + self.capture_error if self.capture_error else 'not captured')}",
-            f"memory: planned activations {mp.planned_bytes / 2**20:.2f} MiB in {len(mp.sizes)} buffers "
-            f"vs eager sum {mp.eager_bytes / 2**20:.2f} MiB (live peak lower bound {mp.live_peak_bytes / 2**20:.2f} MiB)"
-            + (f"; {len(mp.alias)} values written in place as channel slices of concatenations" if mp.alias else ""),
-            "fallbacks (run by PyTorch):" if self.fallbacks else "fallbacks: none",
-        ] + [f"  - {f}" for f in self.fallbacks] + (
-            ["run by PyTorch because it measured faster:"] + [f"  - {c}" for c in self.choices] if self.choices else [])
-        return buf.getvalue() + "\n".join(lines) + "\n"
+        return report(self)

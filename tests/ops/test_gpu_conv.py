@@ -305,7 +305,8 @@ def test_native_execute_is_taken_and_matches_graph_execute(rng, tmp_path):
     b, _ = _make("torch", (48,), "float16", "NCHW", rng)
     dispatch.clear_dispatch()
     y = fusekit.call("conv_bias_relu", x, w, b, padding=1)
-    (c,) = [c for c in dispatch._FAST.values() if c.plan.key.pattern == "conv_bias_relu"]
+    c = dispatch.resolved_call(fusekit.plan_for("conv_bias_relu", x, w, b, padding=1))
+    assert c is not None and dispatch.resolved_calls() == 1
     assert c.native is not None, "frontend 1.32's native execute entry was not taken"
     ref = y.clone()
     c.native = None  # the same call through graph.execute

@@ -378,7 +378,7 @@ def test_many_keys_through_a_small_cache_stay_bounded():
             worst = max(worst, float((y.float() - want).norm() / want.norm()))
             if (i + 1) % 100 == 0:
                 torch.cuda.synchronize()
-                samples.append(dict(keys=i + 1, rss=rss(), device_used=used(), cached=len(cache), fast=len(dispatch._FAST)))
+                samples.append(dict(keys=i + 1, rss=rss(), device_used=used(), cached=len(cache), fast=dispatch.resolved_calls()))
         print(json.dumps(dict(samples=samples, worst=worst, maxsize=cache.maxsize, builds=cache.stats.builds, evictions=cache.stats.evictions)))
     """, FUSEKIT_CACHE_SIZE="16")
     assert res["maxsize"] == 16 and res["builds"] == 400 and res["evictions"] == 384
