@@ -165,6 +165,32 @@ def _check_act(act: str | None, who: str = "fusekit.torch", allowed: tuple[str, 
     return act
 
 
+#: Activations a Conv2d fuses into its forward graph beside ReLU / ReLU6 (cuDNN pointwise modes or
+#: compositions, as the pipeline's graphs): name -> PyTorch's default alpha where the name takes one.
+EPILOGUES = {"silu": 0.0, "gelu": 0.0, "gelu_tanh": 0.0, "sigmoid": 0.0, "tanh": 0.0, "hardswish": 0.0, "hardsigmoid": 0.0,
+             "leaky_relu": 0.01, "elu": 1.0}
+
+
+def _epilogue(activation: Any, who: str) -> tuple[str, float] | None:
+    """(name, alpha) of a Conv2d ``activation`` of :data:`EPILOGUES` (a name, or (name, alpha) for
+    leaky_relu's slope and elu's alpha); None for None, "relu" and "relu6" (the ReLU graphs)."""
+    if activation is None or activation in ("relu", "relu6"):
+        return None
+    name, alpha = (activation, None) if isinstance(activation, str) else tuple(activation) if isinstance(activation, (tuple, list)) and len(activation) == 2 else (None, None)
+    if name not in EPILOGUES or (alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)))):
+        raise OperandError(who, "activation", f"expected None, 'relu', 'relu6', one of {sorted(EPILOGUES)} or (name, alpha) for "
+                           f"'leaky_relu' / 'elu', got {activation!r}", what="argument")
+    return name, float(EPILOGUES[name] if alpha is None else alpha)
+
+
+def _apply_epilogue(y: torch.Tensor, act: tuple[str, float]) -> torch.Tensor:
+    """PyTorch's activation ``act`` of ``y`` (autograd records it)."""
+    name, alpha = act
+    return {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sigmoid": torch.sigmoid,
+            "tanh": torch.tanh, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
+            "leaky_relu": lambda t: F.leaky_relu(t, alpha), "elu": lambda t: F.elu(t, alpha)}[name](y)
+
+
 def _clip(act: str | bool | None) -> float | None:
     """The upper clip of activation ``act`` (None: no activation; the Functions' older bool: ReLU or none)."""
     if isinstance(act, bool):

@@ -14,7 +14,7 @@ from ..engine.patterns import conv_out_size
 from ..errors import OperandError
 from ..ops.common import ACTIVATIONS
 from . import common
-from .common import _ADDED, _act_of, _already_done, _cast, _check_act, _dense, _explicit_padding, _f32, _hand_on, _is_dense, _like, _mark_relu_output, _needs_grad, _padded, _relu_output_clip, _tag, _tagged, _version
+from .common import _ADDED, _act_of, _already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, _hand_on, _is_dense, _like, _mark_relu_output, _needs_grad, _padded, _relu_output_clip, _tag, _tagged, _version
 from .functions import BatchNormAct, ConvBiasAct, ConvTransposeBiasAct, LinearBiasAct, ScaleShiftAct, _AddReLU, _AvgPool, _MaxPool, _ReLUFn, _Softmax
 
 F = torch.nn.functional
@@ -79,25 +79,33 @@ class _FusekitAct(_Fusekit):
     def _torch_forward(self, x: Any, *args: Any) -> Any:
         """The torch layer's own forward, then the ReLU: CPU tensors, tracing, what cuDNN cannot run."""
         y = super().forward(x, *args)
+        if getattr(self, "_fk_epilogue", None) is not None:
+            return _apply_epilogue(y, self._fk_epilogue)
         return F.relu6(y) if self.activation == "relu6" else F.relu(y) if self.activation == "relu" else y
 
     def _fk_act(self) -> str | None:
-        """The activation this module's graph ends with: its own, or that of the ReLU / ReLU6 module it
-        does the work of (set by convert)."""
-        return _act_of(self._fk_relu) if self._fk_relu is not None else self.activation
+        """The ReLU this module's graph ends with: its own, or that of the ReLU / ReLU6 module it does
+        the work of (set by convert); None for another activation (Conv2d's epilogues)."""
+        if self._fk_relu is not None:
+            return _act_of(self._fk_relu)
+        return None if getattr(self, "_fk_epilogue", None) is not None else self.activation
 
 
 class Conv2d(_FusekitAct, torch.nn.Conv2d):
-    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused ReLU (``activation="relu"`` or
-    ``"relu6"``).
+    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused activation: ``"relu"`` or
+    ``"relu6"`` (forward and backward graphs), or any of ``silu``, ``gelu``, ``gelu_tanh``,
+    ``sigmoid``, ``tanh``, ``hardswish``, ``hardsigmoid``, ``leaky_relu``, ``elu`` (``(name, alpha)``
+    for the last two): fused into the forward graph where autograd records nothing (inference), else
+    the conv graph then PyTorch's activation, whose backward autograd runs.
 
     Takes every torch argument cuDNN can run: ``bias=False``, ``groups`` (grouped and depthwise),
     ``padding`` as ints, "valid" or "same" (an odd total "same" padding pads the input's last row /
     column first, as PyTorch). ``padding_mode`` "reflect", "replicate" and "circular" pad the input
     with ``F.pad`` and convolve unpadded, as PyTorch does."""
 
-    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
-        self.activation = _check_act(activation, "fusekit.torch.Conv2d")
+    def _fk_setup(self, activation: Any = None) -> None:  # type: ignore[override]
+        self._fk_epilogue = _epilogue(activation, "fusekit.torch.Conv2d")
+        self.activation = activation if self._fk_epilogue is not None else _check_act(activation, "fusekit.torch.Conv2d")
         if self.padding_mode == "zeros":
             self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
         else:  # cuDNN pads with zeros only: the input is padded first (torch.nn.Conv2d's own route), the conv pads nothing
@@ -156,6 +164,14 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
             y = common.ops.conv_bias_add_relu(x, w, b, z, padding=self._fk_pad, stride=self.stride, dilation=self.dilation, groups=self.groups)
             return _hand_on(_tag(_mark_relu_output(y), _ADDED, id(residual)), done)
         input_clip = _relu_output_clip(x) if self._fk_drelu else None
+        ep = self._fk_epilogue
+        if ep is not None:  # never with a folded BN: convert links nothing to a conv with its own activation
+            if not _needs_grad(x, w, b):
+                y = common.ops.conv_bias_act(x, w, b, activation=ep[0], alpha=ep[1], padding=self._fk_pad, stride=self.stride,
+                                             dilation=self.dilation, groups=self.groups)
+                return _hand_on(y, done)
+            y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, None, input_clip)
+            return _hand_on(_apply_epilogue(y, ep), done)
         y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, act, input_clip)
         return _hand_on(y if act is None else _mark_relu_output(y, ACTIVATIONS[act]), done)
 

@@ -95,6 +95,12 @@ class FakeOps:
     def conv_bias_relu(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
         return self._conv("conv_bias_relu", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, True)
 
+    def conv_bias_act(self, x, w, b, *, activation="relu", alpha=0.0, padding=0, stride=1, dilation=1, groups=1):
+        from fusekit.pipeline.ir import torch_act
+
+        y = self._conv(f"conv_bias_act:{activation}", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, False)
+        return _like_layout(torch_act(y, (activation, alpha)), x)
+
     def conv_bias_relu6(self, x, w, b, *, padding=0, stride=1, dilation=1, groups=1):
         return self._conv("conv_bias_relu6", x, w, b, {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}, True, 6.0)
 
@@ -687,6 +693,52 @@ def test_module_activation_argument(fake, act):
     assert rel(xf.grad, xr.grad) < 1e-12
     bn, bref = ft.BatchNorm2d(3, activation=act).double(), torch.nn.BatchNorm2d(3).double()
     assert rel(bn(x), f(bref(x))) < 1e-6 and "activation='" + act + "'" in repr(bn)
+
+
+@pytest.mark.parametrize("act", [("silu", F.silu), ("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
+                                 ("sigmoid", torch.sigmoid), ("tanh", torch.tanh), ("hardswish", F.hardswish),
+                                 ("hardsigmoid", F.hardsigmoid), ("leaky_relu", lambda t: F.leaky_relu(t, 0.01)),
+                                 (("leaky_relu", 0.2), lambda t: F.leaky_relu(t, 0.2)), ("elu", F.elu), (("elu", 0.5), lambda t: F.elu(t, 0.5))],
+                         ids=str)
+def test_conv2d_takes_every_activation_of_the_fused_graphs(fake, act):
+    """Conv2d(activation=...) beyond ReLU: without autograd, one conv_bias_act graph with the activation
+    fused; with autograd, the conv graph then PyTorch's activation (its backward by autograd); both as
+    torch.nn.Conv2d then the activation, gradients too."""
+    name, f = act
+    torch.manual_seed(1)
+    x = 3 * torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    ref = torch.nn.Conv2d(3, 4, 3, padding=1).double()
+    conv = clone_as(ft.Conv2d(3, 4, 3, padding=1, activation=name).double(), ref)
+    with torch.no_grad():
+        assert rel(conv(x), f(ref(x))) < 1e-12
+    fused = [c for c in fake if c.startswith("conv_bias_act:")]
+    assert fused == [f"conv_bias_act:{name if isinstance(name, str) else name[0]}"], fake
+    fake.clear()
+    xf, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, yr = conv(xf), f(ref(xr))
+    assert rel(y, yr) < 1e-12 and not any(c.startswith("conv_bias_act") for c in fake)
+    (y * yr.detach()).sum().backward()
+    (yr * yr.detach()).sum().backward()
+    assert rel(xf.grad, xr.grad) < 1e-12 and rel(conv.weight.grad, ref.weight.grad) < 1e-12
+    assert "activation=" in repr(conv)
+
+
+def test_conv2d_activation_is_checked_and_blocks_a_bn_link():
+    """An unknown activation or alpha is an OperandError naming the argument; convert links no BN or
+    ReLU to a conv that has an activation of its own (it runs before them); on a CPU tensor the
+    module is torch.nn.Conv2d then the activation (PyTorch's own route)."""
+    torch.manual_seed(2)
+    ref = torch.nn.Conv2d(3, 4, 3).double()
+    conv = clone_as(ft.Conv2d(3, 4, 3, activation=("elu", 0.3)).double(), ref)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    with pytest.warns(ft.TorchFallbackWarning):
+        assert rel(conv(x), F.elu(ref(x), 0.3)) < 1e-12
+    for bad in ("swish", ("elu",), ("elu", "x"), ("relu", 0.5), 3):
+        with pytest.raises(OperandError, match="activation"):
+            ft.Conv2d(3, 4, 3, activation=bad)
+    m = torch.nn.Sequential(ft.Conv2d(3, 4, 3, activation="silu"), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    fk, report = ft.convert(m)
+    assert fk[0]._fk_bn is None and fk[0]._fk_relu is None, report
 
 
 @pytest.mark.parametrize("ceil", [False, True])

@@ -109,6 +109,34 @@ def test_conv2d_arguments_match_torch(case, dtype, layout):
     _check_module(fk, ref, cl(x) if layout == "NHWC" else x, dtype, relu=act == "relu")
 
 
+EPILOGUES = {"silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish, "sigmoid": torch.sigmoid, ("leaky_relu", 0.2): lambda t: F.leaky_relu(t, 0.2)}
+
+
+class _Lambda(torch.nn.Module):
+    """A parameter-free module around a function (the reference activation)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act", list(EPILOGUES), ids=str)
+def test_conv2d_activation_epilogues_match_torch(act, dtype):
+    """Conv2d(activation=silu, ...): without autograd one fused conv + bias + activation graph, with
+    autograd the conv graph then PyTorch's activation; both against torch.nn.Conv2d + the activation in
+    float64, gradients too."""
+    torch.manual_seed(3)
+    fk, ref = _pair(ft().Conv2d(32, 48, 3, padding=1, activation=act), torch.nn.Conv2d(32, 48, 3, padding=1), dtype)
+    x = cl(torch.randn(4, 32, 14, 14, device="cuda").to(getattr(torch, dtype)))
+    with torch.no_grad():
+        assert rel(fk(x), EPILOGUES[act](ref(x.double()))) < TOL[dtype]
+    _check_module(fk, torch.nn.Sequential(ref, _Lambda(EPILOGUES[act])), x, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias, groups, act", [(False, 1, None), (True, 2, None), (False, 4, "relu")])
 def test_conv_transpose2d_arguments_match_torch(bias, groups, act, dtype):
