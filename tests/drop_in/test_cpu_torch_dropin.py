@@ -421,7 +421,7 @@ def test_constructors_take_torch_arguments():
 @pytest.mark.parametrize(
     "make, operand",
     [
-        (lambda: ft.Conv2d(3, 4, 3, activation="gelu"), "activation"),
+        (lambda: ft.Conv2d(3, 4, 3, activation="swish"), "activation"),
         (lambda: ft.Linear(3, 4, activation="tanh"), "activation"),
         (lambda: ft.Linear(3, 4, activation="relu6"), "activation"),  # no clipped-ReLU matmul graph
         (lambda: ft.ConvTranspose2d(3, 4, 3, activation="relu6"), "activation"),
