@@ -35,11 +35,17 @@ def _is_onnx(model: Any) -> bool:
         return False
 
 
-def trace(model: Any, example_input: Any = None) -> Program:
+IMPORTERS = ("fx", "export")
+
+
+def trace(model: Any, example_input: Any = None, *, importer: str = "fx") -> Program:
     """Primitive (not yet rewritten) stages of a torch ``nn.Module``, a ``fusekit.nn.Sequential`` or an ONNX model.
 
     ``example_input``: a tensor/array or a shape; for ONNX it may be None (the graph's input shape,
-    batch 1, 224 where dynamic)."""
+    batch 1, 224 where dynamic). ``importer`` (torch models): "fx" (``torch.fx`` symbolic tracing) or
+    "export" (``torch.export``'s ATen graph: control flow on shapes specialized for the example)."""
+    if importer not in IMPORTERS:
+        raise OperandError("pipeline", "importer", f"expected one of {IMPORTERS}, got {importer!r}", what="argument")
     from .nn_import import import_sequential, is_sequential
 
     if is_sequential(model):
@@ -58,6 +64,10 @@ def trace(model: Any, example_input: Any = None) -> Program:
                            f"onnx.ModelProto, got {type(model).__name__}")
     if example_input is None:
         raise TypeError("pipeline.trace: a torch model needs an example input (tensor or shape)")
+    if importer == "export":
+        from .export_import import import_exported
+
+        return import_exported(model, example_input_shape(example_input))
     return import_module(model, example_input_shape(example_input))
 
 
@@ -75,9 +85,9 @@ def example_input_shape(example_input: Any) -> tuple[int, ...]:
     return shape
 
 
-def lower_model(model: Any, example_input: Any = None) -> Program:
-    """``lower(trace(model, example_input))``: the stage list the pipeline runs (CPU only)."""
-    return lower(trace(model, example_input))
+def lower_model(model: Any, example_input: Any = None, *, importer: str = "fx") -> Program:
+    """``lower(trace(model, example_input, importer=importer))``: the stage list the pipeline runs (CPU only)."""
+    return lower(trace(model, example_input, importer=importer))
 
 
 __all__ = ["BatchedPipelines", "MemoryPlan", "Pipeline", "Program", "RULES", "Ref", "Rule", "Stage", "compile", "lower", "lower_model", "plan_memory", "trace"]

@@ -526,7 +526,8 @@ def import_module(model: Any, example_input: Any) -> Program:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     except Exception as e:  # noqa: BLE001
-        raise UnsupportedError(f"pipeline: torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from None
+        raise UnsupportedError(f"pipeline: torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e} (importer=\"export\" "
+                               "reads the model through torch.export, which specializes control flow on shapes)") from None
     gen = torch.Generator().manual_seed(0)
     try:
         values = _record_values(gm, torch.randn(shape, generator=gen))

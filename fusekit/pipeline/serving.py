@@ -69,23 +69,24 @@ def _batch_sizes(batch_sizes: Any) -> list[int]:
 def compile(model: Any, example_input: Any = None, *, dtype: str = "float16", autotune: bool = False,
             capture: bool = True, choose: bool = True, verify: bool = True, device: Any = None,
             progress: Callable[[int, int, str], None] | None = None,
-            batch_sizes: list[int] | None = None) -> Any:
+            batch_sizes: list[int] | None = None, importer: str = "fx") -> Any:
     """Trace/import ``model`` (torch ``nn.Module``, ``fusekit.nn.Sequential``, ONNX path/ModelProto),
     lower it to fusekit stages, plan its buffers and build it on the GPU (warm-up, per-stage timing,
     CUDA graph capture); see :meth:`Pipeline.build` for ``choose``, ``verify`` and ``progress``.
 
     ``batch_sizes=[1, 8, 32]``: a :class:`BatchedPipelines` with one pipeline per size (``example_input``
-    then gives the per-sample shape; its own batch is ignored) sharing weights; otherwise a :class:`Pipeline`."""
+    then gives the per-sample shape; its own batch is ignored) sharing weights; otherwise a :class:`Pipeline`.
+    ``importer``: how a torch model is read, "fx" or "export" (see :func:`fusekit.pipeline.trace`)."""
     from . import lower_model
 
     kw = dict(device=device, autotune=autotune, capture=capture, choose=choose, verify=verify, progress=progress)
     if batch_sizes is None:
-        return Pipeline(lower_model(model, example_input), dtype=dtype).build(**kw)
+        return Pipeline(lower_model(model, example_input, importer=importer), dtype=dtype).build(**kw)
     sizes = _batch_sizes(batch_sizes)
     if example_input is None:
         raise TypeError("pipeline.compile: batch_sizes needs an example input (tensor, array or shape) for the per-sample shape")
     sample = tuple(int(d) for d in getattr(example_input, "shape", example_input))[1:]
-    programs = {b: lower_model(model, (b,) + sample) for b in sizes}
+    programs = {b: lower_model(model, (b,) + sample, importer=importer) for b in sizes}
     for b, prog in programs.items():
         if prog.output_shape[:1] != (b,):
             raise OperandError("pipeline.compile", "model", f"an output whose first dimension is the batch ({b}) to serve "

@@ -151,6 +151,25 @@ def test_zoo_model_compiles_and_matches_float32_eager(name):
         assert rel < max(5e-3, 4 * fp16_rel), (rel, fp16_rel)
 
 
+@pytest.mark.parametrize("name", ["mobilenet_v3_large", "shufflenet_v2_x1_0"])
+def test_exported_model_compiles_and_matches_float32_eager(name):
+    """importer="export" (torch.export's ATen graph): the same fused pipeline, within PyTorch float16's
+    own error of float32 eager."""
+    import copy
+
+    import fusekit.pipeline as fp
+
+    m = _calibrated(name)
+    pipe = fp.compile(m, torch.zeros(4, 3, 224, 224), dtype="float16", importer="export")
+    assert pipe.graph_captured and pipe.program.source == "torch.export", pipe.capture_error
+    half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    with torch.no_grad():
+        want, h = m(x).float(), half(x.half().contiguous(memory_format=torch.channels_last)).float()
+    err, fp16_err = rel(pipe(x).float(), want), rel(h, want)
+    assert err < max(5e-3, 4 * fp16_err), (err, fp16_err)
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_batched_matmul_bias_against_oracle(residual):
     """A matrix per sample on both sides (the gate-scaled weights of a squeeze-excitation projection),

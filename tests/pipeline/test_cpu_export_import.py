@@ -1,0 +1,114 @@
+"""CPU: the torch.export importer (``importer="export"``): an ATen graph read into the same primitive
+stages and lowered by the same rules as the fx importer's, checked against float64 eager."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+import fusekit.pipeline as fp  # noqa: E402
+from fusekit.errors import OperandError, UnsupportedError  # noqa: E402
+from helpers import rel_max  # noqa: E402
+
+
+def _check(m, shape, importer="export", seed=0):
+    x = np.random.default_rng(seed).standard_normal(shape) * 2
+    prog = fp.lower_model(m, shape, importer=importer)
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    m.float()
+    assert rel_max(fp.Pipeline(prog).reference(x), want) < 1e-12, str(prog)
+    return prog
+
+
+def _randomize_bn(m):
+    g = torch.Generator().manual_seed(0)
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.copy_(torch.rand(mod.num_features, generator=g) - 0.5)
+            mod.running_var.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+    return m.eval()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "shufflenet_v2_x0_5", "efficientnet_b0", "densenet121"])
+def test_torchvision_models_lower_as_the_fx_importer_lowers_them(name):
+    """The same stages (patterns in order) as torch.fx gives, matching float64 eager."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    m = _randomize_bn(tv.models.get_model(name))
+    shape = (2, 3, 48, 48)
+    prog = _check(m, shape)
+    assert prog.source == "torch.export"
+    assert [s.pattern for s in prog.stages] == [s.pattern for s in fp.lower_model(m, shape).stages]
+
+
+class Forms(nn.Module):
+    """Module and functional forms of the same layers."""
+
+    def __init__(self, functional):
+        super().__init__()
+        self.functional = functional
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Linear(8, 5)
+        self.act, self.pool = nn.SiLU(), nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.functional:
+            y = F.silu(F.batch_norm(y, self.bn.running_mean, self.bn.running_var, self.bn.weight, self.bn.bias, False, 0.1, self.bn.eps))
+            return self.fc(y.mean((2, 3)))
+        return self.fc(torch.flatten(self.pool(self.act(self.bn(y))), 1))
+
+
+def test_module_and_functional_forms_are_one_stage_list():
+    mod, fun = _randomize_bn(Forms(False)), _randomize_bn(Forms(True))
+    fun.load_state_dict(mod.state_dict())
+    a, b = _check(mod, (2, 3, 8, 8)), _check(fun, (2, 3, 8, 8))
+    assert [s.pattern for s in a.stages] == [s.pattern for s in b.stages] == ["conv_bias_act", "avg_pool2d", "reshape", "linear_bias"]
+
+
+class Branchy(nn.Module):
+    """Python control flow on the input's size: torch.fx cannot trace it, torch.export specializes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return F.relu(self.a(x) if x.shape[-1] > 6 else self.b(x))
+
+
+def test_shape_control_flow_is_specialized_where_fx_falls_back():
+    m = Branchy().eval()
+    prog = _check(m, (1, 3, 8, 8))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_relu"] and prog.stages[0].weights["w"].shape[2:] == (3, 3)
+    with pytest.raises(UnsupportedError, match='torch.fx cannot trace Branchy.*importer="export"'):
+        fp.lower_model(m, (1, 3, 8, 8))
+
+
+class Leftovers(nn.Module):
+    def forward(self, x):
+        a, b = x.chunk(2, 1)
+        y = torch.cat([b.clamp_(min=-0.5), a], 1)  # an in-place op without a rule
+        return y.permute(0, 1, 3, 2)
+
+
+def test_ops_without_rules_are_out_of_place_fallbacks_and_channel_items_are_views():
+    x = torch.randn(1, 16, 4, 5)
+    prog = _check(Leftovers().eval(), tuple(x.shape))
+    clamp = next(s for s in prog.stages if s.attrs.get("op", "").startswith("clamp"))
+    assert clamp.fallback and clamp.attrs["op"] == "clamp" and not str(clamp.fn).endswith("_.Tensor") and "clamp_" not in str(clamp.fn)
+    assert sorted(s.attrs["channel_slice"] for s in prog.stages if "channel_slice" in s.attrs) == [0, 8]
+    assert any(s.pattern == "concat" for s in prog.stages) and prog.stages[-1].attrs.get("op") == "permute"
+
+
+def test_importer_is_checked_and_an_unexportable_model_is_named():
+    with pytest.raises(OperandError, match="importer"):
+        fp.lower_model(nn.Conv2d(3, 4, 1), (1, 3, 4, 4), importer="onnx")
+
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x.sum() if float(x.sum()) > 0 else x  # data-dependent control flow
+
+    with pytest.raises(UnsupportedError, match="torch.export could not export Bad"):
+        fp.lower_model(Bad(), (1, 3, 4, 4), importer="export")
