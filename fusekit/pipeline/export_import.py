@@ -79,6 +79,8 @@ class _Exported:
         self.splits: dict[str, list[int]] = {}  # channel splits: node -> each item's first channel
         self.shuffles: dict[str, tuple[str, int]] = {}  # channel shuffles: last node -> (image, groups)
         self.skip: set[str] = set()  # nodes a shuffle stands for
+        self.nhwc: dict[str, str] = {}  # a channels-last region's (N, H, W, C) value -> the (N, C, H, W) image value holding it
+        self.materialized: set[str] = set()  # region values made real for a reader without a channel rule
         for node in self.graph.nodes:
             self.find_shuffle(node)
 
@@ -166,13 +168,83 @@ class _Exported:
         if node.name in self.shuffles:
             y, groups = self.shuffles[node.name]
             return [channel_shuffle_stage(node.name, y, node.name, groups)]
+        if not self.refs((node.args, node.kwargs)) and not isinstance(node.meta.get("val"), (list, tuple)):
+            return self.fold(node)
         if node.target is operator.getitem:
-            return self.item(node)
+            return self.materialize(self.item(node))
         if isinstance(node.meta.get("val"), (list, tuple)):
             return self.several(node, op)
         a = self.named(node)
+        if a is not None:
+            region = self.nhwc_node(node, op, a)
+            if region is not None:
+                return region
         made = self.rule(node, op, a) if a is not None else None
-        return made if made is not None else [self.fallback(node, f"aten {op} has no fusekit rule")]
+        return self.materialize(made if made is not None else [self.fallback(node, f"aten {op} has no fusekit rule")])
+
+    def fold(self, node: Any) -> list[Stage]:
+        """A node of weights and constants alone (``gamma.reshape(1, -1, 1, 1)``): computed here, once,
+        and read as a weight by the nodes after it."""
+        import torch
+
+        with torch.no_grad():
+            self.consts[node.name] = node.target(*self.template(tuple(node.args)), **self.template(dict(node.kwargs)))
+        return []
+
+    def materialize(self, made: list[Stage]) -> list[Stage]:
+        """Stages that read a channels-last region's value as the (N, H, W, C) tensor PyTorch has: the
+        permute is made real (once, before its first such reader)."""
+        import torch
+
+        pre = []
+        for st in made:
+            for n in st.inputs:
+                if n in self.nhwc and n not in self.materialized:
+                    self.materialized.add(n)
+                    pre.append(torch_fallback(f"{n}.permute", [self.nhwc[n]], n, torch.permute, [Ref(self.nhwc[n]), (0, 2, 3, 1)],
+                                              reason="an (N, H, W, C) view read by an op without a channel rule"))
+        return pre + made
+
+    def nhwc_node(self, node: Any, op: str, a: dict) -> list[Stage] | None:
+        """ConvNeXt's channels-last blocks: permute (N, C, H, W) -> (N, H, W, C), then LayerNorm, Linear,
+        activations and a layer scale over the last dim, then the permute back. Each op inside runs as a
+        channel op on the (N, C, H, W) image (cln, a 1x1 conv, act, a BN-form scale); None for a node
+        outside such a region (or one without a channel rule: the region value is then made real)."""
+        x, name = a.get("input", a.get("self")), node.name
+        dims = tuple(int(d) % 4 for d in a.get("dims", ())) if op == "permute" else None
+        if dims == (0, 2, 3, 1) and self.value(x) and len(self.shape(x)) == 4 and x.name not in self.nhwc:
+            self.nhwc[name] = x.name
+            return []
+        if not (self.value(x) and x.name in self.nhwc):
+            return None
+        src, c, out = self.nhwc[x.name], self.shape(x)[-1], f"{name}.nchw"
+        base = op.rstrip("_")
+        st: Stage | None = None
+        if dims == (0, 3, 1, 2):
+            return [Stage("identity", [src], name, name=name)]
+        if op == "layer_norm" and tuple(a.get("normalized_shape", ())) == (c,):
+            gamma, beta = self.const(a.get("weight")), self.const(a.get("bias"))
+            if (a.get("weight") is None or gamma is not None) and (a.get("bias") is None or beta is not None):
+                st = Stage("cln", [src], out, weights={"gamma": np.ones(c) if gamma is None else _np(gamma).reshape(c),
+                                                       "beta": np.zeros(c) if beta is None else _np(beta).reshape(c)},
+                           attrs={"eps": float(a.get("eps", 1e-5))}, name=name)
+        elif op == "linear" and self.const(a.get("weight")) is not None and (a.get("bias") is None or self.const(a["bias"]) is not None):
+            w = {"w": _np(self.const(a["weight"]))[:, :, None, None]} | ({"b": _np(self.const(a["bias"]))} if a.get("bias") is not None else {})
+            st = Stage("conv", [src], out, weights=w, attrs=dict(padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1), name=name)
+        elif base == "relu" or (base in _ACTS and _ACTS[base](a) is not None):
+            act = ("relu", 0.0) if base == "relu" else _ACTS[base](a)
+            st = Stage("act", [src], out, attrs={"activation": act[0], "alpha": act[1]}, name=name)
+        elif op in _IDENTITIES or base in _IDENTITIES:
+            self.nhwc[name] = src
+            return []
+        elif base == "mul" and self.const(a.get("other")) is not None and tuple(self.const(a["other"]).shape) in ((c,), (1, 1, 1, c)):
+            g = _np(self.const(a["other"])).reshape(c)
+            st = Stage("bn", [src], out, weights={"mean": np.zeros(c), "var": np.ones(c), "gamma": g, "beta": np.zeros(c)},
+                       attrs={"epsilon": 0.0}, name=name)
+        if st is None:
+            return None
+        self.nhwc[name] = out
+        return [st]
 
     def rule(self, node: Any, op: str, a: dict) -> list[Stage] | None:
         name = node.name
@@ -182,9 +254,12 @@ class _Exported:
             parts = [t.name for t in a["tensors"]]
             return [torch_fallback(name, parts, name, torch.cat, [[Ref(p) for p in parts], 1], reason="channel concatenation")]
         x = a.get("input", a.get("self"))
+        base = op.rstrip("_")
+        if base == "mul" and not self.value(x) and self.value(a.get("other")):  # k * x: the constant first
+            a, x = {**a, "self": a["other"], "other": x}, a["other"]
         if not self.value(x):
             return None
-        rank, base = len(self.shape(x)), op.rstrip("_")
+        rank = len(self.shape(x))
         if base == "relu":
             return [Stage("relu", [x.name], name, name=name)]
         if base in _ACTS:

@@ -199,7 +199,29 @@ def _hardswish_constants(c: _Ctx, s: Stage, _: Any) -> None:
     s.weights["gs"], s.weights["gb"] = np.full(k, 1.0 / 6.0), np.full(k, 0.5)
 
 
-_VIEWS = ("Tensor.view", "Tensor.reshape", "reshape", "view", "Tensor.flatten", "flatten")
+_VIEWS = ("Tensor.view", "Tensor.reshape", "reshape", "view", "_unsafe_view", "Tensor.flatten", "flatten")
+
+
+def _conv1d(s: Stage) -> tuple[np.ndarray, float, int, int] | None:
+    """(taps, bias, padding, dilation) of a stage running a Conv1d(1, 1, k) with stride 1 and zero
+    padding: an ``nn.Conv1d`` module (fx) or ``aten.conv1d`` with constant weights (torch.export)."""
+    import torch
+
+    m = s.fn
+    if isinstance(m, torch.nn.Conv1d):
+        if not (m.in_channels == m.out_channels == m.groups == 1 and m.stride == (1,) and m.padding_mode == "zeros" and not isinstance(m.padding, str)):
+            return None
+        bias = float(m.bias.detach()) if m.bias is not None else 0.0
+        return m.weight.detach().double().reshape(-1).numpy(), bias, int(m.padding[0]), int(m.dilation[0])
+    args = list(s.attrs.get("args", [])) + [None] * 7
+    w, b, stride, pad, dil, groups = args[1:7]
+    if s.attrs.get("op") != "conv1d" or s.attrs.get("kwargs") or not isinstance(w, torch.Tensor) or tuple(w.shape[:2]) != (1, 1):
+        return None
+    one = lambda v, d: int(v[0]) if isinstance(v, (list, tuple)) and len(v) == 1 else (d if v is None else v if isinstance(v, int) else None)  # noqa: E731
+    stride, pad, dil, groups = one(stride, 1), one(pad, 0), one(dil, 1), 1 if groups is None else groups
+    if stride != 1 or groups != 1 or pad is None or dil is None or (b is not None and not isinstance(b, torch.Tensor)):
+        return None
+    return w.detach().double().reshape(-1).numpy(), float(b.detach()) if b is not None else 0.0, pad, dil
 
 
 def _pooled_channels(c: _Ctx, value: str) -> str | None:
@@ -217,11 +239,8 @@ def _channel_conv1d(c: _Ctx, s: Stage) -> Any:
     """ECA's gate (timm's EcaModule): view (N, C) -> (N, 1, C), Conv1d(1, 1, k) with "same" padding,
     an optional activation, view back to (N, C, 1, 1). Found: (the pooled (N, C, 1, 1) value, the
     stages to remove, the activation stage or None, the final view)."""
-    import torch
-
-    m = s.fn
-    if not (isinstance(m, torch.nn.Conv1d) and m.in_channels == m.out_channels == m.groups == 1 and m.stride == (1,)
-            and m.padding_mode == "zeros" and not isinstance(m.padding, str) and 2 * m.padding[0] == m.dilation[0] * (m.kernel_size[0] - 1)):
+    conv = _conv1d(s)
+    if conv is None or 2 * conv[2] != conv[3] * (len(conv[0]) - 1):
         return None
     view = c.single_use(s.inputs[0], "torch")
     if view is None or view.attrs.get("op") not in _VIEWS or len(s.in_shapes[0]) != 3 or s.in_shapes[0][1] != 1:
@@ -247,17 +266,15 @@ def _channel_conv1d(c: _Ctx, s: Stage) -> Any:
 
 def _channel_conv1d_as_conv(c: _Ctx, s: Stage, found: Any) -> None:
     src, chain, act, back = found
-    m = s.fn
-    (k,), (pad,), (dil,) = m.kernel_size, m.padding, m.dilation
-    ch = c.shapes[src][1]
-    taps = m.weight.detach().double().reshape(k).numpy()
+    taps, bias_value, pad, dil = _conv1d(s)
+    k, ch = len(taps), c.shapes[src][1]
     w = np.zeros((ch, ch, 1, 1))
     for o in range(ch):  # out[o] = sum_j taps[j] * in[o + j * dil - pad]
         for j in range(k):
             i = o + j * dil - pad
             if 0 <= i < ch:
                 w[o, i, 0, 0] = taps[j]
-    bias = np.full(ch, float(m.bias.detach()) if m.bias is not None else 0.0)
+    bias = np.full(ch, bias_value)
     s.kind, s.fn, s.inputs, s.weights = "conv", None, [src], {"w": w, "b": bias}
     s.attrs = dict(padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1)
     if act is not None:

@@ -31,7 +31,7 @@ def _randomize_bn(m):
     return m.eval()
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "shufflenet_v2_x0_5", "efficientnet_b0", "densenet121"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "shufflenet_v2_x0_5", "efficientnet_b0", "densenet121", "convnext_tiny"])
 def test_torchvision_models_lower_as_the_fx_importer_lowers_them(name):
     """The same stages (patterns in order) as torch.fx gives, matching float64 eager."""
     tv = pytest.importorskip("torchvision")
@@ -112,3 +112,17 @@ def test_importer_is_checked_and_an_unexportable_model_is_named():
 
     with pytest.raises(UnsupportedError, match="torch.export could not export Bad"):
         fp.lower_model(Bad(), (1, 3, 4, 4), importer="export")
+
+
+@pytest.mark.parametrize("name", ["ecaresnet26t", "convnext_atto"])
+def test_timm_eca_and_convnext_blocks_lower_as_with_fx(name):
+    """timm's ECA gate (view, aten.conv1d, sigmoid, view, expand_as: one banded 1x1 conv) and ConvNeXt's
+    channels-last blocks (a layer scale computed from its parameter, gamma.reshape(1, -1, 1, 1), folded
+    at import) give the fx importer's stages."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    m = _randomize_bn(timm.create_model(name, pretrained=False))
+    shape = (1, 3, 64, 64)
+    prog = _check(m, shape)
+    assert not any(s.fallback for s in prog.stages), [s.name for s in prog.stages if s.fallback]
+    assert [s.pattern for s in prog.stages] == [s.pattern for s in fp.lower_model(m, shape).stages]
