@@ -322,3 +322,27 @@ def test_native_execute_is_taken_and_matches_graph_execute(rng, tmp_path):
     y3 = fusekit.call("conv_bias_relu", x, w, b, padding=1, cache=loaded, out=torch.full_like(y, float("nan")))
     torch.cuda.synchronize()
     assert loaded.stats.disk_hits == 1 and torch.equal(y3, ref)
+
+
+def test_conv_writes_the_channel_slice_beside_the_one_it_reads():
+    """GhostNet's cheap operation: a conv reading channels [0, 16) of a channels-last buffer writes
+    channels [16, 32) of the same buffer (the ranges interleave in memory, no element is shared): it
+    runs on cuDNN, matches float64 and leaves what it reads alone. A slice starting off cuDNN's 16-byte
+    alignment (channel 3 in float16) is an OperandError naming it."""
+    torch = pytest.importorskip("torch")
+    from fusekit.errors import OperandError
+
+    F = torch.nn.functional
+    g = torch.Generator(device="cuda").manual_seed(11)
+    buf = torch.randn(4, 32, 14, 14, device="cuda", generator=g).half().contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(16, 16, 3, 3, device="cuda", generator=g) / 12).half().contiguous(memory_format=torch.channels_last)
+    b = torch.randn(16, device="cuda", generator=g).half()
+    x, before = buf[:, :16], buf[:, :16].clone()
+    want = F.relu(F.conv2d(before.double(), w.double(), b.double(), padding=1))
+    fusekit.conv_bias_relu(x, w, b, padding=1, out=buf[:, 16:])
+    torch.cuda.synchronize()
+    assert torch.equal(buf[:, :16], before)
+    got = buf[:, 16:].double()
+    assert float((got - want).norm() / want.norm()) < 2e-3
+    with pytest.raises(OperandError, match="aligned"):
+        fusekit.conv_bias_relu(buf[:, 3:19], w, b, padding=1)
