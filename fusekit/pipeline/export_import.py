@@ -62,7 +62,7 @@ def _out_of_place(target: Any) -> Any:
     return getattr(packet, overload, target) if packet is not None else target
 
 
-class _Exported:
+class ExportReader:
     """One exported program being read into stages."""
 
     def __init__(self, ep: Any) -> None:
@@ -378,7 +378,13 @@ class _Exported:
         output = None
         for node in self.graph.nodes:
             if node.op == "call_function" and node.name not in self.skip:
-                stages += self.stages(node)
+                try:
+                    stages += self.stages(node)
+                except UnsupportedError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a node no rule foresaw: name it, not fusekit's internals
+                    raise UnsupportedError(f"pipeline: cannot import node {node.name} ({node.target}) of the exported graph: "
+                                           f"{type(e).__name__}: {e}") from e
             elif node.op == "output":
                 outs = node.args[0]
                 outs = outs[0] if isinstance(outs, (list, tuple)) and len(outs) == 1 else outs
@@ -399,4 +405,4 @@ def import_exported(model: Any, shape: tuple[int, ...]) -> Program:
     except Exception as e:  # noqa: BLE001 - say which model and why, not torch's internals alone
         raise UnsupportedError(f"pipeline: torch.export could not export {type(model).__name__} ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''})") from e
-    return _Exported(ep).run(shape)
+    return ExportReader(ep).run(shape)

@@ -126,3 +126,15 @@ def test_timm_eca_and_convnext_blocks_lower_as_with_fx(name):
     prog = _check(m, shape)
     assert not any(s.fallback for s in prog.stages), [s.name for s in prog.stages if s.fallback]
     assert [s.pattern for s in prog.stages] == [s.pattern for s in fp.lower_model(m, shape).stages]
+
+
+def test_a_node_no_rule_foresaw_is_named(monkeypatch):
+    """An exception inside a rule comes out as an UnsupportedError naming the node."""
+    from fusekit.pipeline import export_import
+
+    def broken(self, node, op, a):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(export_import.ExportReader, "rule", broken)
+    with pytest.raises(UnsupportedError, match=r"cannot import node conv2d \(aten.conv2d.default\).*KeyError"):
+        fp.lower_model(nn.Sequential(nn.Conv2d(3, 4, 1)).eval(), (1, 3, 4, 4), importer="export")
