@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -227,28 +227,19 @@ def _freeze(v: Any) -> Any:
     return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
 
 
-def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
-    """Parse and check one pattern file's text."""
-    if not isinstance(text, str):
-        raise PatternError(source, f"expected the file's text (str), got {type(text).__name__}; decode bytes as UTF-8 first")
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise PatternError(source, f"not valid TOML: {e}") from None
+def _need(source: str) -> Callable[[bool, str], None]:
+    """A check that raises PatternError(source, message) when its condition is false."""
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise PatternError(source, msg)
 
-    unknown = set(doc) - _TOP_KEYS
-    need(not unknown, f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    name = doc.get("name")
-    need(isinstance(name, str) and name.isidentifier(), f"'name' must be an identifier string, got {name!r}")
-    source = source if source != "<memory>" else name
+    return need
 
-    operands = []
-    raw_ops = doc.get("operands")
+
+def _parse_operands(raw_ops: Any, need: Callable[[bool, str], None]) -> list[Operand]:
     need(isinstance(raw_ops, dict) and raw_ops, "'operands' must be a non-empty table")
+    operands = []
     for oname, spec in raw_ops.items():
         need(isinstance(spec, dict), f"operand '{oname}' must be a table with 'kind' and 'role'")
         kind, role = spec.get("kind"), spec.get("role", "input")
@@ -258,10 +249,13 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         dtype = spec.get("dtype")
         need(dtype in (None, "float32"), f"operand '{oname}': dtype may only be fixed to \"float32\"")
         operands.append(Operand(oname, kind, role, dtype))
+    return operands
 
+
+def _parse_attrs(raw: Any, need: Callable[[bool, str], None], source: str) -> list[AttrSpec]:
+    need(isinstance(raw, dict), "'attrs' must be a table name = default or name = { default = ..., min = ... }")
     attrs = []
-    need(isinstance(doc.get("attrs", {}), dict), "'attrs' must be a table name = default or name = { default = ..., min = ... }")
-    for aname, spec in (doc.get("attrs") or {}).items():
+    for aname, spec in raw.items():
         spec = spec if isinstance(spec, dict) else {"default": spec}
         need("default" in spec, f"attribute '{aname}' needs a default")
         need(not set(spec) - {"default", "min"}, f"attribute '{aname}': unknown key(s) {sorted(set(spec) - {'default', 'min'})}; "
@@ -280,44 +274,44 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         except OperandError as e:
             raise PatternError(source, f"attribute '{aname}': its default does not pass its own checks ({e})") from None
         attrs.append(spec_)
-    attr_names = {a.name for a in attrs}
+    return attrs
 
-    defined = {o.name for o in operands}
-    ops = []
-    raw_list = doc.get("ops")
-    need(isinstance(raw_list, list) and raw_list, "'ops' must be a non-empty array of tables ([[ops]])")
-    for i, spec in enumerate(raw_list):
-        need(isinstance(spec, dict), f"ops[{i}] must be a table with 'op', 'in' and 'out'")
-        opname = spec.get("op")
-        need(isinstance(opname, str) and opname in OPS, f"ops[{i}]: unknown op {opname!r}; known: {sorted(OPS)}")
-        sig = OPS[opname]
-        inputs = spec.get("in") or {}
-        need(isinstance(inputs, dict), f"ops[{i}] ({opname}): 'in' must be a table port = value")
-        need(set(inputs) == set(sig.ports), f"ops[{i}] ({opname}): ports must be {list(sig.ports)}, got {sorted(inputs)}")
-        for port, value in inputs.items():
-            need(isinstance(value, str) and value in defined, f"ops[{i}] ({opname}): port '{port}' reads undefined operand {value!r}")
-        op_attrs = spec.get("attrs") or {}
-        if isinstance(op_attrs, list) and all(isinstance(a, str) for a in op_attrs):
-            op_attrs = {a: a for a in op_attrs}
-        need(isinstance(op_attrs, dict), f"ops[{i}] ({opname}): 'attrs' must be a list of names or a table op_attr = pattern_attr")
-        for k, v in op_attrs.items():
-            need(k in sig.attrs, f"ops[{i}] ({opname}): unknown op attribute {k!r}; known: {list(sig.attrs)}")
-            need(not isinstance(v, str) or v in attr_names, f"ops[{i}] ({opname}): attribute {k!r} refers to undeclared pattern attribute {v!r}")
-        op_attrs = {**dict(sig.defaults), **op_attrs}
-        missing = set(sig.attrs) - set(op_attrs)
-        need(not missing, f"ops[{i}] ({opname}): attribute(s) {sorted(missing)} not given")
-        out = spec.get("out")
-        outs = out if isinstance(out, list) else [out]
-        need(
-            len(outs) == len(sig.outputs) and all(isinstance(o, str) and o.isidentifier() for o in outs),
-            f"ops[{i}] ({opname}): 'out' must name the {len(sig.outputs)} value(s) it produces {list(sig.outputs)}",
-        )
-        for o in outs:
-            need(o not in defined, f"ops[{i}] ({opname}): 'out' {o!r} is already defined")
-            defined.add(o)
-        ops.append(Op(opname, dict(inputs), {k: _freeze(v) for k, v in op_attrs.items()}, outs[0], tuple(outs) if len(outs) > 1 else ()))
 
-    outputs = doc.get("outputs")
+def _parse_op(i: int, spec: Any, need: Callable[[bool, str], None], defined: set[str], attr_names: set[str]) -> Op:
+    """ops[i]; the names it produces join ``defined``."""
+    need(isinstance(spec, dict), f"ops[{i}] must be a table with 'op', 'in' and 'out'")
+    opname = spec.get("op")
+    need(isinstance(opname, str) and opname in OPS, f"ops[{i}]: unknown op {opname!r}; known: {sorted(OPS)}")
+    sig = OPS[opname]
+    inputs = spec.get("in") or {}
+    need(isinstance(inputs, dict), f"ops[{i}] ({opname}): 'in' must be a table port = value")
+    need(set(inputs) == set(sig.ports), f"ops[{i}] ({opname}): ports must be {list(sig.ports)}, got {sorted(inputs)}")
+    for port, value in inputs.items():
+        need(isinstance(value, str) and value in defined, f"ops[{i}] ({opname}): port '{port}' reads undefined operand {value!r}")
+    op_attrs = spec.get("attrs") or {}
+    if isinstance(op_attrs, list) and all(isinstance(a, str) for a in op_attrs):
+        op_attrs = {a: a for a in op_attrs}
+    need(isinstance(op_attrs, dict), f"ops[{i}] ({opname}): 'attrs' must be a list of names or a table op_attr = pattern_attr")
+    for k, v in op_attrs.items():
+        need(k in sig.attrs, f"ops[{i}] ({opname}): unknown op attribute {k!r}; known: {list(sig.attrs)}")
+        need(not isinstance(v, str) or v in attr_names, f"ops[{i}] ({opname}): attribute {k!r} refers to undeclared pattern attribute {v!r}")
+    op_attrs = {**dict(sig.defaults), **op_attrs}
+    missing = set(sig.attrs) - set(op_attrs)
+    need(not missing, f"ops[{i}] ({opname}): attribute(s) {sorted(missing)} not given")
+    out = spec.get("out")
+    outs = out if isinstance(out, list) else [out]
+    need(
+        len(outs) == len(sig.outputs) and all(isinstance(o, str) and o.isidentifier() for o in outs),
+        f"ops[{i}] ({opname}): 'out' must name the {len(sig.outputs)} value(s) it produces {list(sig.outputs)}",
+    )
+    for o in outs:
+        need(o not in defined, f"ops[{i}] ({opname}): 'out' {o!r} is already defined")
+        defined.add(o)
+    return Op(opname, dict(inputs), {k: _freeze(v) for k, v in op_attrs.items()}, outs[0], tuple(outs) if len(outs) > 1 else ())
+
+
+def _parse_outputs(outputs: Any, need: Callable[[bool, str], None], ops: list[Op], raw_ops: dict) -> tuple[dict, dict, dict]:
+    """(output -> the operand it is like, output -> kind, output -> fixed dtype)."""
     need(isinstance(outputs, dict) and bool(outputs), "'outputs' must be a non-empty table: name = { like = OPERAND }")
     produced = {o for op in ops for o in op.produces}
     out_map, out_kinds, out_dtypes = {}, {}, {}
@@ -333,6 +327,32 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
         need(odt in (None, "float32"), f"output '{oname}': dtype may only be fixed to \"float32\"")
         if odt:
             out_dtypes[oname] = odt
+    return out_map, out_kinds, out_dtypes
+
+
+def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
+    """Parse and check one pattern file's text."""
+    if not isinstance(text, str):
+        raise PatternError(source, f"expected the file's text (str), got {type(text).__name__}; decode bytes as UTF-8 first")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PatternError(source, f"not valid TOML: {e}") from None
+    need = _need(source)
+    unknown = set(doc) - _TOP_KEYS
+    need(not unknown, f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    name = doc.get("name")
+    need(isinstance(name, str) and name.isidentifier(), f"'name' must be an identifier string, got {name!r}")
+    source = source if source != "<memory>" else name
+    need = _need(source)
+    raw_ops = doc.get("operands")
+    operands = _parse_operands(raw_ops, need)
+    attrs = _parse_attrs(doc.get("attrs", {}) if doc.get("attrs") is not None else {}, need, source)
+    defined, attr_names = {o.name for o in operands}, {a.name for a in attrs}
+    raw_list = doc.get("ops")
+    need(isinstance(raw_list, list) and raw_list, "'ops' must be a non-empty array of tables ([[ops]])")
+    ops = [_parse_op(i, spec, need, defined, attr_names) for i, spec in enumerate(raw_list)]
+    out_map, out_kinds, out_dtypes = _parse_outputs(doc.get("outputs"), need, ops, raw_ops)
     saved = doc.get("saved", [])
     need(isinstance(saved, list) and all(isinstance(x, str) for x in saved), "'saved' must be a list of value names")
     saved = tuple(saved)
@@ -353,22 +373,9 @@ def parse_pattern(text: str, source: str = "<memory>") -> Pattern:
     # Order matters (operands and attributes are positional), so the digest keeps file order.
     canon = json.dumps(doc, separators=(",", ":"))
     return Pattern(
-        name=name,
-        summary=str(doc.get("summary", "")),
-        operands=tuple(operands),
-        attrs=tuple(attrs),
-        ops=tuple(ops),
-        outputs=out_map,
-        output_kinds=out_kinds,
-        output_dtypes=out_dtypes,
-        saved=saved,
-        backward=tuple(backward),
-        not_capturable=not_capturable,
-        memory_only=memory_only,
-        in_place=dict(in_place),
-        source=source,
-        digest=hashlib.sha256(canon.encode()).hexdigest()[:16],
-        text=text,
+        name=name, summary=str(doc.get("summary", "")), operands=tuple(operands), attrs=tuple(attrs), ops=tuple(ops), outputs=out_map,
+        output_kinds=out_kinds, output_dtypes=out_dtypes, saved=saved, backward=tuple(backward), not_capturable=not_capturable,
+        memory_only=memory_only, in_place=dict(in_place), source=source, digest=hashlib.sha256(canon.encode()).hexdigest()[:16], text=text,
     )
 
 

@@ -63,18 +63,9 @@ def import_sequential(seq: Any, example_input: Any) -> Program:
                 add("relu", "relu", attrs={"upper_clip": 6.0})
             elif kind == "Flatten":
                 add("flatten", "flatten")
-            elif kind == "MaxPool2d":
-                k = _pair(layer.kernel_size)
-                add("maxpool", "maxpool", attrs=dict(kernel_size=k, stride=_pair(layer.stride or k), padding=_pair(layer.padding),
-                                                     ceil_mode=bool(getattr(layer, "ceil_mode", False)),
-                                                     dilation=_pair(getattr(layer, "dilation", 1))))
-            elif kind == "AvgPool2d":
-                ks, st, pad = layer.args
-                k = _pair(ks)
-                add("avgpool", "avgpool", attrs=dict(kernel_size=k, stride=_pair(st or k), padding=_pair(pad),
-                                                     count_include_pad=bool(layer.count_include_pad),
-                                                     ceil_mode=bool(getattr(layer, "ceil_mode", False)),
-                                                     divisor_override=getattr(layer, "divisor_override", None)))
+            elif kind in ("MaxPool2d", "AvgPool2d"):
+                stage = "maxpool" if kind == "MaxPool2d" else "avgpool"
+                add(stage, stage, attrs=_pool_attrs(layer))
             elif kind == "Softmax" and not layer.log:
                 add("softmax", "softmax", attrs={"axis": int(layer.axis)})
             elif kind == "ConvTranspose2d":
@@ -106,6 +97,19 @@ def import_sequential(seq: Any, example_input: Any) -> Program:
     prog = Program(stages, "x", shape, cur, "fusekit.nn")
     fill_shapes(prog.stages, prog.input, prog.input_shape)
     return prog
+
+
+def _pool_attrs(layer: Any) -> dict[str, Any]:
+    """A fusekit.nn MaxPool2d's or AvgPool2d's attributes as the maxpool / avgpool stage takes them."""
+    ceil = bool(getattr(layer, "ceil_mode", False))
+    if type(layer).__name__ == "MaxPool2d":
+        k = _pair(layer.kernel_size)
+        return dict(kernel_size=k, stride=_pair(layer.stride or k), padding=_pair(layer.padding), ceil_mode=ceil,
+                    dilation=_pair(getattr(layer, "dilation", 1)))
+    ks, st, pad = layer.args
+    k = _pair(ks)
+    return dict(kernel_size=k, stride=_pair(st or k), padding=_pair(pad), count_include_pad=bool(layer.count_include_pad), ceil_mode=ceil,
+                divisor_override=getattr(layer, "divisor_override", None))
 
 
 def _norm_weights(layer: Any) -> dict[str, np.ndarray]:

@@ -305,6 +305,35 @@ def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: C
         m.forward = types.MethodType(type(code).forward, m)
 
 
+def _reclass(model: torch.nn.Module, report: ConvertReport) -> dict[int, Any]:
+    """Re-class every module of :data:`_TARGETS`' exact types as its fusekit.torch module (id -> module,
+    fusekit modules already there included); the report says what was replaced and what stays PyTorch's."""
+    converted: dict[int, Any] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, _Fusekit):
+            converted[id(m)] = m
+            continue
+        target = _TARGETS.get(type(m))
+        if target is None:
+            if next(m.children(), None) is None:  # a leaf: say why it stays PyTorch's
+                base = next((t.__name__ for t in _TARGETS if isinstance(m, t)), None)
+                why = (f"a subclass of torch.nn.{base} (its forward may differ): runs in PyTorch" if base
+                       else "no fusekit module: runs in PyTorch")
+                report.left_alone.append((name or "(root)", type(m).__name__, why))
+            continue
+        original = type(m)
+        try:
+            m.__class__ = target
+            m._fk_setup()
+        except OperandError as e:
+            m.__class__ = original
+            report.left_alone.append((name or "(root)", original.__name__, str(e)))
+            continue
+        converted[id(m)] = m
+        report.replaced.append((name or "(root)", original.__name__, f"fusekit.torch.{target.__name__}"))
+    return converted
+
+
 def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True, fuse_residual: bool = True
             ) -> tuple[torch.nn.Module, ConvertReport]:
     """Move ``module`` onto fusekit: every ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear``,
@@ -354,30 +383,7 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
             links = _sequential_consumers(model)
             report.analysis = f"call order from nn.Sequential containers only (torch.fx could not trace: {type(e).__name__}: {str(e)[:120]})"
 
-    converted: dict[int, Any] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, _Fusekit):
-            converted[id(m)] = m
-            continue
-        target = _TARGETS.get(type(m))
-        if target is None:
-            if next(m.children(), None) is None:  # a leaf: say why it stays PyTorch's
-                base = next((t.__name__ for t in _TARGETS if isinstance(m, t)), None)
-                why = (f"a subclass of torch.nn.{base} (its forward may differ): runs in PyTorch" if base
-                       else "no fusekit module: runs in PyTorch")
-                report.left_alone.append((name or "(root)", type(m).__name__, why))
-            continue
-        original = type(m)
-        try:
-            m.__class__ = target
-            m._fk_setup()
-        except OperandError as e:
-            m.__class__ = original
-            report.left_alone.append((name or "(root)", original.__name__, str(e)))
-            continue
-        converted[id(m)] = m
-        report.replaced.append((name or "(root)", original.__name__, f"fusekit.torch.{target.__name__}"))
-
+    converted = _reclass(model, report)
     for p, c in links.items():
         if p in converted and c in converted:
             _link(converted[p], converted[c])
