@@ -100,3 +100,16 @@ def test_relu6_layers_lower_to_a_clipped_conv_epilogue(rng):
     (y,) = oracle.evaluate("conv_bias", y, w2, b2)
     want = oracle.max_pool2d_reference(np.clip(y, 0, 6), 3, 1, 1, dilation=2)[0]
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() < 1e-12
+
+
+@pytest.mark.parametrize("count_include_pad", [True, False])
+def test_sequential_average_pool_lowers_with_its_arguments(rng, count_include_pad):
+    """fusekit.nn.AvgPool2d (kernel, stride, padding as its args; count_include_pad, ceil_mode) is an
+    avgpool stage whose float64 reference is the oracle's."""
+    seq = _layer("Sequential", layers=[_layer("AvgPool2d", args=(3, 2, 1), count_include_pad=count_include_pad, ceil_mode=True)])
+    x = rng.standard_normal((2, 3, 9, 10))
+    prog = fp.lower_model(seq, x.shape)
+    (st,) = prog.stages
+    assert st.pattern == "avg_pool2d" and st.attrs["kernel_size"] == (3, 3) and st.attrs["stride"] == (2, 2)
+    want = oracle.avg_pool2d_reference(x, 3, 2, 1, ceil_mode=True, count_include_pad=count_include_pad)
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() < 1e-12
