@@ -80,6 +80,46 @@ class TuneResult:
 _TUNE_STREAMS: dict[tuple[str, int], tuple[Any, Any]] = {}  # (adapter, device) -> (stream, handle)
 
 
+def _judge(c: Candidate, got: list[np.ndarray], reference: list[np.ndarray] | None, tol: float) -> list[np.ndarray] | None:
+    """Reject candidate ``c`` if its outputs ``got`` are not finite or differ from the reference (the
+    first finite result, the heuristic's plan) by more than ``tol``; returns the reference."""
+    if not all(np.isfinite(x).all() for x in got):
+        c.verdict = "rejected: non-finite output"
+    elif reference is None:
+        reference, c.error = got, 0.0
+    else:
+        c.error = max(float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)) for a, r in zip(got, reference))
+        if c.error > tol:
+            c.verdict = f"rejected: differs from the heuristic plan by {c.error:.2e} (> {tol:.0e})"
+    return reference
+
+
+def _candidates(g: Any, count: int, opt: TuneOptions, key: PlanKey) -> tuple[list[Candidate], list[Candidate]]:
+    """(every plan of ``g`` as a Candidate, those to run): plans the backend did not build, over the
+    workspace limit or over the candidate cap get their verdict here."""
+    cands: list[Candidate] = []
+    for i in range(count):
+        c = Candidate(i, lower.plan_name(g, i))
+        c.engine_id, c.knobs = lower.engine_and_knobs(g, i)
+        try:
+            c.workspace = int(g.get_workspace_size_plan_at_index(i))
+        except Exception as e:  # noqa: BLE001 - not built (declined by the backend)
+            c.verdict = f"failed: not built ({type(e).__name__})"
+        cands.append(c)
+    runnable = [c for c in cands if c.verdict == "pending"]
+    if opt.workspace_limit is not None:
+        for c in runnable:
+            if c.workspace > opt.workspace_limit:
+                c.verdict = f"skipped: workspace {c.workspace} > {opt.workspace_limit}"
+    runnable = [c for c in runnable if c.verdict == "pending"]
+    for c in runnable[opt.max_candidates :]:
+        c.verdict = f"skipped: over the cap of {opt.max_candidates} candidates"
+    runnable = runnable[: opt.max_candidates]
+    if not runnable:
+        raise UnsupportedError(f"no candidate plan could be built for {key.describe()}")
+    return cands, runnable
+
+
 def tune(
     pattern: Pattern,
     specs: Mapping[str, TensorSpec],
@@ -104,26 +144,7 @@ def tune(
     sets = [ops_ + outs for ops_, outs in zip(operands, outputs)]
     assert len(sets[0]) == len(lowered.uids)
 
-    cands: list[Candidate] = []
-    for i in range(count):
-        c = Candidate(i, lower.plan_name(g, i))
-        c.engine_id, c.knobs = lower.engine_and_knobs(g, i)
-        try:
-            c.workspace = int(g.get_workspace_size_plan_at_index(i))
-        except Exception as e:  # noqa: BLE001 - not built (declined by the backend)
-            c.verdict = f"failed: not built ({type(e).__name__})"
-        cands.append(c)
-    runnable = [c for c in cands if c.verdict == "pending"]
-    if opt.workspace_limit is not None:
-        for c in runnable:
-            if c.workspace > opt.workspace_limit:
-                c.verdict = f"skipped: workspace {c.workspace} > {opt.workspace_limit}"
-    runnable = [c for c in runnable if c.verdict == "pending"]
-    for c in runnable[opt.max_candidates :]:
-        c.verdict = f"skipped: over the cap of {opt.max_candidates} candidates"
-    runnable = runnable[: opt.max_candidates]
-    if not runnable:
-        raise UnsupportedError(f"no candidate plan could be built for {key.describe()}")
+    cands, runnable = _candidates(g, count, opt, key)
     device = specs[names[0]].device
     ws_owner, ws_ptr = adapter.bytes(max(c.workspace for c in runnable), device)
     # Candidates are timed as CUDA-graph replays on a stream of their own: back-to-back executes
@@ -149,18 +170,7 @@ def tune(
             run(c.index, 0)
             if opt.corrupt is not None:
                 opt.corrupt(c.index, outputs[0])
-            got = [adapter.to_numpy(o) for o in outputs[0]]
-            if not all(np.isfinite(x).all() for x in got):
-                c.verdict = "rejected: non-finite output"
-            elif reference is None:
-                reference, c.error = got, 0.0
-            else:
-                c.error = max(
-                    float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)) for a, r in zip(got, reference)
-                )
-                tol = TOLERANCE[specs[names[0]].dtype]
-                if c.error > tol:
-                    c.verdict = f"rejected: differs from the heuristic plan by {c.error:.2e} (> {tol:.0e})"
+            reference = _judge(c, [adapter.to_numpy(o) for o in outputs[0]], reference, TOLERANCE[specs[names[0]].dtype])
             if c.verdict == "pending":
                 per_graph = max(1, opt.warmup) * len(sets)
 
@@ -186,19 +196,8 @@ def tune(
     del ws_owner
     seconds = time.perf_counter() - t_start
     result = TuneResult(key, cands, best.index, first.time_us, best.time_us, seconds)
-    plan = Plan(
-        key,
-        g,
-        lowered.uids,
-        best.workspace,
-        best.name,
-        count,
-        seconds * 1e3,
-        source="tuned",
-        engine_id=best.engine_id,
-        knobs=best.knobs,
-        tuning=[c.to_json() for c in cands],
-    )
+    plan = Plan(key, g, lowered.uids, best.workspace, best.name, count, seconds * 1e3, source="tuned", engine_id=best.engine_id,
+                knobs=best.knobs, tuning=[c.to_json() for c in cands])
     return plan, result
 
 
