@@ -30,7 +30,7 @@ for part in "$@"; do
       # summary of what ran (passed, failed) is still printed.
       python3 -c "import xdist" 2> /dev/null || { echo "tests-xdist: pytest-xdist is not importable (put its and execnet's wheels in .whl)"; continue; }
       export FUSEKIT_FUZZ_SEED=${FUSEKIT_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**32))")}
-      FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout -s INT -k 30 ${TESTS_TIMEOUT:-400} python3 -m pytest -n "${WORKERS:-8}" --junitxml="$OUT/junit_xdist.xml" \
+      FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout -s INT -k 30 ${TESTS_TIMEOUT:-450} python3 -m pytest -n "${WORKERS:-8}" --junitxml="$OUT/junit_xdist.xml" \
         --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
       FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
         ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_alone.log" 2>&1
