@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UnsupportedError
-from .fx_nodes import _item, _np
+from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc
 from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
 
 #: ATen activations (in-place forms too) -> (fusekit activation, alpha from the node's arguments).
@@ -171,7 +171,7 @@ class ExportReader:
         if not self.refs((node.args, node.kwargs)) and not isinstance(node.meta.get("val"), (list, tuple)):
             return self.fold(node)
         if node.target is operator.getitem:
-            return self.materialize(self.item(node))
+            return self.made_real(self.item(node))
         if isinstance(node.meta.get("val"), (list, tuple)):
             return self.several(node, op)
         a = self.named(node)
@@ -180,7 +180,7 @@ class ExportReader:
             if region is not None:
                 return region
         made = self.rule(node, op, a) if a is not None else None
-        return self.materialize(made if made is not None else [self.fallback(node, f"aten {op} has no fusekit rule")])
+        return self.made_real(made if made is not None else [self.fallback(node, f"aten {op} has no fusekit rule")])
 
     def fold(self, node: Any) -> list[Stage]:
         """A node of weights and constants alone (``gamma.reshape(1, -1, 1, 1)``): computed here, once,
@@ -191,19 +191,8 @@ class ExportReader:
             self.consts[node.name] = node.target(*self.template(tuple(node.args)), **self.template(dict(node.kwargs)))
         return []
 
-    def materialize(self, made: list[Stage]) -> list[Stage]:
-        """Stages that read a channels-last region's value as the (N, H, W, C) tensor PyTorch has: the
-        permute is made real (once, before its first such reader)."""
-        import torch
-
-        pre = []
-        for st in made:
-            for n in st.inputs:
-                if n in self.nhwc and n not in self.materialized:
-                    self.materialized.add(n)
-                    pre.append(torch_fallback(f"{n}.permute", [self.nhwc[n]], n, torch.permute, [Ref(self.nhwc[n]), (0, 2, 3, 1)],
-                                              reason="an (N, H, W, C) view read by an op without a channel rule"))
-        return pre + made
+    def made_real(self, made: list[Stage]) -> list[Stage]:
+        return materialize_nhwc(made, self.nhwc, self.materialized)
 
     def nhwc_node(self, node: Any, op: str, a: dict) -> list[Stage] | None:
         """ConvNeXt's channels-last blocks: permute (N, C, H, W) -> (N, H, W, C), then LayerNorm, Linear,
@@ -225,9 +214,7 @@ class ExportReader:
         if op == "layer_norm" and tuple(a.get("normalized_shape", ())) == (c,):
             gamma, beta = self.const(a.get("weight")), self.const(a.get("bias"))
             if (a.get("weight") is None or gamma is not None) and (a.get("bias") is None or beta is not None):
-                st = Stage("cln", [src], out, weights={"gamma": np.ones(c) if gamma is None else _np(gamma).reshape(c),
-                                                       "beta": np.zeros(c) if beta is None else _np(beta).reshape(c)},
-                           attrs={"eps": float(a.get("eps", 1e-5))}, name=name)
+                st = channel_layer_norm_stage(src, out, name, c, gamma, beta, float(a.get("eps", 1e-5)))
         elif op == "linear" and self.const(a.get("weight")) is not None and (a.get("bias") is None or self.const(a["bias"]) is not None):
             w = {"w": _np(self.const(a["weight"]))[:, :, None, None]} | ({"b": _np(self.const(a["bias"]))} if a.get("bias") is not None else {})
             st = Stage("conv", [src], out, weights=w, attrs=dict(padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1), name=name)
@@ -238,9 +225,7 @@ class ExportReader:
             self.nhwc[name] = src
             return []
         elif base == "mul" and self.const(a.get("other")) is not None and tuple(self.const(a["other"]).shape) in ((c,), (1, 1, 1, c)):
-            g = _np(self.const(a["other"])).reshape(c)
-            st = Stage("bn", [src], out, weights={"mean": np.zeros(c), "var": np.ones(c), "gamma": g, "beta": np.zeros(c)},
-                       attrs={"epsilon": 0.0}, name=name)
+            st = bn_stage(src, out, np.zeros(c), np.ones(c), self.const(a["other"]), None, 0.0, name=name)
         if st is None:
             return None
         self.nhwc[name] = out
@@ -288,8 +273,7 @@ class ExportReader:
             g = self.const(a["other"])
             c = self.shape(x)[1]
             if tuple(g.shape) in ((c, 1, 1), (1, c, 1, 1)):
-                return [Stage("bn", [x.name], name, weights={"mean": np.zeros(c), "var": np.ones(c), "gamma": _np(g).reshape(c),
-                                                             "beta": np.zeros(c)}, attrs={"epsilon": 0.0}, name=name)]
+                return [bn_stage(x.name, name, np.zeros(c), np.ones(c), g, None, 0.0)]
         if op == "adaptive_avg_pool2d" and rank == 4:
             out = tuple(self.shape(node)[2:])
             if out == (1, 1):
@@ -323,11 +307,7 @@ class ExportReader:
         mean, var = self.const(a.get("running_mean")), self.const(a.get("running_var"))
         if mean is None or var is None:
             return None
-        c = int(mean.shape[0])
-        gamma, beta = self.const(a.get("weight")), self.const(a.get("bias"))
-        return [Stage("bn", [x.name], name, weights={
-            "mean": _np(mean), "var": _np(var), "gamma": _np(gamma) if gamma is not None else np.ones(c),
-            "beta": _np(beta) if beta is not None else np.zeros(c)}, attrs={"epsilon": float(a.get("eps", 1e-5))}, name=name)]
+        return [bn_stage(x.name, name, mean, var, self.const(a.get("weight")), self.const(a.get("bias")), float(a.get("eps", 1e-5)))]
 
     def slice(self, node: Any, x: Any, a: dict) -> list[Stage] | None:
         """x[:, a:b] over channels: a channel view; a slice that keeps the whole dim: nothing to do."""

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedError
-from .fx_nodes import _slicing, _np, _Named, _permutation, _is_fusekit_layer, _own_forward, _p, _dims, _record_values, _method, _item, _module_activation
+from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _module_activation, _np, _own_forward, _p, _permutation,
+                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc)
 from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
 
 
@@ -118,7 +119,7 @@ class _Importer:
             made = rule(node)
             if made is not None:
                 return made
-        return self.materialize(self.plain_node(node))
+        return materialize_nhwc(self.plain_node(node), self.nhwc, self.materialized)
 
     def plain_node(self, node: Any) -> list[Stage]:
         if node.op == "call_module":
@@ -208,20 +209,6 @@ class _Importer:
         return (x.name, int(ys[1]), inner, last.name) if back else None
 
     # -- channels-last regions (ConvNeXt's permute -> LayerNorm -> Linear -> GELU -> Linear -> permute) --
-    def materialize(self, made: list[Stage]) -> list[Stage]:
-        """Stages that read a channels-last region's value as the (N, H, W, C) tensor PyTorch has: the
-        permute is made real (once, before its first such reader)."""
-        import torch
-
-        pre = []
-        for st in made:
-            for n in st.inputs:
-                if n in self.nhwc and n not in self.materialized:
-                    self.materialized.add(n)
-                    pre.append(torch_fallback(f"{n}.permute", [self.nhwc[n]], n, torch.permute, [Ref(self.nhwc[n]), (0, 2, 3, 1)],
-                                              reason="an (N, H, W, C) view read by an op without a channel rule"))
-        return pre + made
-
     def nhwc_node(self, node: Any) -> list[Stage] | None:
         """The node as a channel op on an (N, C, H, W) image where it reads a channels-last region; None otherwise."""
         import torch
@@ -244,9 +231,9 @@ class _Importer:
         if perm == (0, 3, 1, 2):
             return [Stage("identity", [src], name, name=name)]
         if isinstance(mod, nn.LayerNorm) and single and tuple(mod.normalized_shape) == (c,):
-            st = self.channel_layer_norm(src, out, name, c, mod.weight, mod.bias, mod.eps)
+            st = channel_layer_norm_stage(src, out, name, c, mod.weight, mod.bias, mod.eps)
         elif t is F.layer_norm and tuple(self.template(self.arg(node, 1, "normalized_shape"))) == (c,):
-            st = self.channel_layer_norm(src, out, name, c, self.template(self.arg(node, 2, "weight")),
+            st = channel_layer_norm_stage(src, out, name, c, self.template(self.arg(node, 2, "weight")),
                                          self.template(self.arg(node, 3, "bias")), float(self.template(self.arg(node, 4, "eps", 1e-5))))
         elif isinstance(mod, nn.Linear) and single and mod.in_features == c:
             w = {"w": _np(mod.weight)[:, :, None, None]} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
@@ -261,19 +248,11 @@ class _Importer:
         else:
             scale = self.channel_constant(node, c, last=True)
             if scale is not None:
-                st = self.bn(_Named(src), name, np.zeros(c), np.ones(c), scale, None, 0.0)
-                st.output = out
+                st = bn_stage(src, out, np.zeros(c), np.ones(c), scale, None, 0.0, name=name)
         if st is None:
             return None
         self.nhwc[name] = out
         return [st]
-
-    def channel_layer_norm(self, src: str, out: str, name: str, c: int, weight: Any, bias: Any, eps: float) -> Stage:
-        """LayerNorm over the channels of each position: a ``cln`` stage (cuDNN's layer norm over the
-        image read as rows of C channels, see ir.channel_rows)."""
-        gamma = np.ones(c) if weight is None else _np(weight).reshape(c)
-        beta = np.zeros(c) if bias is None else _np(bias).reshape(c)
-        return Stage("cln", [src], out, weights={"gamma": gamma, "beta": beta}, attrs={"eps": float(eps)}, name=name)
 
     def channel_constant(self, node: Any, c: int, last: bool) -> Any:
         """The per-channel factor of ``x * k`` / ``k * x`` / ``x.mul(k)`` with a constant k of C elements
@@ -335,7 +314,7 @@ class _Importer:
             return Stage("conv", [x.name], name, weights=w, attrs=dict(padding=tuple(mod.padding), stride=tuple(mod.stride),
                                                                          dilation=tuple(mod.dilation), groups=mod.groups), name=name)
         if isinstance(mod, nn.BatchNorm2d) and mod.track_running_stats and mod.running_mean is not None:
-            return self.bn(x, name, mod.running_mean, mod.running_var, mod.weight if mod.affine else None,
+            return bn_stage(x.name, name, mod.running_mean, mod.running_var, mod.weight if mod.affine else None,
                            mod.bias if mod.affine else None, mod.eps)
         if isinstance(mod, nn.MaxPool2d) and not mod.return_indices:
             return Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size),
@@ -356,13 +335,6 @@ class _Importer:
         if isinstance(mod, (nn.Identity, nn.modules.dropout._DropoutNd)) or type(mod).__name__ in ("StochasticDepth", "DropPath", "DropBlock2d"):
             return Stage("identity", [x.name], name, name=name)  # eval mode: these return their input
         return None
-
-    def bn(self, x: Any, name: str, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Stage:
-        """A BN stage in eval; also y = gamma * x as mean 0, var 1, eps 0 (a layer scale)."""
-        k = int(mean.shape[0])
-        return Stage("bn", [x.name], name, weights={
-            "mean": _np(mean), "var": _np(var), "gamma": _np(gamma) if gamma is not None else np.ones(k),
-            "beta": _np(beta) if beta is not None else np.zeros(k)}, attrs={"epsilon": float(eps)}, name=name)
 
     def adaptive_avg(self, x: Any, name: str) -> Stage | None:
         """Global average pooling, or nothing to do (output size = input size); other sizes: fallback."""
@@ -413,7 +385,7 @@ class _Importer:
             c = int(self.values[img.name].shape[1])
             scale = self.channel_constant(node, c, last=False)
             if scale is not None:
-                return self.bn(img, name, np.zeros(c), np.ones(c), scale, None, 0.0)
+                return bn_stage(img.name, name, np.zeros(c), np.ones(c), scale, None, 0.0)
         if not self.is_t(x):
             return None
         act = self.function_activation(node)
@@ -451,7 +423,7 @@ class _Importer:
         consts = [v for v in (mean, var, gamma, beta) if v is not None]
         if training or not all(isinstance(v, torch.Tensor) for v in consts) or mean is None or var is None:
             return None
-        return self.bn(node.args[0], node.name, mean, var, gamma, beta, float(eps))
+        return bn_stage(node.args[0].name, node.name, mean, var, gamma, beta, float(eps))
 
     def run(self) -> tuple[str, str]:
         """Walk the graph; returns (input name, output name)."""

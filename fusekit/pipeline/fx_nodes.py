@@ -1,6 +1,7 @@
 """What the fx importer reads off a traced graph: node and module predicates, attribute and
 argument forms, each node's value on the example input, and the wrappers that make one item of a
-multi-output node a stage of its own."""
+multi-output node a stage of its own; and the stages both torch importers (fx, export) make alike:
+batch norms and layer scales, channel LayerNorms, channels-last values made real."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import warnings
 from typing import Any
 
 import numpy as np
+
+from .ir import Ref, Stage, torch_fallback
 
 
 
@@ -24,13 +27,6 @@ def _np(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t.astype(np.float64)
     return t.detach().cpu().to(dtype=__import__("torch").float64).numpy().copy()
-
-
-class _Named:
-    """A value name where a rule expects an fx node."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
 
 
 def _permutation(node: Any, template: Any) -> tuple[int, ...] | None:
@@ -141,3 +137,37 @@ def _module_activation(mod: Any) -> tuple[str, float] | None:
     if isinstance(mod, nn.ELU):
         return "elu", float(mod.alpha)
     return None
+
+
+def bn_stage(x: str, output: str, mean: Any, var: Any, gamma: Any, beta: Any, eps: float, name: str | None = None) -> Stage:
+    """An eval batch norm stage (gamma / beta None: 1 / 0); with mean 0, var 1 and eps 0 it is a
+    per-channel scale (a layer scale), which folds into the convolution before it. ``name``: the
+    source node (default: ``output``)."""
+    k = int(np.shape(mean)[0])
+    return Stage("bn", [x], output, weights={
+        "mean": _np(mean), "var": _np(var), "gamma": _np(gamma).reshape(k) if gamma is not None else np.ones(k),
+        "beta": _np(beta).reshape(k) if beta is not None else np.zeros(k)}, attrs={"epsilon": float(eps)}, name=name or output)
+
+
+def channel_layer_norm_stage(src: str, out: str, name: str, c: int, weight: Any, bias: Any, eps: float) -> Stage:
+    """LayerNorm over the channels of each position: a ``cln`` stage (cuDNN's layer norm over the
+    image read as rows of C channels, see ir.channel_rows)."""
+    gamma = np.ones(c) if weight is None else _np(weight).reshape(c)
+    beta = np.zeros(c) if bias is None else _np(bias).reshape(c)
+    return Stage("cln", [src], out, weights={"gamma": gamma, "beta": beta}, attrs={"eps": float(eps)}, name=name)
+
+
+def materialize_nhwc(made: list[Stage], nhwc: dict[str, str], materialized: set[str]) -> list[Stage]:
+    """``made`` with, before it, the permutes that make real the channels-last region values (``nhwc``:
+    (N, H, W, C) value -> the (N, C, H, W) image holding it) its stages read as the tensors PyTorch
+    has, each once (``materialized`` records them)."""
+    import torch
+
+    pre = []
+    for st in made:
+        for n in st.inputs:
+            if n in nhwc and n not in materialized:
+                materialized.add(n)
+                pre.append(torch_fallback(f"{n}.permute", [nhwc[n]], n, torch.permute, [Ref(nhwc[n]), (0, 2, 3, 1)],
+                                          reason="an (N, H, W, C) view read by an op without a channel rule"))
+    return pre + made

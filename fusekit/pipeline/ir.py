@@ -432,17 +432,10 @@ def channel_layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> Any:
 
 def channel_rows(a: Any) -> Any:
     """An (N, C, H, W) image as (N*H*W, C, 1, 1): one row of C channels per position, what cuDNN's layer
-    norm normalizes over. A view for a dense channels-last torch tensor (a copy for NumPy arrays)."""
+    norm normalizes over. A view for a dense channels-last torch tensor (a copy for NumPy arrays);
+    :func:`from_pixel_rows` is its inverse too."""
     n, c, h, w = a.shape
-    t = a.permute(0, 2, 3, 1) if hasattr(a, "permute") else np.transpose(a, (0, 2, 3, 1))
-    return t.reshape(n * h * w, c, 1, 1)
-
-
-def from_channel_rows(rows: Any, shape: tuple[int, ...]) -> Any:
-    """The inverse of :func:`channel_rows` for an image of ``shape`` (N, C, H, W)."""
-    n, c, h, w = shape
-    t = rows.reshape(n, h, w, c)
-    return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else np.transpose(t, (0, 3, 1, 2))
+    return pixel_rows(a).reshape(n * h * w, c, 1, 1)
 
 
 def is_view_of(rows: Any, a: Any) -> bool:
@@ -461,7 +454,7 @@ def pixel_rows(a: Any) -> Any:
 
 
 def from_pixel_rows(rows: Any, shape: tuple[int, ...]) -> Any:
-    """The inverse of :func:`pixel_rows` for an image of ``shape`` (N, C, H, W)."""
+    """The inverse of :func:`pixel_rows` (and of :func:`channel_rows`) for an image of ``shape`` (N, C, H, W)."""
     n, c, h, w = shape
     t = rows.reshape(n, h, w, c)
     return t.permute(0, 3, 1, 2) if hasattr(t, "permute") else np.transpose(t, (0, 3, 1, 2))

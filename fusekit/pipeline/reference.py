@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import oracle
-from .ir import (FUSEKIT_PATTERNS, Program, Stage, concat_parts, from_channel_rows, from_pixel_rows, fused_operands, pool_options,
+from .ir import (FUSEKIT_PATTERNS, Program, Stage, concat_parts, from_pixel_rows, fused_operands, pool_options,
                  run_torch_stage)
 
 
@@ -20,9 +20,7 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
     if p in FUSEKIT_PATTERNS:
         ops, attrs = fused_operands(s, env, s.weights)
         y = oracle.evaluate(p, *ops, **attrs)[0]
-        if p == "layernorm":
-            return from_channel_rows(y, s.out_shape)
-        return from_pixel_rows(y, s.out_shape) if p.startswith("batched_matmul") else y
+        return from_pixel_rows(y, s.out_shape) if p == "layernorm" or p.startswith("batched_matmul") else y
     if p == "max_pool2d":
         return oracle.max_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))[0]
     if p == "avg_pool2d":

@@ -371,7 +371,7 @@ def test_channel_layer_norm_stage_matches_pytorch_and_its_rows_view():
     """A cln stage: PyTorch's run (what the pipeline checks cuDNN's against) and the float64 oracle on
     the image read as rows of channels both give F.layer_norm over the channels."""
     from fusekit.engine import oracle
-    from fusekit.pipeline.ir import Stage, channel_rows, from_channel_rows, fused_operands, run_torch_stage
+    from fusekit.pipeline.ir import Stage, channel_rows, from_pixel_rows, fused_operands, run_torch_stage
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 5, 3, 4))
@@ -384,8 +384,8 @@ def test_channel_layer_norm_stage_matches_pytorch_and_its_rows_view():
     ops, attrs = fused_operands(s, {"x": x}, s.weights)
     assert ops[0].shape == (2 * 3 * 4, 5, 1, 1) and attrs == {"epsilon": 1e-6}
     rows = oracle.evaluate("layernorm", *ops, **attrs)[0]
-    assert np.abs(from_channel_rows(rows, x.shape) - want).max() < 1e-12
-    assert np.array_equal(from_channel_rows(channel_rows(x), x.shape), x)
+    assert np.abs(from_pixel_rows(rows, x.shape) - want).max() < 1e-12
+    assert np.array_equal(from_pixel_rows(channel_rows(x), x.shape), x)
 
 
 class _Eca(nn.Module):
