@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import UnsupportedError
 from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc
 from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
+from .ir import _pair as ir_pair
 
 #: ATen activations (in-place forms too) -> (fusekit activation, alpha from the node's arguments).
 _ACTS: dict[str, Callable[[dict], tuple[str, float] | None]] = {
@@ -42,12 +43,11 @@ def _op_name(target: Any) -> str:
 
 
 def _pair(v: Any, default: tuple[int, int] | None = None) -> tuple[int, int]:
+    """ir's pair of an ATen int[2] argument; ``default`` where the schema leaves it empty (a pool's stride)."""
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
         assert default is not None
         return default
-    if isinstance(v, (list, tuple)):
-        return (int(v[0]), int(v[-1])) if len(v) in (1, 2) else (int(v[0]), int(v[1]))
-    return int(v), int(v)
+    return ir_pair(v)
 
 
 def _out_of_place(target: Any) -> Any:

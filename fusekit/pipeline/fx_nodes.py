@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .ir import Ref, Stage, torch_fallback
+from .ir import Ref, Stage, _pair, torch_fallback
 
 
 
@@ -57,9 +57,8 @@ def _own_forward(mod: Any) -> bool:
 
 
 def _p(v: Any) -> tuple[int, int]:
-    if isinstance(v, (list, tuple)):
-        return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
-    return (int(v), int(v)) if v is not None else (0, 0)
+    """ir's pair of a module argument; (0, 0) for None."""
+    return (0, 0) if v is None else _pair(v)
 
 
 def _dims(v: Any) -> tuple[int, ...]:
