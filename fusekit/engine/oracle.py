@@ -350,3 +350,14 @@ def log_softmax_backward_reference(dy: np.ndarray, y: np.ndarray, axis: int = 1)
     return dy - np.exp(y) * dy.sum(axis=axis, keepdims=True)
 
 
+
+
+def channel_layer_norm_reference(x: np.ndarray, weight: np.ndarray | None = None, bias: np.ndarray | None = None,
+                                 eps: float = 1e-5) -> np.ndarray:
+    """float64 LayerNorm over the channels (axis 1) of an (N, C, H, W) image at each position."""
+    x = np.asarray(x, dtype=np.float64)
+    z = (x - x.mean(axis=1, keepdims=True)) / np.sqrt(x.var(axis=1, keepdims=True) + eps)
+    if weight is None:
+        return z
+    shape = (1, -1, 1, 1)
+    return z * np.asarray(weight, np.float64).reshape(shape) + np.asarray(bias, np.float64).reshape(shape)

@@ -1,7 +1,7 @@
-"""Pooling and softmax as CuPy kernels, with NumPy float64 references.
+"""Pooling, softmax and a layer norm over channels as CuPy kernels.
 
 The cuDNN frontend's graph API has no pooling or softmax node, so these run as ``cupy.RawModule``
-kernels. Images are in logical (N, C, H, W) dim order with NCHW or NHWC (channels-last) memory; the
+kernels (the layer norm is an alternative to cuDNN's layer-norm graph where that measures slower). Images are in logical (N, C, H, W) dim order with NCHW or NHWC (channels-last) memory; the
 kernels index through each array's strides, so neither layout is copied, and results keep the
 layout of the input they are computed from. Inputs are CuPy arrays or torch CUDA tensors (imported
 zero-copy through DLPack and run on torch's current stream); results are of the first operand's
@@ -17,7 +17,7 @@ import warnings
 from contextlib import ExitStack
 from importlib import resources
 from dataclasses import dataclass, replace
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ _MAX_BLOCKS = 1 << 20  # kernels loop grid-stride past this
 __all__ = [
     "PoolGeometry", "pool2d_geometry",
     "max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward",
-    "softmax", "log_softmax", "softmax_backward", "log_softmax_backward",
+    "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "channel_layer_norm",
 ]
 
 
@@ -55,7 +55,7 @@ def dtype_prelude(dtype: str, suffix: str = "") -> str:
         raise ValueError(f"no CUDA storage type for dtype {dtype!r}")
     return string.Template(kernel_file(f"dtype_{dtype}.cuh")).substitute(s=suffix)
 
-WARP_KERNELS = frozenset({"softmax_rows_warp"})
+WARP_KERNELS = frozenset({"softmax_rows_warp", "layer_norm_channels"})
 _MODULES: dict[Any, Any] = {}  # key -> cupy.RawModule (pool's: its storage dtype)
 _MODULES_LOCK = threading.Lock()
 
@@ -493,3 +493,37 @@ def log_softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
     """Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along ``axis``; dx has dy's
     dtype and layout."""
     return _softmax_call("log_softmax_backward", 3, "y", y, dy, axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer norm over channels
+# ----------------------------------------------------------------------------------------------
+def _channel_vector(P: str, name: str, v: Any, x: _Operand) -> _Operand:
+    o = _operand(P, name, v, (1,), ("float32",))
+    _same_place(P, ("x", x), (name, o), dtype=False)
+    if o.shape != (x.shape[1],) or o.lib != x.lib:
+        raise OperandError(P, name, f"expected a float32 {x.lib} vector of x's {x.shape[1]} channels, got a {o.lib} array of shape {o.shape}")
+    return o
+
+
+@recorded_whole
+def channel_layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5, *, out: Any = None) -> Any:
+    """LayerNorm over the channels of an (N, C, H, W) image at each position (what ConvNeXt's
+    channels-last LayerNorm computes), in float32: y = (x - mean) / sqrt(var + eps) * weight + bias.
+    ``weight`` and ``bias``: float32 vectors of C (both or neither). y has x's dtype and layout, or
+    is ``out`` (dense NCHW or NHWC, x's shape and dtype)."""
+    P = "channel_layer_norm"
+    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    if (weight is None) != (bias is None):
+        raise OperandError(P, "weight" if weight is None else "bias", "pass weight and bias together, or neither")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise OperandError(P, "eps", f"expected a positive number, got {eps!r}")
+    vecs = [_channel_vector(P, k, v, xo) for k, v in (("weight", weight), ("bias", bias)) if v is not None]
+    n, c, h, w = xo.shape
+    with _Launch(P, xo) as L:
+        y, yv, ystr, _ = _result(P, L, xo, out, xo.shape)
+        gb = [L.view(v) for v in vecs] or [L.zeros_f32(1)] * 2  # unread without weight and bias
+        L.run(xo.dtype, "layer_norm_channels", n * h * w * 32, [
+            L.view(xo), *gb, yv, *_i64(n * h * w), *_i32(c, h, w), *_i64(*xo.strides), *_i64(*ystr),
+            np.float32(eps), *_i32(bool(vecs))])
+    return y

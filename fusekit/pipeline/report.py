@@ -52,5 +52,5 @@ def report(pipe: Any) -> str:
         + (f"; {len(mp.alias)} values written in place as channel slices of concatenations" if mp.alias else ""),
         "fallbacks (run by PyTorch):" if pipe.fallbacks else "fallbacks: none",
     ] + [f"  - {f}" for f in pipe.fallbacks] + (
-        ["run by PyTorch because it measured faster:"] + [f"  - {c}" for c in pipe.choices] if pipe.choices else [])
+        ["run by another kernel because it measured faster:"] + [f"  - {c}" for c in pipe.choices] if pipe.choices else [])
     return buf.getvalue() + "\n".join(lines) + "\n"

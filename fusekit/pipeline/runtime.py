@@ -47,7 +47,7 @@ class Pipeline:
         self.dtype = dtype
         self.memory_plan: MemoryPlan = plan_memory(program, ITEMSIZE[dtype])
         self.build_fallbacks: list[str] = []  # fusekit stages cuDNN refused at build (run by torch)
-        self.choices: list[str] = []  # fused stages PyTorch's kernel runs because it measured faster
+        self.choices: list[str] = []  # fused stages another kernel (PyTorch's, a CuPy one) runs because it measured faster
         self.engines: list[str] = ["-"] * len(program.stages)
         self.sources: list[str] = ["-"] * len(program.stages)
         self.times_ms: list[float | None] = [None] * len(program.stages)
@@ -110,6 +110,7 @@ class Pipeline:
             self.input_buffer.normal_()  # warm-up and capture read finite values
             self._fused: dict[int, tuple[tuple, dict, Any]] = {}  # stage -> (operands, attributes, out)
             self._noop: set[int] = set()  # stages with nothing to do (concatenations written in place)
+            self._kernels: dict[int, Callable[[], None]] = {}  # stage -> a fusekit CuPy kernel for it, timed against its graph
             self._stage_weights = [self._weights(s) for s in self.stages]  # on the device, shared by both kernels of a stage
             self._runners = [self._runner(i, s) for i, s in enumerate(self.stages)]
             self.stream = torch.cuda.Stream(dev)
@@ -205,6 +206,7 @@ class Pipeline:
 
         import fusekit
         from .. import ops
+        from ..ops import pool
 
         pre = None
         if s.kind == "gconv":  # the gate-scaled weights are computed into a buffer of the stage's, then the batched matmul
@@ -234,6 +236,8 @@ class Pipeline:
 
             return run
         if s.pattern == "layernorm":  # the graph itself, on the rows (ops.layernorm would copy channels-last x)
+            g, b, eps = w["gamma"], w["beta"], float(s.attrs["eps"])
+            self._kernels[i] = lambda: pool.channel_layer_norm(x, g, b, eps, out=y)
             return lambda: fusekit.call("layernorm", *operands, out=out, **attrs)
         f = getattr(ops, s.pattern)
         return lambda: f(*operands, out=y, **attrs)
@@ -412,21 +416,24 @@ class Pipeline:
         self.times_ms = [0.0 if i in self._noop else self._stage_ms(r) for i, r in enumerate(self._runners)]
 
     def _choose(self) -> None:
-        """Per stage, the faster of fusekit's kernel (the fused cuDNN graph, or the CuPy pooling
-        kernel) and PyTorch's for the same stage, both timed on the stage's own buffers as CUDA-graph
-        replays. cuDNN's engines for some fusions are far slower than PyTorch's separate kernels
-        (on the H200: depthwise 3x3 about 20x, a 1x1 conv with the ReLU6 clip fused up to 100x).
-        A switch needs PyTorch faster by 3% (timing noise); each is listed in ``choices``."""
+        """Per stage, the fastest of fusekit's kernel (the fused cuDNN graph, or the CuPy pooling
+        kernel), a fusekit CuPy kernel for the same stage where there is one (a layer norm over
+        channels), and PyTorch's, each timed on the stage's own buffers as CUDA-graph replays. cuDNN's
+        engines for some fusions are far slower than PyTorch's separate kernels (on the H200:
+        depthwise 3x3 about 20x, a 1x1 conv with the ReLU6 clip fused up to 100x). A switch needs
+        the other faster by 3% (timing noise); each is listed in ``choices``."""
         for i, s in enumerate(self.stages):
             if s.pattern not in FUSEKIT_PATTERNS + POOL_PATTERNS or self.engines[i].startswith("torch"):
                 continue
-            alt = self._torch_runner(s, self._stage_weights[i])
-            t_fk, t_pt = self._stage_ms(self._runners[i]), self._stage_ms(alt)
-            if t_pt < 0.97 * t_fk:
-                what = "fused cuDNN graph" if s.pattern in FUSEKIT_PATTERNS else "fusekit's CuPy kernel"
+            what = "fused cuDNN graph" if s.pattern in FUSEKIT_PATTERNS else "fusekit's CuPy kernel"
+            t_own = self._stage_ms(self._runners[i])
+            alts = [("cupy kernel", "fusekit's CuPy kernel", self._kernels[i])] if i in self._kernels else []
+            alts.append(("torch", "PyTorch", self._torch_runner(s, self._stage_weights[i])))
+            t, engine, name, alt = min(((self._stage_ms(r), e, n, r) for e, n, r in alts), key=lambda c: c[0])
+            if t < 0.97 * t_own:
                 self._runners[i] = alt
-                self.engines[i], self.sources[i] = f"torch (faster: {t_pt:.3f} vs {t_fk:.3f} ms)", "-"
-                self.choices.append(f"{s.name} ({s.pattern}): PyTorch {t_pt:.3f} ms < {what} {t_fk:.3f} ms")
+                self.engines[i], self.sources[i] = f"{engine} (faster: {t:.3f} vs {t_own:.3f} ms)", "-"
+                self.choices.append(f"{s.name} ({s.pattern}): {name} {t:.3f} ms < {what} {t_own:.3f} ms")
 
     def _verify(self) -> None:
         tol = VERIFY_TOL[self.dtype]
@@ -537,7 +544,7 @@ class Pipeline:
             if s.pattern == "torch" or self.engines[i].startswith("torch"):
                 op = s.attrs.get("op", s.kind) if s.pattern == "torch" else f"{s.pattern} (PyTorch's kernel)"
                 by_op[op] = by_op.get(op, 0.0) + ms
-            elif s.pattern in FUSEKIT_PATTERNS:
+            elif s.pattern in FUSEKIT_PATTERNS and not self.engines[i].startswith("cupy"):
                 cudnn += ms
             else:
                 kernel += ms

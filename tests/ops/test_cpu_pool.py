@@ -584,6 +584,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
+        "layer_norm_channels",
     }
     return libs
 
@@ -599,7 +600,7 @@ def kernel_signatures(cxx, dtype):
 
 
 # what CuPy packs for each argument must be what the kernel declares (CuPy does not check)
-SCALAR_OF = {np.int32: "int", np.int64: "long long"}
+SCALAR_OF = {np.int32: "int", np.int64: "long long", np.float32: "float"}
 POINTEE = {"float": np.float32, "int": np.int32, "long long": np.int64}
 
 
@@ -653,8 +654,8 @@ def host_launch(host_kernels, monkeypatch):
             check_args(host_kernels["signatures"][dtype][name], args, dtype)
             lib = host_kernels[dtype]
             fn = getattr(lib, name)
-            conv = {np.int32: ctypes.c_int, np.int64: ctypes.c_longlong}
-            cargs = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else conv[type(a)](int(a)) for a in args]
+            conv = {np.int32: ctypes.c_int, np.int64: ctypes.c_longlong, np.float32: ctypes.c_float}
+            cargs = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else conv[type(a)](a.item()) for a in args]
             warp = name in pool.WARP_KERNELS
             lib.set_dims(2, 32 if warp else 3)
             for b in range(2):
@@ -814,6 +815,25 @@ def test_host_compiled_softmax_kernels(shape, layout, axis, dtype, rng):
         dx = pool.log_softmax_backward(dy, ly, axis)
         assert rel(dx.values(), oracle.log_softmax_backward_reference(dyv, ly.values(), axis)) < 2 * HOST_TOL[dtype]
         assert dense_in(dx, dy_layout)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape", [(2, 3, 2, 3), (1, 40, 3, 2), (2, 96, 2, 2), (1, 257, 1, 3)], ids=lambda v: "x".join(map(str, v)))
+def test_host_compiled_channel_layer_norm(shape, layout, dtype, rng):
+    """The layer norm kernel, lanes striding over the channels of each position, against float64:
+    with and without weight and bias, an offset that the mean removes, into ``out`` of the other layout."""
+    x, xv = host_array(2 * rng.standard_normal(shape) + 3, dtype, layout)
+    c = shape[1]
+    g, b = (HostArray(v.astype(np.float32), "float32") for v in (rng.uniform(0.5, 1.5, c), rng.standard_normal(c)))
+    y = pool.channel_layer_norm(x, g, b, 1e-5)
+    assert rel(y.values(), oracle.channel_layer_norm_reference(xv, g.values(), b.values(), 1e-5)) < HOST_TOL[dtype]
+    assert dense_in(y, layout)
+    other = "NCHW" if layout == "NHWC" else "NHWC"
+    out, _ = host_array(np.zeros(shape), dtype, other)
+    assert pool.channel_layer_norm(x, out=out) is out
+    assert rel(out.values(), oracle.channel_layer_norm_reference(xv)) < HOST_TOL[dtype]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -317,6 +317,54 @@ def test_softmax_is_stable_for_large_logits():
 
 
 # ----------------------------------------------------------------------------------------------
+# layer norm over channels
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("c", [3, 64, 96, 257, 768])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_channel_layer_norm_against_float64_and_torch(lib, dtype, layout, c):
+    need(lib, dtype)
+    shape = (2, c, 5, 7)
+    x = make(lib, shape, dtype, layout, scale=2.0) + 3  # an offset the mean must remove
+    g = make(lib, (c,), "float32", "ROW") * 0.5 + 1
+    b = make(lib, (c,), "float32", "ROW")
+    y = pool.channel_layer_norm(x, g, b, 1e-5)
+    check_result(y, lib, dtype, shape, layout)
+    assert rel(host64(y), oracle.channel_layer_norm_reference(host64(x), host64(g), host64(b), 1e-5)) < TOL[dtype]
+    xt, gt, bt = as_torch(x), as_torch(g), as_torch(b)
+    want = F.layer_norm(xt.float().permute(0, 2, 3, 1), (c,), gt, bt, 1e-5).permute(0, 3, 1, 2)
+    assert rel(y, want) < TOL[dtype]
+    plain = pool.channel_layer_norm(x)
+    assert rel(host64(plain), oracle.channel_layer_norm_reference(host64(x))) < TOL[dtype]
+
+
+def test_channel_layer_norm_writes_out_in_its_layout():
+    x = make("torch", (4, 96, 6, 6), "float16", "NHWC")
+    g, b = torch.rand(96, device="cuda") + 0.5, torch.randn(96, device="cuda")
+    out = torch.full((4, 96, 6, 6), float("nan"), dtype=torch.float16, device="cuda")  # NCHW, unlike x
+    assert pool.channel_layer_norm(x, g, b, out=out) is out
+    assert rel(host64(out), oracle.channel_layer_norm_reference(host64(x), host64(g), host64(b))) < TOL["float16"]
+
+
+@pytest.mark.parametrize("kwargs, operand, words", [
+    ({"weight": "half"}, "weight", "float32"),
+    ({"weight": "short"}, "weight", "vector of x's 8 channels"),
+    ({"weight": "ok"}, "bias", "together"),
+    ({"eps": 0.0}, "eps", "positive"),
+    ({"out": "wrong"}, "out", "shape"),
+])
+def test_channel_layer_norm_bad_operands(kwargs, operand, words):
+    x = make("torch", (2, 8, 3, 3), "float16", "NHWC")
+    made = {"half": torch.ones(8, device="cuda", dtype=torch.float16), "short": torch.ones(7, device="cuda"),
+            "ok": torch.ones(8, device="cuda"), "wrong": torch.empty(2, 8, 3, 4, device="cuda", dtype=torch.float16)}
+    args = {k: made.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(OperandError) as e:
+        pool.channel_layer_norm(x, **args)
+    assert operand in str(e.value) and words in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
 # streams, autograd-tracked inputs, errors
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture

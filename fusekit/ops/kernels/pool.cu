@@ -254,3 +254,30 @@ extern "C" __global__ void softmax_rows_warp(ROW_ARGS) {
         }
     }
 }
+
+// LayerNorm over the channels at each position of an (N, C, H, W) image, any strides: one warp per
+// position (positions in n, h, w order: adjacent in channels-last memory), lanes striding along the
+// channels. Two passes over the row (it stays in L1): the mean, then the variance of the deviations;
+// y = (x - mean) * rsqrt(var + eps) * g + b, with g and b float32 (unread where affine is 0).
+extern "C" __global__ void layer_norm_channels(
+    const T* x, const float* g, const float* b, T* y, long long rows, int C, int H, int W,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, float eps, int affine) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = blockDim.x >> 5;
+    for (long long r = (long long)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += warps * gridDim.x) {
+        const long long w = r % W, t_ = r / W, h = t_ % H, n = t_ / H;
+        const T* px = x + (n * xn + h * xh + w * xw);
+        T* py = y + (n * yn + h * yh + w * yw);
+        float s = 0.f;
+        for (int k = lane; k < C; k += 32) s += ld(px, k * xc);
+        const float mean = warp_sum(s) / C;
+        float v = 0.f;
+        for (int k = lane; k < C; k += 32) { const float d = ld(px, k * xc) - mean; v += d * d; }
+        const float rstd = 1.f / sqrtf(warp_sum(v) / C + eps);
+        for (int k = lane; k < C; k += 32) {
+            const float z = (ld(px, k * xc) - mean) * rstd;
+            st(py, k * yc, affine ? z * g[k] + b[k] : z);
+        }
+    }
+}
