@@ -361,3 +361,9 @@ def channel_layer_norm_reference(x: np.ndarray, weight: np.ndarray | None = None
         return z
     shape = (1, -1, 1, 1)
     return z * np.asarray(weight, np.float64).reshape(shape) + np.asarray(bias, np.float64).reshape(shape)
+
+
+def channel_shuffle_reference(x: np.ndarray, groups: int) -> np.ndarray:
+    """ShuffleNet's channel shuffle of an (N, C, H, W) image: (N, g, C/g, H, W), swap g and C/g, back."""
+    n, c, h, w = np.shape(x)
+    return np.asarray(x).reshape(n, groups, c // groups, h, w).transpose(0, 2, 1, 3, 4).reshape(n, c, h, w)

@@ -1,4 +1,4 @@
-"""Pooling, softmax and a layer norm over channels as CuPy kernels.
+"""Pooling, softmax, a layer norm over channels and the channel shuffle as CuPy kernels.
 
 The cuDNN frontend's graph API has no pooling or softmax node, so these run as ``cupy.RawModule``
 kernels (the layer norm is an alternative to cuDNN's layer-norm graph where that measures slower). Images are in logical (N, C, H, W) dim order with NCHW or NHWC (channels-last) memory; the
@@ -35,7 +35,7 @@ _MAX_BLOCKS = 1 << 20  # kernels loop grid-stride past this
 __all__ = [
     "PoolGeometry", "pool2d_geometry",
     "max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward",
-    "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "channel_layer_norm",
+    "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "channel_layer_norm", "channel_shuffle",
 ]
 
 
@@ -526,4 +526,25 @@ def channel_layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float 
         L.run(xo.dtype, "layer_norm_channels", n * h * w * 32, [
             L.view(xo), *gb, yv, *_i64(n * h * w), *_i32(c, h, w), *_i64(*xo.strides), *_i64(*ystr),
             np.float32(eps), *_i32(bool(vecs))])
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Channel shuffle
+# ----------------------------------------------------------------------------------------------
+@recorded_whole
+def channel_shuffle(x: Any, groups: int, *, out: Any = None) -> Any:
+    """ShuffleNet's channel shuffle of an (N, C, H, W) image, as torch.nn.functional.channel_shuffle:
+    output channel k is input channel (k % groups) * (C / groups) + k // groups. One pass over
+    memory; y has x's dtype and layout, or is ``out`` (dense NCHW or NHWC, x's shape and dtype)."""
+    P = "channel_shuffle"
+    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    n, c, h, w = xo.shape
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 or c % groups:
+        raise OperandError(P, "groups", f"expected a positive int dividing x's {c} channels, got {groups!r}")
+    total = n * c * h * w
+    with _Launch(P, xo) as L:
+        y, yv, ystr, ylayout = _result(P, L, xo, out, xo.shape)
+        L.run(xo.dtype, "channel_shuffle", total, [
+            L.view(xo), yv, *_i64(total), *_i32(c, h, w, int(groups)), *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC")])
     return y

@@ -4,7 +4,7 @@ per-stage check and choice at build).
 
 Importers (``fx_import``, ``onnx_import``, ``nn_import``) emit *primitive* stages in topological order:
 
-    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, identity, torch
+    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, shuffle, identity, torch
 
 and the rules make ``cln`` (layer norm over channels) and ``gconv`` (a 1x1 convolution of an image
 times its (N, C, 1, 1) gate) from them.
@@ -34,7 +34,7 @@ from ..errors import OperandError, UnsupportedError
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
                     "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
                     "conv_bias_hardswish", "layernorm", "batched_matmul_bias", "batched_matmul_bias_add")
-POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax")
+POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax", "channel_shuffle")
 
 
 class Ref(str):
@@ -172,7 +172,7 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
         return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"]))
     if k == "gconv":  # conv1x1(x * gate)
         return (x[0], s.weights["w"].shape[0], x[2], x[3])
-    if k in ("bn", "relu", "act", "identity", "softmax", "cln"):
+    if k in ("bn", "relu", "act", "identity", "softmax", "cln", "shuffle"):
         return x
     if k in ("add", "mul"):
         return tuple(np.broadcast_shapes(*[tuple(i) for i in ins]))
@@ -322,6 +322,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             return into(F.avg_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k == "softmax":
             return into(torch.softmax(x, int(a["axis"])))
+        if k == "shuffle":
+            return into(F.channel_shuffle(x, int(a["groups"])))
         if k == "add":
             if act is None and out is not None:
                 return torch.add(x, env[s.inputs[1]], out=out)
@@ -354,13 +356,9 @@ def concat_parts(s: Stage) -> list[str] | None:
 
 
 def channel_shuffle_stage(name: str, x: str, output: str, groups: int) -> Stage:
-    """ShuffleNet's channel shuffle as one PyTorch ``channel_shuffle`` stage (the fx and ONNX routes'
-    view / reshape, transpose and view back, which would be three copies)."""
-    import torch.nn.functional as F  # only made from PyTorch's or an exporter's shuffle: PyTorch is here
-
-    st = torch_fallback(name, [x], output, F.channel_shuffle, [Ref(x), int(groups)], reason="channel shuffle: one PyTorch kernel")
-    st.attrs["op"] = "channel_shuffle"
-    return st
+    """ShuffleNet's channel shuffle as one ``shuffle`` stage (the fx, export and ONNX routes' view /
+    reshape, transpose and view back, which would be three copies): one pass of fusekit's kernel."""
+    return Stage("shuffle", [x], output, attrs={"groups": int(groups)}, name=name)
 
 
 def torch_fallback(name: str, inputs: list[str], output: str, fn: Callable, args: list | None = None,

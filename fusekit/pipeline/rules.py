@@ -388,7 +388,8 @@ def pattern_for(s: Stage) -> tuple[str, str]:
         return ("add_act", "") if same and rank in (2, 4) else ("torch", "add that broadcasts its first operand or a lower-rank one, or not 2-D / 4-D")
     if k == "mul":
         return ("channel_gate", "") if _gate_order(s) else ("torch", "multiply other than an (N, C, 1, 1) gate over an image")
-    simple = {"maxpool": "max_pool2d", "avgpool": "avg_pool2d", "gap": "avg_pool2d", "softmax": "softmax", "flatten": "reshape"}
+    simple = {"maxpool": "max_pool2d", "avgpool": "avg_pool2d", "gap": "avg_pool2d", "softmax": "softmax", "flatten": "reshape",
+              "shuffle": "channel_shuffle"}
     if k in simple:
         return simple[k], ""
     if k == "torch" and concat_parts(s) is not None:

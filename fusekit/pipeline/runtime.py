@@ -296,6 +296,10 @@ class Pipeline:
             k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
             return lambda: pool.avg_pool2d(x, k, st, p, out=y, **kw)
+        if s.pattern == "channel_shuffle":
+            g = int(a["groups"])
+            self.engines[i] = "cupy kernel"
+            return lambda: pool.channel_shuffle(x, g, out=y)
         if s.pattern == "softmax":
             ax = a["axis"]
             self.engines[i] = "cupy kernel"

@@ -584,7 +584,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels",
+        "layer_norm_channels", "channel_shuffle",
     }
     return libs
 
@@ -834,6 +834,30 @@ def test_host_compiled_channel_layer_norm(shape, layout, dtype, rng):
     out, _ = host_array(np.zeros(shape), dtype, other)
     assert pool.channel_layer_norm(x, out=out) is out
     assert rel(out.values(), oracle.channel_layer_norm_reference(xv)) < HOST_TOL[dtype]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape, groups", [((2, 12, 3, 2), 2), ((1, 12, 2, 3), 3), ((2, 6, 1, 2), 6), ((1, 5, 2, 2), 1)])
+def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
+    """Exact (a permutation of the stored values), into a new array of x's layout or ``out`` of the other."""
+    x, xv = host_array(rng.standard_normal(shape), dtype, layout)
+    want = oracle.channel_shuffle_reference(xv, groups)
+    y = pool.channel_shuffle(x, groups)
+    np.testing.assert_array_equal(y.values(), want)
+    assert dense_in(y, layout)
+    out, _ = host_array(np.zeros(shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
+    assert pool.channel_shuffle(x, groups, out=out) is out
+    np.testing.assert_array_equal(out.values(), want)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("groups", [0, 5, 2.0, True])
+def test_channel_shuffle_refuses_groups_that_do_not_divide_the_channels(groups, rng):
+    x, _ = host_array(rng.standard_normal((1, 12, 2, 2)), "float32", "NHWC")
+    with pytest.raises(OperandError, match="groups.*positive int dividing x's 12 channels"):
+        pool.channel_shuffle(x, groups)
 
 
 # ----------------------------------------------------------------------------------------------

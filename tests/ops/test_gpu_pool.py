@@ -364,6 +364,17 @@ def test_channel_layer_norm_bad_operands(kwargs, operand, words):
     assert operand in str(e.value) and words in str(e.value)
 
 
+@pytest.mark.parametrize("shape, groups", [((2, 116, 7, 5), 2), ((2, 24, 5, 7), 3), ((1, 64, 3, 3), 8)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lib", LIBS)
+def test_channel_shuffle_is_torchs_exactly(lib, layout, shape, groups):
+    x = make(lib, shape, "float16", layout)
+    y = pool.channel_shuffle(x, groups)
+    check_result(y, lib, "float16", shape, layout)
+    assert torch.equal(as_torch(y), F.channel_shuffle(as_torch(x), groups))
+    assert np.array_equal(host64(y), oracle.channel_shuffle_reference(host64(x), groups))
+
+
 # ----------------------------------------------------------------------------------------------
 # streams, autograd-tracked inputs, errors
 # ----------------------------------------------------------------------------------------------

@@ -156,8 +156,8 @@ def test_shufflenet_convnext_and_vit_lower_and_match():
         pats = [s.pattern for s in prog.stages]
         if name == "convnext_tiny":  # every LayerNorm over channels (stem, 18 blocks, 3 downsamplings, head) is a layer-norm graph
             assert pats.count("layernorm") == 23 and not prog.fallbacks, prog.fallbacks
-        else:
-            assert prog.fallbacks  # chunks, shuffles and concatenations: PyTorch runs them, the rest is fused
+        else:  # chunks are channel slices, concatenations planned in place, shuffles fusekit's kernel
+            assert pats.count("channel_shuffle") == 16 and not prog.fallbacks, prog.fallbacks
     torch.manual_seed(0)
     vit = tv.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
     _check(vit, (1, 3, 32, 32))  # MultiheadAttention returns (output, weights): its first item is a stage
@@ -346,7 +346,7 @@ def test_a_submodule_fx_cannot_trace_is_one_fallback_stage():
 @pytest.mark.parametrize("contiguous,back", [(True, "view"), (False, "reshape"), (True, "flatten")])
 def test_channel_shuffle_is_one_stage(contiguous, back):
     """ShuffleNet's x.view(n, g, c // g, h, w).transpose(1, 2)[.contiguous()].view(n, c, h, w): one
-    PyTorch channel_shuffle stage instead of three copies."""
+    channel_shuffle stage (fusekit's kernel, one pass) instead of three copies."""
 
     class Shuffle(nn.Module):
         def __init__(self):
@@ -363,8 +363,8 @@ def test_channel_shuffle_is_one_stage(contiguous, back):
             return torch.relu(y)
 
     prog = _check(Shuffle().eval(), (2, 3, 6, 6))
-    assert [s.attrs.get("op") for s in prog.stages if s.fallback] == ["channel_shuffle"], str(prog)
-    assert len(prog.stages) == 3  # conv, shuffle, relu
+    assert [s.pattern for s in prog.stages] == ["conv_bias", "channel_shuffle", "act"] and not prog.fallbacks, str(prog)
+    assert prog.stages[1].attrs["groups"] == 3
 
 
 def test_channel_layer_norm_stage_matches_pytorch_and_its_rows_view():

@@ -281,3 +281,18 @@ extern "C" __global__ void layer_norm_channels(
         }
     }
 }
+
+// ShuffleNet's channel shuffle: output channel k is input channel (k % groups) * (C / groups) + k / groups.
+// One thread per output element in its memory order; the values are copied as stored.
+extern "C" __global__ void channel_shuffle(
+    const T* x, T* y, long long total, int C, int H, int W, int groups,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, int cl) {
+    const int per = C / groups;
+    GRID_LOOP(i, total) {
+        int n, k, h, w;
+        decode(i, C, H, W, cl, n, k, h, w);
+        const int c = (k % groups) * per + k / groups;
+        y[n * yn + k * yc + h * yh + w * yw] = x[n * xn + c * xc + h * xh + w * xw];
+    }
+}
