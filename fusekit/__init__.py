@@ -8,11 +8,13 @@ Layers, each importing only from the ones below it:
   ops            fusekit.ops: conv, linear, norm, pool (pooling and softmax)
   dispatch       fusekit.dispatch: operands -> key -> plan -> execute, with the fallbacks
   engine         fusekit.engine: patterns, oracle, lower, keys, cache, autotune, planner, runtime
-  base           fusekit.tensors (specs), fusekit.adapters (CuPy, PyTorch, DLPack), fusekit.errors, fusekit.config
+  base           fusekit.tensors (specs), fusekit.adapters (CuPy, PyTorch, DLPack), fusekit.errors, fusekit.config,
+                 fusekit.session (the one owner of runtime state: call table, decisions, tapes, default cache)
 """
 
 import sys as _sys
 
+from . import session
 from .config import __version__, settings
 from .dispatch import call, plan_for, release
 from .engine.autotune import TuneOptions, TuneResult, autotune, autotune_shapes
@@ -62,7 +64,7 @@ for _name, _mod in (("pool", pool), ("oracle", oracle), ("patterns", patterns)):
 __all__ = [
     "__version__",
     "Pattern", "Plan", "PlanCache", "PlanKey", "TensorSpec", "DiskStore", "TuneOptions", "TuneResult",
-    "autotune", "autotune_shapes", "configure", "settings",
+    "autotune", "autotune_shapes", "configure", "settings", "session",
     "ArityError", "FusekitError", "NoGPUError", "OperandError", "PatternError", "UnsupportedError",
     "CacheWarning", "CaptureError", "FusionWarning", "LayoutWarning", "PatternWarning", "SettingError",
     "NumericsWarning", "WorkspaceWarning",

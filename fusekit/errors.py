@@ -99,20 +99,21 @@ def import_or_explain(module: str, user: str, install: str, label: str = "") -> 
         ) from None
 
 
-_SAID: set[tuple] = set()  # (category name, key) of every warning given once
-
-
 def warn_once(key: tuple, message: str, category: type[Warning], stacklevel: int = 2) -> bool:
     """``warnings.warn(message, category)`` the first time this process meets ``key`` for
     ``category`` (keys such as a pattern name, a plan key or a module name); True if it warned."""
-    k = (category.__name__, *key)
-    if k in _SAID:
+    from .session import current
+
+    said, k = current().warned, (category.__name__, *key)
+    if k in said:
         return False
-    _SAID.add(k)
+    said.add(k)
     warnings.warn(message, category, stacklevel=stacklevel + 1)
     return True
 
 
 def forget_warnings() -> None:
     """Forget which warnings were given, so that each warns once more (tests)."""
-    _SAID.clear()
+    from .session import current
+
+    current().warned.clear()

@@ -54,3 +54,13 @@ def rng():
     seed = int(os.environ.get("FUSEKIT_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fresh_session():
+    """A new fusekit session for the test: its own call table, refusals, fused-or-split decisions,
+    tapes, warnings given and default plan cache (made on first use), released afterwards."""
+    from fusekit import session
+
+    with session.scoped() as s:
+        yield s

@@ -1,5 +1,5 @@
 """Stand-ins for resolved fusekit calls on the CPU: ``call(name, fn)`` runs ``fn(*operands)`` (new
-outputs, copied into given ones) or ``fn(*operands, out=outs)``; :func:`launcher` is a ``dispatch.launch`` that runs them and
+outputs, copied into given ones) or ``fn(*operands, out=outs)``; :func:`launcher` is a ``dispatch.execute.launch`` that runs them and
 logs each call's name."""
 from __future__ import annotations
 

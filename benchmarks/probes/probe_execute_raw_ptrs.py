@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from fusekit import dispatch, ops  # noqa: E402
+from fusekit import dispatch, ops, session  # noqa: E402
 from common import per_call_us  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     dispatch.clear_dispatch()
     y = ops.conv2d(x, w, padding=(1, 1))
     y = ops.conv2d(x, w, padding=(1, 1))
-    table = list(dispatch._FAST.items())
+    table = list(session.current().calls.items())
     print(f"dispatch table: {len(table)} entries: {[getattr(getattr(c.plan, 'key', None), 'pattern', type(c.plan).__name__) for _, c in table]}")
     assert table, "the conv call did not enter the dispatch table"
     c = table[-1][1]
@@ -74,7 +74,7 @@ def main() -> None:
         lowered._execute_with_raw_ptrs(address, len(order), ws, handle, -1)
 
     ops.conv2d(x, w, padding=(1, 1), out=y)  # the out= call: a dispatch entry of its own
-    entries = list(dispatch._FAST.values())
+    entries = list(session.current().calls.values())
     natives = [e.native for e in entries]
 
     def fusekit_pygraph_side() -> None:  # fusekit's dispatch with graph.execute (lower.native_execute off)

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from .. import config
+from .. import config, session
 from ..errors import CacheWarning, SettingError
 from .plans import ENTRY_FORMAT, FUSION_FORMAT, Plan, PlanKey  # noqa: F401 - the cache's data, imported from here too
 from .store import DiskStore, Entry, EntryError, default_cache_dir, fusion_digest  # noqa: F401
@@ -222,21 +222,19 @@ class PlanCache:
             cb(plan)
 
 
-_default: PlanCache | None = None
-
-
 def default_cache() -> PlanCache:
-    """The process-wide cache: on-disk store unless $FUSEKIT_CACHE_DIR is "off"/"none", or the store's
-    directory cannot be used by this user (then plans stay in memory, with one CacheWarning)."""
-    global _default
-    if _default is None:
+    """The session's cache (:mod:`fusekit.session`), made on first use: on-disk store unless
+    $FUSEKIT_CACHE_DIR is "off"/"none", or the store's directory cannot be used by this user (then
+    plans stay in memory, with one CacheWarning)."""
+    s = session.current()
+    if s.cache is None:
         store = None if config.disk_cache_off() else DiskStore()
         why = store.access_problem() if store is not None else None
         if why:
             warnings.warn(f"fusekit plan cache at {store.root}: {why}; going on with plans in memory", CacheWarning, stacklevel=2)
             store = None
-        _default = PlanCache(store=store)
-    return _default
+        s.cache = PlanCache(store=store)
+    return s.cache
 
 
 def configure(
@@ -250,8 +248,8 @@ def configure(
     True / False for all, ``{"conv": True, "matmul": False}`` (PyTorch's defaults, used when None and
     $FUSEKIT_ALLOW_TF32 is unset), or a string as that variable takes ("conv", "matmul", "all", "none").
     A bad value raises SettingError and leaves everything as it was."""
-    global _default
-    old = _default
+    s = session.current()
+    old = s.cache
     config.tf32_policy(allow_tf32)  # checked before anything changes
     if maxsize is not None:
         maxsize = config.checked_cache_size(maxsize)
@@ -261,7 +259,7 @@ def configure(
         cache_dir = config.checked_cache_dir(cache_dir)
     new = PlanCache(maxsize=maxsize, store=DiskStore(cache_dir) if disk else None, mode=mode)
     config.set_allow_tf32(allow_tf32)
-    _default = new
+    s.cache = new
     if old is not None:
         old.clear()  # dispatch tables drop its plans
-    return _default
+    return new

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import dispatch
+from .. import dispatch, session
 from .tape import NotReplayable, _tkey, _Tape
 
 class _Mode(TorchDispatchMode):
@@ -137,7 +137,7 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError("fusekit.torch.replayed: a replayed step's backward ran twice (retain_graph=True); "
                                "set model.forward.enabled = False for such steps")
         ctx.vals = None
-        if tape.generation != dispatch.GENERATION:
+        if tape.generation != session.current().generation:
             raise RuntimeError("fusekit.torch.replayed: fusekit's dispatch was cleared (fusekit.release, clear_dispatch or a "
                                "workspace lost) between a replayed forward and its backward; run the step again")
         stride, align = tape.g_layout
@@ -196,7 +196,7 @@ class ReplayedForward:
         generation: a change drops the tapes (they hold those tensors and resolved calls)."""
         if self.tensors is None:
             self.tensors = tuple(itertools.chain(self.model.parameters(), self.model.buffers()))
-        return (dispatch.GENERATION, *[(t.data_ptr(), t.requires_grad) for t in self.tensors])
+        return (session.current().generation, *[(t.data_ptr(), t.requires_grad) for t in self.tensors])
 
     def signature(self, x: torch.Tensor) -> tuple:
         """What a tape is recorded for: the input's shape, strides, dtype, device, alignment and

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import dispatch
+from .. import dispatch, session
 
 #: aten ops a tape cannot hold: host reads of device values, and outputs whose shape depends on them.
 _HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "equal", "is_nonzero")
@@ -132,7 +132,7 @@ class _Tape:
         self.grads: list[int | None] = []
         self.drop: tuple[int, ...] = ()
         self.out_read = False
-        self.generation = dispatch.GENERATION  # the resolved calls it holds are valid while this holds
+        self.generation = session.current().generation  # the resolved calls it holds are valid while this holds
 
     def _new(self, t: torch.Tensor, cls: int | None = None) -> int:
         """A new slot for ``t``; its alias class ``cls`` (None: new memory, a class of its own)."""
@@ -419,7 +419,7 @@ class _Tape:
     def run(self, vals: list, start: int, stop: int, pool: list | None = None) -> None:
         """Run entries ``start:stop`` on ``vals`` (slot -> tensor), filling their output slots; with
         ``pool`` (:meth:`lease`), fusekit calls and cast batches write into the buffers :meth:`plan_buffers` gave them."""
-        launch = dispatch.launch
+        launch = dispatch.execute.launch
         bufs = itertools.repeat(None) if pool is None else self.bufs[start:stop]
         for (kind, f, a, refs, outs), ids in zip(self.entries[start:stop], bufs):
             if kind == 3:  # a detach: the tensor it aliases

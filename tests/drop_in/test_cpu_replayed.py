@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fusekit.torch")
 
 from fusekit.errors import OperandError  # noqa: E402
+from fusekit.dispatch import calls, execute, record  # noqa: E402
 from stand_in_calls import call, launcher  # noqa: E402
 
 F = torch.nn.functional
@@ -372,18 +373,18 @@ def test_bad_arguments_raise_operand_errors():
         ft.graphed(ft.replayed(Net()))
 
 
-def test_clearing_dispatch_records_again_and_a_plan_eviction_does_not():
+def test_clearing_dispatch_records_again_and_a_plan_eviction_does_not(fresh_session):
     from fusekit import dispatch
 
     torch.manual_seed(0)
     replay = same_training(Net(), batches(6))
-    gen = dispatch.GENERATION
-    dispatch._drop_plan(object())  # a plan leaving the cache: calls holding it still run it
-    assert dispatch.GENERATION == gen
+    gen = fresh_session.generation
+    calls.drop_plan(fresh_session, object())  # a plan leaving the cache: calls holding it still run it
+    assert fresh_session.generation == gen
     train(replay, batches(1))
     assert replay.forward.replays == 3
     dispatch.clear_dispatch()
-    assert dispatch.GENERATION == gen + 1
+    assert fresh_session.generation == gen + 1
     train(replay, batches(4))
     assert replay.forward.replays == 3 and replay.forward.calls, "tapes recorded before the clear were replayed"
     train(replay, batches(1))
@@ -439,7 +440,7 @@ def test_a_backward_after_dispatch_was_cleared_refuses_to_run_stale_calls():
         loss.backward()
 
 
-# fusekit calls in a tape, with stand-in calls (dispatch.launch patched to run a torch function per
+# fusekit calls in a tape, with stand-in calls (dispatch.execute.launch patched to run a torch function per
 # call, as test_cpu_tapes does): recorded through the call recorder, replayed through launch.
 MUL = call("mul", lambda a, b: (a * b,))
 MUL_INTO = call("mul_into", lambda a, b, out: out[0].copy_(a * b))
@@ -453,7 +454,7 @@ class _ScaleFn(torch.autograd.Function):
         from fusekit import dispatch
 
         ctx.save_for_backward(x, w)
-        return dispatch._run_call(MUL, (x, w), (), True)[0]
+        return record.run_call(MUL, (x, w), (), True)[0]
 
     @staticmethod
     def backward(ctx, g):  # noqa: ANN001
@@ -461,8 +462,8 @@ class _ScaleFn(torch.autograd.Function):
 
         x, w = ctx.saved_tensors
         gw = torch.empty_like(x)
-        dispatch._run_call(MUL_INTO, (g, x), (gw,), False)
-        return dispatch._run_call(MUL, (g, w), (), True)[0], gw.sum(0)
+        record.run_call(MUL_INTO, (g, x), (gw,), False)
+        return record.run_call(MUL, (g, w), (), True)[0], gw.sum(0)
 
 
 class Scaled(Net):
@@ -478,7 +479,7 @@ def test_fusekit_calls_in_a_tape_replay_through_launch(monkeypatch):
     from fusekit import dispatch
 
     launched: list = []
-    monkeypatch.setattr(dispatch, "launch", launcher(launched))
+    monkeypatch.setattr(execute, "launch", launcher(launched))
     torch.manual_seed(0)
     replay = same_training(Scaled(), batches(6))
     assert replay.forward.replays == 2
@@ -519,7 +520,7 @@ def test_replays_write_fusekit_outputs_into_kept_buffers(monkeypatch):
     from fusekit import dispatch
 
     log: list = []
-    monkeypatch.setattr(dispatch, "launch", logging_launcher(log))
+    monkeypatch.setattr(execute, "launch", logging_launcher(log))
     torch.manual_seed(0)
     replay = same_training(Chain(), batches(8))
     (tape,) = replay.forward.tapes.values()
@@ -541,7 +542,7 @@ def test_two_replays_in_flight_do_not_share_buffers(monkeypatch):
     """Two forwards, then one backward of both (micro-batches summed): the second replay allocates."""
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    monkeypatch.setattr(execute, "launch", launcher([]))
     torch.manual_seed(0)
     model = Chain()
     replay = ft.replayed(copy.deepcopy(model))
@@ -562,7 +563,7 @@ def test_two_replays_in_flight_do_not_share_buffers(monkeypatch):
 def test_one_input_shape_keeps_its_buffers_at_a_time(monkeypatch):
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    monkeypatch.setattr(execute, "launch", launcher([]))
     torch.manual_seed(0)
     data = [b for pair in zip(batches(6), batches(6, (2, 3, 8, 8))) for b in pair]
     replay = same_training(Chain(), data)
@@ -574,7 +575,7 @@ def test_one_input_shape_keeps_its_buffers_at_a_time(monkeypatch):
 def test_a_replay_without_backward_gives_its_buffers_back(monkeypatch):
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    monkeypatch.setattr(execute, "launch", launcher([]))
     torch.manual_seed(0)
     replay = same_training(Chain(), batches(6))
     (tape,) = replay.forward.tapes.values()
@@ -591,7 +592,7 @@ def test_a_call_resolved_again_between_recordings_still_agrees(monkeypatch):
 
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "launch", launcher([]))
+    monkeypatch.setattr(execute, "launch", launcher([]))
     global MUL
     original = MUL
 

@@ -1,5 +1,5 @@
 """Recorded dispatch (dispatch.taped) on the CPU: what is recorded, when a tape replays, and what
-keeps an op from being replayed. The calls are stand-ins (dispatch.launch patched to run a torch
+keeps an op from being replayed. The calls are stand-ins (dispatch.execute.launch patched to run a torch
 function per call); the GPU tests run the real graphs through tapes (test_gpu_torch_dropin)."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fusekit  # noqa: E402
-from fusekit import dispatch  # noqa: E402
+from fusekit import adapters, dispatch  # noqa: E402
 from fusekit.adapters import TorchAdapter  # noqa: E402
+from fusekit.dispatch import execute, record  # noqa: E402
 from stand_in_calls import call, launcher  # noqa: E402
 
 
@@ -19,11 +20,10 @@ from stand_in_calls import call, launcher  # noqa: E402
 def fake(monkeypatch):
     """Calls c with c.fn(*operands) -> outputs (alloc) or c.fn(*operands, out=outs); each launch logged."""
     launched: list = []
-    monkeypatch.setattr(dispatch, "launch", launcher(launched))
-    monkeypatch.setitem(dispatch.SIGNATURES, torch.Tensor, TorchAdapter.sig)
-    monkeypatch.setitem(dispatch.STREAMS, torch.Tensor, lambda device: 7)
-    monkeypatch.setattr(dispatch, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: False))
-    monkeypatch.setattr(dispatch, "_TAPES", {})
+    monkeypatch.setattr(execute, "launch", launcher(launched))
+    monkeypatch.setitem(adapters.SIGNATURES, torch.Tensor, TorchAdapter.sig)
+    monkeypatch.setitem(adapters.STREAMS, torch.Tensor, lambda device: 7)
+    monkeypatch.setattr(record, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: False))
     return launched
 
 
@@ -33,7 +33,7 @@ SCALE_INTO = call("scale_into", lambda a, s, out: out[0].copy_(a * s))
 
 
 def _run(c, *operands, out=None):
-    res = dispatch._run_call(c, operands, () if out is None else out, out is None)
+    res = record.run_call(c, operands, () if out is None else out, out is None)
     return res[0] if len(res) == 1 else res
 
 
@@ -76,7 +76,7 @@ def test_another_signature_or_aliasing_records_again(fake):
     assert len(ran) == 5, "another key replayed"
 
 
-def test_arrays_made_outside_dispatch_keep_an_op_unrecorded(fake):
+def test_arrays_made_outside_dispatch_keep_an_op_unrecorded(fake, fresh_session):
     ran = []
 
     def makes_a_temporary(x):  # a fresh array each call that a run reads
@@ -90,14 +90,14 @@ def test_arrays_made_outside_dispatch_keep_an_op_unrecorded(fake):
     x = torch.randn(4)
     for _ in range(8):
         assert torch.equal(dispatch.taped(("tmp",), lambda: makes_a_temporary(x), (x,)), 3 * x)
-    assert len(ran) == 8 and any(v is dispatch._NEVER for v in dispatch._TAPES.values())
+    assert len(ran) == 8 and any(v is record.NEVER for v in fresh_session.tapes.values())
     ran.clear()
     for _ in range(3):
         assert torch.equal(dispatch.taped(("own",), lambda: returns_its_own(x), (x,)), 2 * x + 1)
     assert len(ran) == 3
 
 
-def test_tapes_off_and_cleared(fake, monkeypatch):
+def test_tapes_off_and_cleared(fake, monkeypatch, fresh_session):
     ran = []
 
     def op(x):
@@ -115,11 +115,11 @@ def test_tapes_off_and_cleared(fake, monkeypatch):
         for _ in range(3):
             dispatch.taped(("sq",), lambda: op(x), (x,))
     assert len(ran) == 6
-    monkeypatch.setattr(dispatch, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: True))
+    monkeypatch.setattr(record, "adapter_for", lambda a: types.SimpleNamespace(capturing=lambda device: True))
     dispatch.clear_dispatch()
     for _ in range(3):
         dispatch.taped(("sq",), lambda: op(x), (x,))
-    assert len(ran) == 9 and not dispatch._TAPES, "recorded inside a CUDA-graph capture"
+    assert len(ran) == 9 and not fresh_session.tapes, "recorded inside a CUDA-graph capture"
 
 
 def test_an_op_replayed_inside_a_recording_is_recorded_too(fake):

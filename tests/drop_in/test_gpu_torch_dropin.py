@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from helpers import rel  # noqa: E402
 from fusekit.errors import forget_warnings  # noqa: E402
+from fusekit.dispatch import record
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -1092,7 +1093,7 @@ def test_replayed_model_trains_as_its_modules_do(amp):
         assert merged(fwd[0], "_to_copy") >= 21 and merged(bwd[-1], "_to_copy") >= 21, (fwd[:2], bwd[-2:])
 
 
-def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch):
+def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch, fresh_session):
     """Recorded dispatch (dispatch.taped) in a converted ResNet-18's uncaptured AMP training: from the
     third call of a signature on, the conv and batch-norm ops replay their resolved calls; six SGD
     steps give the losses and weights of the same steps run without tapes."""
@@ -1124,9 +1125,9 @@ def test_tapes_replay_a_training_step_as_the_ops_run_it(monkeypatch):
         return losses, [t.detach().clone() for t in fk.state_dict().values()]
 
     off = train(False)
-    assert not dispatch._TAPES
+    assert not fresh_session.tapes
     on = train(True)
-    replaying = [t for t in dispatch._TAPES.values() if type(t) is dispatch._Tape]
+    replaying = [t for t in fresh_session.tapes.values() if type(t) is record.Tape]
     assert len(replaying) >= 20, f"only {len(replaying)} ops replay"
     assert all(math.isfinite(v) for v in on[0])
     assert max(abs(a - b) / abs(b) for a, b in zip(on[0], off[0])) < 1e-3, (on[0], off[0])

@@ -289,10 +289,9 @@ def test_an_empty_cache_is_still_used():
 # settings: checked in fusekit.config, one clear error naming the variable, its value and what fits
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
-def clean_env(monkeypatch):
+def clean_env(monkeypatch, fresh_session):
     for var in config.SETTINGS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cache_mod, "_default", None)
     return monkeypatch
 
 

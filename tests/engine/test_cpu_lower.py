@@ -9,6 +9,7 @@ from fusekit.engine import oracle, patterns
 from fusekit.engine.lower import lower
 from fusekit.engine.patterns import parse_pattern
 from fusekit.tensors import TensorSpec
+from fusekit.dispatch import calls, execute
 
 cudnn = pytest.importorskip("cudnn")
 
@@ -276,16 +277,14 @@ class _FakeGraph:
 def test_native_execute_binds_pointers_in_the_backend_s_uid_order_and_runs_the_selected_plan(monkeypatch):
     from types import SimpleNamespace
 
-    from fusekit import dispatch
-
     monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__="1.32.0"))
     g = _FakeGraph(order=(1, 2, 3), plans=(None, 4), plan_index=1)  # the walk's plan 1 sits at backend index 4
     plan = SimpleNamespace(graph=g, uids=(3, 1, 2))  # fusekit's order: operands then outputs
     ad = SimpleNamespace(ptr=lambda a: a)
-    c = dispatch._Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=4096), (), ad)
+    c = calls.Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=4096), (), ad)
     assert c.native is not None
-    dispatch._execute(c, (3000, 1000, 2000), c.handle)
-    dispatch._execute(c, (3008, 1008, 2008), c.handle)  # new pointers each call, same array
+    execute.execute(c, (3000, 1000, 2000), c.handle)
+    execute.execute(c, (3008, 1008, 2008), c.handle)  # new pointers each call, same array
     assert g._lowered_graph.calls == [([1000, 2000, 3000], 4096, 77, 4), ([1008, 2008, 3008], 4096, 77, 4)]
     assert g.executed == []
 
@@ -293,8 +292,6 @@ def test_native_execute_binds_pointers_in_the_backend_s_uid_order_and_runs_the_s
 @pytest.mark.parametrize("why", ["python engine", "own data", "other slots", "other frontend", "switched off"])
 def test_native_execute_falls_back_to_graph_execute(monkeypatch, why):
     from types import SimpleNamespace
-
-    from fusekit import dispatch
 
     version = "1.33.0" if why == "other frontend" else "1.32.0"
     monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__=version))
@@ -304,23 +301,21 @@ def test_native_execute_falls_back_to_graph_execute(monkeypatch, why):
         bindings={9: 1.0} if why == "own data" else None,
     )
     plan = SimpleNamespace(graph=g, uids=(1, 2, 3))
-    c = dispatch._Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
+    c = calls.Call(plan, SimpleNamespace(backend_handle=77, stream=0), 0, SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
     assert c.native is None
-    dispatch._execute(c, (10, 20, 30), c.handle)
+    execute.execute(c, (10, 20, 30), c.handle)
     assert g.executed == [((10, 20, 30), 0, (1, 2, 3))] and g._lowered_graph.calls == []
 
 
 def test_native_execute_whose_signature_changed_falls_back_for_good(monkeypatch):
     from types import SimpleNamespace
 
-    from fusekit import dispatch
-
     monkeypatch.setattr(lower_mod, "load_cudnn", lambda: SimpleNamespace(__version__="1.32.9"))
     g = _FakeGraph()
     g._lowered_graph._execute_with_raw_ptrs = lambda *a: (_ for _ in ()).throw(TypeError("incompatible function arguments"))
-    c = dispatch._Call(SimpleNamespace(graph=g, uids=(1, 2, 3)), SimpleNamespace(backend_handle=7, stream=0), 0,
+    c = calls.Call(SimpleNamespace(graph=g, uids=(1, 2, 3)), SimpleNamespace(backend_handle=7, stream=0), 0,
                        SimpleNamespace(ptr=0), (), SimpleNamespace(ptr=lambda a: a))
     assert c.native is not None
-    dispatch._execute(c, (10, 20, 30), c.handle)
-    dispatch._execute(c, (11, 21, 31), c.handle)
+    execute.execute(c, (10, 20, 30), c.handle)
+    execute.execute(c, (11, 21, 31), c.handle)
     assert c.native is None and [e[0] for e in g.executed] == [(10, 20, 30), (11, 21, 31)]

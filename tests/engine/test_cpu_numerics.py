@@ -27,6 +27,7 @@ from fusekit.engine import lower as lower_mod
 from fusekit.engine.cache import DiskStore, EntryError, PlanCache
 from fusekit.errors import CacheWarning, NumericsWarning, SettingError, WorkspaceWarning
 from fusekit.errors import forget_warnings
+from fusekit.dispatch import calls, choice, execute, resolve
 
 cudnn = pytest.importorskip("cudnn")  # enums only (numerical notes, heuristic modes): no GPU needed
 
@@ -168,7 +169,7 @@ class World:
 
 
 @pytest.fixture
-def world(monkeypatch, tmp_path):
+def world(monkeypatch, tmp_path, fresh_session):
     w = World()
     rt = runtime.Runtime()
     handle = SimpleNamespace(stream=0)
@@ -176,9 +177,10 @@ def world(monkeypatch, tmp_path):
     adapters.adapter_for(Dev((1,)))  # registered for the dispatch table's signatures, as a first call would
     monkeypatch.setattr(keys, "versions", lambda: runtime.Versions(91900, "1.32.0"))
     monkeypatch.setattr(keys, "RUNTIME", rt)
-    monkeypatch.setattr(dispatch, "RUNTIME", rt)
+    for mod in (resolve, calls, choice):  # the modules of dispatch that ask the runtime for handles, workspaces, facts
+        monkeypatch.setattr(mod, "RUNTIME", rt)
     monkeypatch.setattr(runtime.Runtime, "handle", lambda self, ad, device, stream, create=True: handle)
-    monkeypatch.setattr(dispatch, "load_cudnn", lambda: SimpleNamespace(set_stream=lambda h, s: setattr(h, "stream", s)))
+    monkeypatch.setattr(execute, "load_cudnn", lambda: SimpleNamespace(set_stream=lambda h, s: setattr(h, "stream", s)))
     monkeypatch.setattr(lower_mod, "lower", w.lower)
     monkeypatch.setattr(lower_mod, "deserialize", w.deserialize)
 
@@ -186,16 +188,11 @@ def world(monkeypatch, tmp_path):
         w.released += 1
 
     monkeypatch.setattr(runtime, "release_cached_memory", release)
-    for name, value in (
-        ("_FAST", {}), ("_NO_ENGINE", OrderedDict()), ("_SPLIT", set()),
-    ):
-        monkeypatch.setattr(dispatch, name, value)
-    forget_warnings()
     for var in config.SETTINGS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FUSEKIT_CACHE_DIR", "off")  # never the user's cache directory
     monkeypatch.setattr(config, "_tf32_set", None)
-    monkeypatch.setattr(cache_mod, "_default", PlanCache(maxsize=64, store=None))
+    fresh_session.cache = PlanCache(maxsize=64, store=None)
     w.rt, w.handle = rt, handle
     yield w
     for table in ("SIGNATURES", "STREAMS"):
@@ -311,12 +308,12 @@ def test_dispatch_keys_carry_pytorchs_switches(monkeypatch):
 
     flags = [(True, False)]
     monkeypatch.setattr(config, "torch_tf32_flags", lambda: flags[0])
-    monkeypatch.setitem(dispatch.SIGNATURES, _Sig, lambda a: [a.shape, (3, 1), "float16", a.device, 0])
-    monkeypatch.setitem(dispatch.STREAMS, _Sig, lambda device: 0)
+    monkeypatch.setitem(adapters.SIGNATURES, _Sig, lambda a: [a.shape, (3, 1), "float16", a.device, 0])
+    monkeypatch.setitem(adapters.STREAMS, _Sig, lambda device: 0)
     a = _Sig((2, 3), 0)
-    k1 = dispatch._fast_key("conv_bias", (), (), (a,), (a,), True)
+    k1 = calls.call_key("conv_bias", (), (), (a,), True)
     flags[0] = (False, False)
-    k2 = dispatch._fast_key("conv_bias", (), (), (a,), (a,), True)
+    k2 = calls.call_key("conv_bias", (), (), (a,), True)
     assert k1 != k2 and k1[-1] == (True, False) and k2[-1] == (False, False)
 
 
@@ -376,15 +373,15 @@ def test_policy_changes_float32_keys_only(world):
     assert k16 == k16b
 
 
-def test_resolved_calls_follow_a_new_policy(world):
+def test_resolved_calls_follow_a_new_policy(world, fresh_session):
     """configure() drops the resolved calls: the next call makes a key under the new policy."""
     x, w, b = linear_operands()
     fusekit.linear_bias(x, w, b)
-    assert [c.plan.key.tf32 for c in dispatch._FAST.values()] == [False]
+    assert [c.plan.key.tf32 for c in fresh_session.calls.values()] == [False]
     fusekit.configure(disk=False, allow_tf32=True)
-    assert dispatch._FAST == {}
+    assert fresh_session.calls == {}
     fusekit.linear_bias(x, w, b)
-    assert [c.plan.key.tf32 for c in dispatch._FAST.values()] == [True]
+    assert [c.plan.key.tf32 for c in fresh_session.calls.values()] == [True]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,7 +494,7 @@ MiB = 1 << 20
 LADDER = [("big_ws", 512 * MiB, False), ("mid_ws", 8 * MiB, False), ("no_ws", 0, False)]
 
 
-def test_workspace_that_does_not_fit_falls_back_to_a_smaller_plan_once(world):
+def test_workspace_that_does_not_fit_falls_back_to_a_smaller_plan_once(world, fresh_session):
     world.plans = LADDER
     world.adapter.room = 16 * MiB
     x, w, b = conv_operands("float16")
@@ -511,14 +508,14 @@ def test_workspace_that_does_not_fit_falls_back_to_a_smaller_plan_once(world):
     assert plan.engine == "mid_ws" and plan.workspace_size == 8 * MiB
     cached = fusekit.default_cache().get(plan.key)
     assert cached is not plan and cached.engine == "big_ws"  # the cache keeps the key's own plan
-    (call,) = dispatch._FAST.values()
+    (call,) = fresh_session.calls.values()
     assert call.plan.engine == "mid_ws" and call.origin is cached
     runs = call.graph.executed
     for _ in range(3):
         assert not of(WorkspaceWarning, caught(fusekit.conv_bias_relu, x, w, b, padding=1)[1])
     assert call.graph.executed == runs + 3
     fusekit.default_cache().clear()  # the key's plan leaves the cache: its stand-in call goes too
-    assert dispatch._FAST == {}
+    assert fresh_session.calls == {}
 
 
 def test_fallback_walks_down_to_a_plan_without_workspace(world):
@@ -529,15 +526,15 @@ def test_fallback_walks_down_to_a_plan_without_workspace(world):
     assert [g.limit for g in world.graphs] == [None, 512 * MiB - 1, 8 * MiB - 1]
 
 
-def test_no_plan_fits_raises_the_out_of_memory_error(world):
+def test_no_plan_fits_raises_the_out_of_memory_error(world, fresh_session):
     world.plans = LADDER[:1]
     world.adapter.room = MiB
     with pytest.raises(OutOfMemoryError, match="out of memory allocating 536870912 bytes"):
         fusekit.conv_bias_relu(*conv_operands("float16"), padding=1)
-    assert dispatch._FAST == {}
+    assert fresh_session.calls == {}
     world.adapter.room = None  # memory came back: the key's own plan runs
     _, got = caught(fusekit.conv_bias_relu, *conv_operands("float16"), padding=1)
-    assert not got and [c.plan.engine for c in dispatch._FAST.values()] == ["big_ws"]
+    assert not got and [c.plan.engine for c in fresh_session.calls.values()] == ["big_ws"]
 
 
 def test_other_allocation_errors_are_not_taken_for_out_of_memory(world, monkeypatch):
@@ -574,18 +571,18 @@ def test_workspace_keeps_its_buffer_when_it_cannot_grow():
     assert (ws.size, ws.ptr) == (0, 0)  # nothing left: dispatch drops the calls bound to it
 
 
-def test_release_lets_go_of_calls_plans_and_workspaces(world):
+def test_release_lets_go_of_calls_plans_and_workspaces(world, fresh_session):
     """fusekit.release() (also run at exit): the resolved call, the plan in memory, the workspace
     and the handle go; the next call builds again and runs."""
     x, w, b = conv_operands("float16")
     fusekit.conv_bias_relu(x, w, b, padding=1)
     cache = fusekit.default_cache()
-    assert len(dispatch._FAST) == 1 and len(cache) == 1 and world.rt._workspaces
+    assert len(fresh_session.calls) == 1 and len(cache) == 1 and world.rt._workspaces
     built = len(world.graphs)
     fusekit.release()
-    assert dispatch._FAST == {} and len(cache) == 0 and not world.rt._workspaces
+    assert fresh_session.calls == {} and len(cache) == 0 and not world.rt._workspaces
     fusekit.conv_bias_relu(x, w, b, padding=1)
-    assert len(world.graphs) == built + 1 and len(dispatch._FAST) == 1
+    assert len(world.graphs) == built + 1 and len(fresh_session.calls) == 1
 
 
 def test_workspace_releases_nothing_during_a_capture(monkeypatch):
@@ -609,24 +606,24 @@ def test_workspace_releases_nothing_during_a_capture(monkeypatch):
     assert released == [1]  # outside a capture the cached blocks are released before the retry
 
 
-def test_calls_bound_to_a_workspace_that_lost_its_buffer_are_dropped(world):
+def test_calls_bound_to_a_workspace_that_lost_its_buffer_are_dropped(world, fresh_session):
     world.plans = [("small", MiB, False)]
     x, w, b = conv_operands("float16")
     fusekit.conv_bias_relu(x, w, b, padding=1)  # the stream's workspace: 1 MiB
-    assert len(dispatch._FAST) == 1
+    assert len(fresh_session.calls) == 1
     world.plans = [("huge", 256 * MiB, False)]
     world.adapter.room = 0  # not even the old 1 MiB comes back
     with pytest.raises(OutOfMemoryError):
         fusekit.conv_bias_relu(*conv_operands("float16", n=3), padding=1)
-    assert dispatch._FAST == {}  # the first call would have run with no workspace
+    assert fresh_session.calls == {}  # the first call would have run with no workspace
 
 
 # ----------------------------------------------------------------------------------------------
 # a stream of new keys: the memory cache and dispatch's tables stay within FUSEKIT_CACHE_SIZE
 # ----------------------------------------------------------------------------------------------
-def test_many_keys_stay_within_the_cache_size(world, monkeypatch):
+def test_many_keys_stay_within_the_cache_size(world, monkeypatch, fresh_session):
     monkeypatch.setenv("FUSEKIT_CACHE_SIZE", "8")
-    monkeypatch.setattr(cache_mod, "_default", None)
+    fresh_session.cache = None
     world.plans = [("pointwise", 0, False)]
     cache = fusekit.default_cache()
     assert cache.maxsize == 8
@@ -647,12 +644,12 @@ def test_many_keys_stay_within_the_cache_size(world, monkeypatch):
     finally:
         tracemalloc.stop()
     assert len(cache) == 8 and cache.stats.builds == 3000 and cache.stats.evictions == 2992
-    assert len(dispatch._FAST) <= 8 and dispatch._NO_ENGINE == {}
+    assert len(fresh_session.calls) <= 8 and fresh_session.refused == {}
     assert len(world.rt._workspaces) == 1
     assert sizes[1] - sizes[0] < 256 * 1024, f"traced memory grew by {sizes[1] - sizes[0]} bytes over 2000 new keys"
 
 
-def test_dispatch_table_follows_every_new_cache(world):
+def test_dispatch_table_follows_every_new_cache(world, fresh_session):
     """Each cache configure() makes gets dispatch's eviction hook, even one that reuses the memory
     (the id) of a cache that is gone: else its evicted plans would stay in the dispatch table."""
     shapes = iter(range(10_000))
@@ -662,13 +659,13 @@ def test_dispatch_table_follows_every_new_cache(world):
         for _ in range(5):
             i = next(shapes)
             fusekit.call("relu", Dev((1, 4, 2 + i // 64, 2 + i % 64), "float16", "NHWC"))
-        assert len(dispatch._FAST) <= 2, f"{len(dispatch._FAST)} dispatch entries for a cache of 2 plans"
+        assert len(fresh_session.calls) <= 2, f"{len(fresh_session.calls)} dispatch entries for a cache of 2 plans"
 
 
-def test_refused_keys_are_remembered_within_the_cache_size_and_without_their_graphs(world, monkeypatch):
+def test_refused_keys_are_remembered_within_the_cache_size_and_without_their_graphs(world, monkeypatch, fresh_session):
     """A key cuDNN refuses is remembered (not rebuilt on every call), but only as many as the cache
     holds plans, and as its message: the traceback would keep the failed graphs alive."""
-    monkeypatch.setattr(cache_mod, "_default", PlanCache(maxsize=4, store=None))
+    fresh_session.cache = PlanCache(maxsize=4, store=None)
     world.plans = [("nhwc_only", 0, False)]
     real_lower = world.lower
 
@@ -682,8 +679,8 @@ def test_refused_keys_are_remembered_within_the_cache_size_and_without_their_gra
     world.adapter.relayout = lambda a, layout: Dev(a.shape, a.dtype, "NHWC" if layout == "NHWC" else "ROW")
     _, got = caught(lambda: [fusekit.call("relu", Dev((1, 4, 2 + i, 3), "float16", "NCHW")) for i in range(40)])
     assert [str(w.message)[:38] for w in got] == ["fusekit: cuDNN has no NCHW engine for "]  # said once
-    assert len(dispatch._NO_ENGINE) <= 4
-    assert all(e.__traceback__ is None and e.__cause__ is None for e in dispatch._NO_ENGINE.values())
+    assert len(fresh_session.refused) <= 4
+    assert all(e.__traceback__ is None and e.__cause__ is None for e in fresh_session.refused.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -697,7 +694,7 @@ def test_settings_override_tunables_in_a_scope_and_restore_them():
     before = config.TUNABLES.split_margin
     with fusekit.settings(split_margin=0.5, tapes=False) as t:
         assert t is config.TUNABLES and (t.split_margin, t.tapes) == (0.5, False)
-        assert dispatch._split_wins((1.0, 0.6)) is False and dispatch._split_wins((1.0, 0.4)) is True
+        assert choice.split_wins((1.0, 0.6)) is False and choice.split_wins((1.0, 0.4)) is True
     assert config.TUNABLES.split_margin == before and config.TUNABLES.tapes is True
     with pytest.raises(RuntimeError), fusekit.settings(row_channels=8):
         assert config.TUNABLES.row_channels == 8

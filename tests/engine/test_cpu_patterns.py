@@ -11,6 +11,7 @@ from fusekit.engine import oracle, patterns
 from fusekit.errors import OperandError, PatternError
 from fusekit.engine.patterns import OPS, get_pattern, list_patterns, load_pattern, parse_pattern
 from fusekit.errors import forget_warnings
+from fusekit.dispatch import execute
 
 SHIPPED_DIR = Path(patterns.__file__).resolve().parents[2] / "patterns"
 SHIPPED = sorted(p.stem for p in SHIPPED_DIR.glob("*.toml"))
@@ -497,12 +498,12 @@ def test_dispatch_fences_an_epilogue_operand_overlapping_the_last_output_on_its_
     class C:
         stream, device, out_adapter, epilogue = 7, 3, Ad(), ((3, 100),)  # operand 3 (z), 100 bytes
 
-    monkeypatch.setattr(dispatch, "_LAST_OUT", {7: ((1000, 400),), 8: ((5000, 100),)})
+    last_out = {7: ((1000, 400),), 8: ((5000, 100),)}
     for z, expect in ((1000, 1), (1300, 1), (1399, 1), (901, 1), (900, 0), (1400, 0), (5000, 0)):
         fenced.clear()
-        dispatch._fence_if_racing(C, (0, 0, 0, z))
+        execute.fence_if_racing(C, (0, 0, 0, z), last_out)
         assert len(fenced) == expect, (z, fenced)
     C.stream = 9  # nothing executed on this stream yet
     fenced.clear()
-    dispatch._fence_if_racing(C, (0, 0, 0, 1000))
+    execute.fence_if_racing(C, (0, 0, 0, 1000), last_out)
     assert not fenced

@@ -694,19 +694,17 @@ def test_default_cache_dir_honors_env(tmp_path, monkeypatch):
     assert d.name == "fusekit" and d != tmp_path / "c"
 
 
-def test_default_cache_off_and_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "_default", None)
+def test_default_cache_off_and_on(tmp_path, monkeypatch, fresh_session):
     monkeypatch.setenv("FUSEKIT_CACHE_DIR", "off")
     assert default_cache().store is None
-    monkeypatch.setattr(cache_mod, "_default", None)
+    fresh_session.cache = None
     monkeypatch.setenv("FUSEKIT_CACHE_DIR", str(tmp_path))
     c = default_cache()
     assert c.store is not None and c.store.root == tmp_path
     assert default_cache() is c
 
 
-def test_configure(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "_default", None)
+def test_configure(tmp_path, monkeypatch, fresh_session):
     monkeypatch.delenv("FUSEKIT_MODE", raising=False)
     c = configure(cache_dir=tmp_path, mode="autotune")
     assert isinstance(c, PlanCache) and default_cache() is c

@@ -28,12 +28,11 @@ def locked(tmp_path):
 
 
 @pytest.mark.parametrize("which", [0, 1])
-def test_default_cache_falls_back_to_memory_with_one_warning(locked, monkeypatch, which):
+def test_default_cache_falls_back_to_memory_with_one_warning(locked, monkeypatch, which, fresh_session):
     from fusekit.engine import cache as cache_mod
     from fusekit.errors import CacheWarning
 
     monkeypatch.setenv("FUSEKIT_CACHE_DIR", str(locked[which] / "cache"))
-    monkeypatch.setattr(cache_mod, "_default", None)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         c = cache_mod.default_cache()

@@ -13,6 +13,7 @@ import fusekit
 from fusekit.engine import oracle
 from fusekit.engine.autotune import TuneOptions
 from fusekit.engine.cache import CacheWarning, DiskStore, PlanCache
+from fusekit.dispatch import choice
 
 pytestmark = pytest.mark.gpu
 
@@ -161,7 +162,7 @@ FUSION_CHILD = textwrap.dedent(
     y = ops.conv_transpose_bias_relu(x, w, b, padding=1, stride=2, output_padding=1)
     ref = torch.relu(torch.nn.functional.conv_transpose2d(x.double(), w.double(), b.double(), padding=1, stride=2, output_padding=1))
     err = float((y.double() - ref).norm() / ref.norm())
-    times = sorted([k[0][0], k[1], list(t)] for k, t in dispatch.FUSION_TIMES.items())
+    times = sorted([k[0][0], k[1], list(t)] for k, t in fresh_session.fusion_times.items())
     print(json.dumps(dict(times=times, err=err)))
     """
 )
@@ -187,7 +188,7 @@ def test_second_process_reads_fused_or_split_decisions_from_disk(tmp_path):
     outer = [t for t in first["times"] if t[0] == "conv_transpose_bias_relu"]
     assert outer == [t for t in second["times"] if t[0] == "conv_transpose_bias_relu"], (first, second)
     assert all(t in first["times"] for t in second["times"]), (first, second)
-    if fusekit.dispatch._split_wins(tuple(outer[0][2])):
+    if choice.split_wins(tuple(outer[0][2])):
         assert second["times"] == first["times"], (first, second)
     assert first["err"] < 2e-3 and second["err"] < 2e-3
     print(f"decisions {first['times']}; errors {first['err']:.1e} / {second['err']:.1e}")

@@ -9,6 +9,7 @@ import fusekit
 from fusekit import dispatch
 from fusekit.engine import keys
 from fusekit.tensors import TensorSpec
+from fusekit.dispatch import choice
 
 
 def specs_for(pattern, shapes, layout="NCHW", dtype="float16"):
@@ -96,11 +97,10 @@ def test_a_single_value_has_no_one_channel_redescription():
     assert all(copies for _, copies in dispatch.alternatives(pat, specs))  # at most the layout copy
 
 
-def test_fused_or_split_warns_once_per_kind_with_the_refusal_s_first_line(monkeypatch):
+def test_fused_or_split_warns_once_per_kind_with_the_refusal_s_first_line(monkeypatch, fresh_session):
     """A refused fused graph runs split from then on, said once per kind of graph (a model's every
     shape of it is refused alike) in one line: cuDNN's refusal carries its multi-line engine log,
     the warning keeps the sentence naming what was refused."""
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
     log = "cuDNN cannot run bn_relu_bwd(dy=float16[4, 8, 2, 2]) on GPU: no engine\n{\"engineId\":0}\nWarning: CUDNN_STATUS_NOT_SUPPORTED"
     ran = []
 
@@ -123,16 +123,15 @@ def test_fused_or_split_warns_once_per_kind_with_the_refusal_s_first_line(monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dispatch.fused_or_split(other, fused, lambda: "split") == "split"
-    assert ran == ["fused", "fused"] and other in dispatch._SPLIT
+    assert ran == ["fused", "fused"] and other in fresh_session.split
     with pytest.warns(fusekit.FusionWarning, match="no engine for conv_relu_bwd"):  # another kind is said
         dispatch.fused_or_split(("conv_relu_bwd",) + tag[1:], fused, lambda: "split")
-    assert dispatch._first_line(ValueError("x" * 500)).endswith("…") and len(dispatch._first_line(ValueError("x" * 500))) == 300
+    assert choice.first_line(ValueError("x" * 500)).endswith("…") and len(choice.first_line(ValueError("x" * 500))) == 300
 
 
 def test_route_refusal_says_which_route_runs_instead(monkeypatch):
     """Route tags choose between two layouts of the same graphs: the warning names the other route,
     not 'separate graphs'."""
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
 
     def direct():
         raise fusekit.UnsupportedError("cuDNN cannot run conv_dgrad(dy=float16[2, 16, 4, 4]) on GPU: no engine")
@@ -151,15 +150,13 @@ def test_route_refusal_says_which_route_runs_instead(monkeypatch):
     (1.0, 0.5, "heuristic", "split"),  # heuristic plans are timed too (a fused plan 3x slower than split)
     (0.5, 1.0, "heuristic", "fused"),
 ])
-def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, split_ms, mode, expect):
+def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, split_ms, mode, expect, fresh_session):
     from types import SimpleNamespace
 
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
-    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
     cache = SimpleNamespace(mode=mode, store=None)
-    monkeypatch.setattr(dispatch, "default_cache", lambda: cache)
+    monkeypatch.setattr(choice, "default_cache", lambda: cache)
     runs = []
     fused = lambda: runs.append("fused") or "fused"  # noqa: E731
     split = lambda: runs.append("split") or "split"  # noqa: E731
@@ -170,11 +167,11 @@ def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, spl
         capturing = staticmethod(lambda dev: False)
         device_ms = staticmethod(lambda fn: (fn(), times[fn])[1])
 
-    monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
+    monkeypatch.setattr(choice, "adapter_for", lambda a: Ad)
     tag = ("conv_transpose_bias_relu", ((1, 1), (2, 2)), ((64, 32, 8, 8), "float32", (2048, 1, 256, 32)))
     assert dispatch.fusion_choice(tag) is None
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
-    assert dispatch.FUSION_TIMES == {(tag, mode): (fused_ms, split_ms)} and dispatch.fusion_choice(tag) == expect
+    assert fresh_session.fusion_times == {(tag, mode): (fused_ms, split_ms)} and dispatch.fusion_choice(tag) == expect
     assert runs.count("fused") >= 4 and runs.count("split") >= 4  # one untimed run each, then three timed
     runs.clear()
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
@@ -184,10 +181,10 @@ def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, spl
     times[fused], times[split] = split_ms, fused_ms
     other = "split" if fused_ms < fusekit.config.TUNABLES.split_margin * split_ms else "fused"
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == other
-    assert len(dispatch.FUSION_TIMES) == 2 and dispatch.fusion_choice(tag, mode) == expect
+    assert len(fresh_session.fusion_times) == 2 and dispatch.fusion_choice(tag, mode) == expect
 
 
-def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first(monkeypatch):
+def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first(monkeypatch, fresh_session):
     """Inside a capture the fused graph runs untimed (and is timed on the first call outside one);
     the fused call runs before the adapter is asked anything, so bad operands get its OperandError."""
     from types import SimpleNamespace
@@ -195,9 +192,7 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
     import fusekit
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
-    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
-    monkeypatch.setattr(dispatch, "default_cache", lambda: SimpleNamespace(mode="heuristic", store=None))
+    monkeypatch.setattr(choice, "default_cache", lambda: SimpleNamespace(mode="heuristic", store=None))
     capturing = [True]
 
     class Ad:
@@ -205,14 +200,14 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
         capturing = staticmethod(lambda dev: capturing[0])
         device_ms = staticmethod(lambda fn: (fn(), 1.0)[1])
 
-    monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
+    monkeypatch.setattr(choice, "adapter_for", lambda a: Ad)
     tag = ("conv_dgrad_drelu", ((0, 0), 1, 1, 1, 1), ((8, 8, 4, 4), "float16", (128, 16, 4, 1)))
     runs = []
     assert dispatch.fused_or_split(tag, lambda: runs.append("f") or "f", lambda: runs.append("s") or "s", like=object()) == "f"
-    assert runs == ["f"] and dispatch.FUSION_TIMES == {}
+    assert runs == ["f"] and fresh_session.fusion_times == {}
     capturing[0] = False
     dispatch.fused_or_split(tag, lambda: runs.append("f") or "f", lambda: runs.append("s") or "s", like=object())
-    assert (tag, "heuristic") in dispatch.FUSION_TIMES
+    assert (tag, "heuristic") in fresh_session.fusion_times
 
     def bad():
         raise fusekit.OperandError("conv_dgrad_drelu", "dy", "expected a CUDA device array")
@@ -220,7 +215,7 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
     def host_adapter(a):  # what asking PyTorch about a host tensor's device raised before the reordering
         raise RuntimeError("invalid argument to exchangeDevice")
 
-    monkeypatch.setattr(dispatch, "adapter_for", host_adapter)
+    monkeypatch.setattr(choice, "adapter_for", host_adapter)
     with pytest.raises(fusekit.OperandError, match="operand 'dy'"):
         dispatch.fused_or_split(("conv_dgrad_drelu", "other"), bad, lambda: "s", like=object())
 
@@ -239,7 +234,7 @@ def test_cupy_fence_first_made_inside_a_capture_raises_capture_error(monkeypatch
         ad.fence(0)
 
 
-def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_timed_again(monkeypatch, tmp_path):
+def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_timed_again(monkeypatch, tmp_path, fresh_session):
     """A timed decision is written to the plan cache's disk store; a later process (here: the
     in-memory table emptied) reads it and runs the kept path without timing. A file that fails its
     checks is moved aside with a warning and the pair is timed again; another GPU or plan mode
@@ -251,12 +246,10 @@ def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_tim
     from fusekit.engine.cache import DiskStore, PlanCache
 
     cache = PlanCache(store=DiskStore(tmp_path), mode="heuristic")
-    monkeypatch.setattr(dispatch, "default_cache", lambda: cache)
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
-    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
+    monkeypatch.setattr(choice, "default_cache", lambda: cache)
     gpu = ["Test GPU"]
-    monkeypatch.setattr(dispatch, "RUNTIME", SimpleNamespace(device_facts=lambda ad, dev: SimpleNamespace(name=gpu[0], cc=(9, 0))))
-    monkeypatch.setattr(dispatch, "versions", lambda: SimpleNamespace(cudnn_backend=91900, frontend="1.32.0"))
+    monkeypatch.setattr(choice, "RUNTIME", SimpleNamespace(device_facts=lambda ad, dev: SimpleNamespace(name=gpu[0], cc=(9, 0))))
+    monkeypatch.setattr(choice, "versions", lambda: SimpleNamespace(cudnn_backend=91900, frontend="1.32.0"))
     timings = []
 
     class Ad:
@@ -269,7 +262,7 @@ def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_tim
             fn()
             return 1.0 if fn is fused else 0.5
 
-    monkeypatch.setattr(dispatch, "adapter_for", lambda a: Ad)
+    monkeypatch.setattr(choice, "adapter_for", lambda a: Ad)
     runs = []
     fused = lambda: runs.append("fused") or "fused"  # noqa: E731
     split = lambda: runs.append("split") or "split"  # noqa: E731
@@ -282,14 +275,14 @@ def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_tim
     assert record["key"]["arrays"] == [[[64, 16, 32, 32], "float16", [16384, 1, 512, 16]]] and record["key"]["gpu"] == "Test GPU"
 
     def fresh():  # a new process: nothing in memory
-        dispatch.FUSION_TIMES.clear()
+        fresh_session.fusion_times.clear()
         timings.clear()
         runs.clear()
 
     fresh()
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == "split"
     assert timings == [] and runs == ["fused", "split"]  # the fused call checks the operands; then the stored choice
-    assert dispatch.FUSION_TIMES == {(tag, "heuristic"): (1.0, 0.5)}
+    assert fresh_session.fusion_times == {(tag, "heuristic"): (1.0, 0.5)}
 
     fresh()
     cache.mode = "autotune"  # another plan mode: timed for itself

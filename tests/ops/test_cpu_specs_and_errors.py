@@ -182,7 +182,7 @@ def _tripwire(*args, **kwargs):
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, fresh_session):
     monkeypatch.setitem(adapters._BY_TYPE, FakeArray, FakeAdapter())
     monkeypatch.setattr(runtime, "versions", _tripwire)
     monkeypatch.setattr(keys, "versions", _tripwire)  # keys imported the name
@@ -192,14 +192,13 @@ def fake(monkeypatch):
     monkeypatch.setattr(lower_mod, "build", _tripwire)
     monkeypatch.setattr(lower_mod, "lower", _tripwire)
     monkeypatch.setattr(lower_mod, "load_cudnn", _tripwire)
-    monkeypatch.setattr(dispatch, "_FAST", {})
     cache = fusekit.default_cache()
     before = (len(cache), cache.stats.builds, cache.stats.misses)
     yield
     # adapter_for copies a type registered only in _BY_TYPE into the hot path's tables: undo that
     for table in ("SIGNATURES", "STREAMS"):
         getattr(adapters, table).pop(FakeArray, None)
-    assert dispatch._FAST == {}, "a failed call left a dispatch entry"
+    assert fresh_session.calls == {}, "a failed call left a dispatch entry"
     assert (len(cache), cache.stats.builds, cache.stats.misses) == before, "a failed call touched the plan cache"
 
 

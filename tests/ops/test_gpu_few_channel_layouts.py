@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from helpers import float64_nchw, rel
 
 import fusekit
-from fusekit import dispatch, ops
+from fusekit import dispatch, ops, session
 
 F = torch.nn.functional
 BOUND = {"float32": 2e-3, "float16": 5e-3}  # float32 convolutions may run TF32 (the default policy, as PyTorch's)
@@ -49,9 +49,8 @@ class _Forced(dict):
 
 
 @pytest.fixture(params=["heuristic", "autotune"])
-def mode(request, monkeypatch):
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
-    monkeypatch.setattr(dispatch, "FUSION_TIMES", _Forced())
+def mode(request, fresh_session):
+    fresh_session.fusion_times = _Forced()
     fusekit.configure(mode=request.param, disk=False)
     yield request.param
     fusekit.configure()
@@ -59,15 +58,16 @@ def mode(request, monkeypatch):
 
 def _force(mode: str, name: str, alternative: bool) -> None:
     """Make fused_or_split take the alternative route (or the first one) of every ``name`` tag, untimed."""
-    dispatch.FUSION_TIMES.forced[(name, mode)] = (1.0, 0.5) if alternative else (0.5, 1.0)
+    session.current().fusion_times.forced[(name, mode)] = (1.0, 0.5) if alternative else (0.5, 1.0)
 
 
 def _choice(name: str, mode: str) -> tuple:
     """(what fused_or_split runs for the one ``name`` call of a test, its (fused ms, split ms))."""
-    timed = [k[0] for k in dict.keys(dispatch.FUSION_TIMES) if k[0][0] == name and k[1] == mode]
+    times = session.current().fusion_times
+    timed = [k[0] for k in dict.keys(times) if k[0][0] == name and k[1] == mode]
     assert len(timed) <= 1, timed
     t = timed[0] if timed else (name, ())
-    return dispatch.fusion_choice(t, mode), dispatch.FUSION_TIMES.get((t, mode))
+    return dispatch.fusion_choice(t, mode), times.get((t, mode))
 
 
 @pytest.mark.parametrize("lib", ["torch", "cupy"])

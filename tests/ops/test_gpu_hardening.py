@@ -426,7 +426,7 @@ def test_float32_training_gradients_stay_within_tf32_error_under_the_default_pol
 
 @pytest.mark.parametrize("mode", ["heuristic", "autotune"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_first_call_times_fused_against_split_and_keeps_the_faster(monkeypatch, dtype, mode):
+def test_first_call_times_fused_against_split_and_keeps_the_faster(monkeypatch, dtype, mode, fresh_session):
     """The autoencoder's transposed conv + bias + ReLU at batch 64 (float32: cuDNN's fused graph took
     149 us against 44 us for its dgrad alone): in either plan mode the first call times the fused
     graph against the split graphs, keeps the faster, and both give the float64 result."""
@@ -435,8 +435,6 @@ def test_first_call_times_fused_against_split_and_keeps_the_faster(monkeypatch, 
     import fusekit
     from fusekit import dispatch
 
-    monkeypatch.setattr(dispatch, "_SPLIT", set())
-    monkeypatch.setattr(dispatch, "FUSION_TIMES", {})
     cl = torch.channels_last
     x = torch.randn(64, 16, 32, 32, device="cuda").to(dtype).contiguous(memory_format=cl)
     w = (torch.randn(16, 3, 3, 3, device="cuda") * 0.2).to(dtype).contiguous(memory_format=cl)
@@ -453,7 +451,7 @@ def test_first_call_times_fused_against_split_and_keeps_the_faster(monkeypatch, 
         assert out.dtype == dtype and out.shape == ref.shape
         assert float((out.double() - ref).norm() / ref.norm()) < 5e-3
     # the split's own layout (channels-last or through an NCHW dgrad output) is timed inside it
-    ((tag, timed_mode), (t_fused, t_split)), = [(k, t) for k, t in dispatch.FUSION_TIMES.items() if k[0][0] == "conv_transpose_bias_relu"]
+    ((tag, timed_mode), (t_fused, t_split)), = [(k, t) for k, t in fresh_session.fusion_times.items() if k[0][0] == "conv_transpose_bias_relu"]
     kept = dispatch.fusion_choice(tag, mode)
     print(f"{dtype} {mode}: fused {t_fused * 1e3:.1f} us, split {t_split * 1e3:.1f} us -> {kept}")
     assert tag[0] == "conv_transpose_bias_relu" and timed_mode == mode and t_fused > 0 and t_split > 0
