@@ -56,7 +56,7 @@ def sweep(plan, x, wt, b, out) -> dict[int, float]:
 
 def _handle():
     """The cuDNN handle of the current torch stream (the timer captures on its own stream)."""
-    return fusekit.engine.runtime.RUNTIME.handle(fusekit.adapters.library("torch"), 0, torch.cuda.current_stream().cuda_stream)
+    return fusekit.engine.runtime.current_runtime().handle(fusekit.adapters.library("torch"), 0, torch.cuda.current_stream().cuda_stream)
 
 
 CHILD = textwrap.dedent(

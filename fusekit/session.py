@@ -1,9 +1,10 @@
 """The one owner of fusekit's runtime state in a process.
 
-A :class:`Session` holds what dispatch learns while it runs: the table of resolved calls, the keys
-cuDNN refused, the fused-or-split decisions and their timings, the recorded tapes, the outputs last
-written on each stream, the warnings already given, and the default plan cache. Everything else in
-fusekit is stateless or a registry (adapters, patterns).
+A :class:`Session` holds what fusekit learns and makes while it runs: the table of resolved calls,
+the keys cuDNN refused, the fused-or-split decisions and their timings, the recorded tapes, the
+outputs last written on each stream, the warnings already given, the default plan cache, the cuDNN
+handles and workspaces (``runtime``), and memo tables (compiled kernels, device constants, side
+streams, measured peaks). Everything else in fusekit is stateless or a registry (adapters, patterns).
 
 ``current()`` is the session every call uses; ``scoped()`` runs a block on another one (a fresh one
 by default) and puts the previous one back after it, which is how tests start from nothing.
@@ -12,6 +13,7 @@ by default) and puts the previous one back after it, which is how tests start fr
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -49,6 +51,16 @@ class Session:
         self.cache: Any = None  # the default PlanCache, made on first use (engine.cache.default_cache)
         self.observers: list[Callable[[Any, tuple, tuple], None]] = []  # called after each execute
         self.recording = Recording()
+        self.runtime: Any = None  # engine.runtime.Runtime: handles and workspaces, made on first use
+        self.tf32_fallback_graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # graphs built on TF32 against the policy
+        self._tables: dict[str, dict] = {}
+
+    def table(self, name: str) -> dict:
+        """The memo table ``name`` (a dict made on first use): what a module keeps between calls."""
+        t = self._tables.get(name)
+        if t is None:
+            t = self._tables.setdefault(name, {})
+        return t
 
     def observe(self, fn: Callable[[Any, tuple, tuple], None]) -> Callable[[], None]:
         """Call ``fn(call, operands, outputs)`` after every graph this session executes (tests and
@@ -68,12 +80,32 @@ class Session:
             self.forget_calls()
 
     def release(self) -> None:
-        """Forget resolved calls, tapes and the last outputs, and the default cache's plans in memory
-        (its disk store stays). Later calls rebuild or reload what they need."""
+        """Let go of the session's GPU-side state: resolved calls, tapes, the last outputs, the default
+        cache's plans in memory (its disk store stays), workspaces and this thread's cuDNN handles.
+        Waits for torch's devices (and CuPy's current one) first. Later calls rebuild or reload what
+        they need. The memo tables stay: CUDA graphs captured earlier may read their device constants."""
+        _synchronize()
         self.clear()
         self.last_out.clear()
         if self.cache is not None:
             self.cache.clear()
+        if self.runtime is not None:
+            self.runtime.release()
+
+
+def _synchronize() -> None:
+    """Wait for the work queued on every device torch knows and on CuPy's current device (where those
+    libraries are imported and have touched a device)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+        except Exception:  # no device, or CuPy never touched one
+            pass
 
 
 _current = Session()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from threading import get_ident
 from typing import Any, Sequence
 
@@ -11,7 +10,7 @@ from .. import config, session
 from ..adapters import SIGNATURES, STREAMS, Adapter
 from ..engine import lower
 from ..engine.cache import Plan, PlanCache
-from ..engine.runtime import RUNTIME, Workspace
+from ..engine.runtime import Workspace
 from ..tensors import ITEMSIZE, TensorSpec
 
 
@@ -105,20 +104,9 @@ def clear_dispatch() -> None:
 
 
 def release() -> None:
-    """Let go of fusekit's GPU-side state in this process: resolved calls, the default cache's plans
-    in memory (its disk store stays), cuDNN workspaces and this thread's cuDNN handles. Waits for
-    torch's devices (and CuPy's current one) first. Later calls rebuild or reload what they need.
-    Runs at interpreter exit too, so that the frontend's objects are gone before its extension
-    module is torn down."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        for d in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(d)
-    cupy = sys.modules.get("cupy")
-    if cupy is not None:
-        try:
-            cupy.cuda.runtime.deviceSynchronize()
-        except Exception:  # no device, or CuPy never touched one
-            pass
+    """Let go of fusekit's GPU-side state in this process (the current session's, :meth:`Session.release`):
+    resolved calls, the default cache's plans in memory (its disk store stays), cuDNN workspaces and
+    this thread's cuDNN handles, after waiting for the devices. Later calls rebuild or reload what
+    they need. Runs at interpreter exit too, so that the frontend's objects are gone before its
+    extension module is torn down."""
     session.current().release()
-    RUNTIME.release()

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from .. import config, session
 from ..adapters import Adapter, adapter_for
 from ..engine.cache import PlanCache, default_cache
-from ..engine.runtime import RUNTIME, versions
+from ..engine.runtime import current_runtime, versions
 from ..errors import FusionWarning, UnsupportedError
 
 
@@ -102,7 +102,7 @@ def _decision_key(timed: tuple, ad: Adapter, device: int, cache: PlanCache) -> d
     each array's shape, dtype and strides in elements), the plan mode and heuristics, the numerics
     policy, the GPU, and the cuDNN, frontend and fusekit versions."""
     tag, mode = timed
-    facts, v, tf32 = RUNTIME.device_facts(ad, device), versions(), config.allow_tf32()
+    facts, v, tf32 = current_runtime().device_facts(ad, device), versions(), config.allow_tf32()
     arrays = []
     for shape, dt, strides in tag[2:]:
         per = getattr(dt, "itemsize", 1) if not str(dt).startswith("torch.") else 1  # CuPy strides are in bytes

@@ -16,7 +16,7 @@ from ..engine.cache import Plan, PlanCache, PlanKey
 from ..engine.keys import check_operands, make_key
 from ..engine.patterns import Pattern
 from ..engine.planner import planner
-from ..engine.runtime import RUNTIME, Workspace, forget_stream, is_out_of_memory
+from ..engine.runtime import current_runtime, Workspace, forget_stream, is_out_of_memory
 from ..errors import CaptureError, LayoutWarning, NumericsWarning, UnsupportedError, WorkspaceWarning, warn_once
 from ..tensors import TensorSpec
 from .calls import Call, drop_workspace, nbytes
@@ -33,7 +33,7 @@ def resolve_call(
     capturing = adapter.capturing(device)
     if capturing and pattern.not_capturable:
         raise CaptureError(f"fusekit: {pattern.name} cannot run inside a CUDA-graph capture: {pattern.not_capturable}")
-    handle = RUNTIME.handle(adapter, device, stream, create=not capturing)
+    handle = current_runtime().handle(adapter, device, stream, create=not capturing)
     if handle is None:
         raise CaptureError(
             f"fusekit: {pattern.name} is first called on this thread inside a CUDA-graph capture; "
@@ -76,7 +76,7 @@ def resolve_call(
             f"error). fusekit.configure(allow_tf32=...) or FUSEKIT_ALLOW_TF32 allows TF32 for {fams} and silences this",
             NumericsWarning, stacklevel=user_level(),
         )
-    ws = RUNTIME.workspace(adapter, device, stream)
+    ws = current_runtime().workspace(adapter, device, stream)
     if capturing and ws.size < plan.workspace_size and not adapter.allocates_in_capture:
         raise CaptureError(
             f"fusekit: {pattern.name} needs a {plan.workspace_size}-byte cuDNN workspace on the capturing stream and "

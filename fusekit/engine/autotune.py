@@ -20,10 +20,11 @@ import numpy as np
 from ..errors import OperandError, UnsupportedError
 from ..tensors import TensorSpec
 from ..adapters import Adapter, library
+from .. import session
 from . import keys, lower
 from .cache import Plan, PlanCache, PlanKey, default_cache
 from .patterns import Pattern, get_pattern
-from .runtime import RUNTIME
+from .runtime import current_runtime
 
 #: Normwise relative difference allowed between two plans' outputs (both rounded to the dtype).
 TOLERANCE = {"float16": 4e-3, "bfloat16": 2e-2, "float32": 4e-3}
@@ -77,7 +78,6 @@ class TuneResult:
         return self.heuristic_us / self.best_us if self.best_us > 0 else float("nan")
 
 
-_TUNE_STREAMS: dict[tuple[str, int], tuple[Any, Any]] = {}  # (adapter, device) -> (stream, handle)
 
 
 def _judge(c: Candidate, got: list[np.ndarray], reference: list[np.ndarray] | None, tol: float) -> list[np.ndarray] | None:
@@ -150,10 +150,11 @@ def tune(
     # Candidates are timed as CUDA-graph replays on a stream of their own: back-to-back executes
     # of a 10 us kernel would time the host's launch cost (~20 us a call), not the plan.
     where = (adapter.name, device)
-    if where not in _TUNE_STREAMS:  # one side stream and its own cuDNN handle per device, not one per key
+    streams = session.current().table("tune_streams")  # (adapter, device) -> (stream, handle)
+    if where not in streams:  # one side stream and its own cuDNN handle per device, not one per key
         stream_obj, ptr = adapter.new_stream(device)
-        _TUNE_STREAMS[where] = (stream_obj, RUNTIME.new_handle(adapter, device, ptr))
-    tstream, thandle = _TUNE_STREAMS[where]
+        streams[where] = (stream_obj, current_runtime().new_handle(adapter, device, ptr))
+    tstream, thandle = streams[where]
 
     def run(index: int, s: int, h: Any = handle) -> None:
         g.execute_plan_at_index(sets[s], ws_ptr, index, h, tensor_uids=lowered.uids)
@@ -256,7 +257,7 @@ def _tune_key(
 ) -> TuneResult:
     key = keys.make_key(pat, specs, norm, aligns, adapter)
     device = specs[pat.operand_names[0]].device
-    handle = RUNTIME.handle(adapter, device, adapter.stream(device))
+    handle = current_runtime().handle(adapter, device, adapter.stream(device))
     with adapter.use_device(device):
         plan, result = tune(pat, specs, dict(norm), key, adapter, handle, options)
     cache.put(plan)

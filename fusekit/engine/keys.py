@@ -12,7 +12,7 @@ from ..adapters import Adapter, adapter_for
 from .cache import PlanKey
 from .lower import COMPUTE_DTYPE, tf32_allowed
 from .patterns import Pattern
-from .runtime import RUNTIME, versions
+from .runtime import current_runtime, versions
 
 
 def as_outs(out: Any) -> tuple:
@@ -188,7 +188,7 @@ def make_key(pattern: Pattern, specs: Mapping[str, TensorSpec], norm: tuple, ali
     """The PlanKey of a checked call: pattern, specs, alignments, attributes, GPU and library versions,
     and whether the numerics policy lets it use TF32 (PlanKey.tf32)."""
     device = specs[pattern.operand_names[0]].device
-    facts = RUNTIME.device_facts(adapter, device)
+    facts = current_runtime().device_facts(adapter, device)
     v = versions()
     return PlanKey(
         pattern=pattern.name,

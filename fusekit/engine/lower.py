@@ -11,11 +11,10 @@ import importlib
 import math
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .. import config
+from .. import config, session
 from ..errors import NoGPUError, UnsupportedError
 from .patterns import OPS, Pattern
 from ..tensors import LAYOUT_STRIDES, TensorSpec
@@ -240,7 +239,6 @@ TF32_FAMILY = {"conv_fprop": "conv", "conv_dgrad": "conv", "conv_wgrad": "conv",
 #: had no IEEE plan. The name is recorded with the plan (disk store, ``fusekit cache``), so a plan
 #: loaded in another process says so too; dispatch warns once per key (NumericsWarning).
 TF32_FALLBACK = " [TF32: no IEEE float32 plan]"
-_TF32_FALLBACK_GRAPHS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def tf32_families(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> frozenset[str]:
@@ -292,7 +290,7 @@ def untrusted(pattern: Pattern, specs: Mapping[str, TensorSpec]) -> str:
 def is_tf32_fallback(graph: Any) -> bool:
     """Whether ``graph`` was built by build_plans with TF32 plans because its key had no IEEE plan."""
     try:
-        return graph in _TF32_FALLBACK_GRAPHS
+        return graph in session.current().tf32_fallback_graphs
     except TypeError:  # not weakly referenceable: not one of ours
         return False
 
@@ -347,7 +345,7 @@ def build_plans(
             else:
                 g.build_plans()
             if precision and not notes and not tf32:  # the IEEE attempt failed: this graph runs TF32 plans
-                _TF32_FALLBACK_GRAPHS.add(g)
+                session.current().tf32_fallback_graphs.add(g)
             return lowered
         except Exception as e:
             if notes:

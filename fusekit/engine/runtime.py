@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .. import session
 from ..errors import NoGPUError
 from ..adapters import Adapter
 from .lower import load_cudnn, preload_frontend
@@ -165,4 +166,10 @@ class Runtime:
         return f
 
 
-RUNTIME = Runtime()
+def current_runtime() -> Runtime:
+    """The current session's handles and workspaces (made on first use)."""
+    s = session.current()
+    rt = s.runtime
+    if rt is None:
+        rt = s.runtime = Runtime()
+    return rt

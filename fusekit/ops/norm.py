@@ -8,13 +8,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import session
 from ..dispatch import call, fused_or_split
 from ..errors import OperandError
 from ..tensors import TensorSpec, make_spec
 from ..adapters import adapter_for
 from .common import bias_grad, clip_attrs, tag
 
-_CHANNEL_VECTORS: dict[tuple, tuple[Any, ...]] = {}
 
 
 def channel_vectors(x: Any, values: tuple[float | None, ...], c: int | None = None, op: str = "channel_vectors",
@@ -31,14 +31,15 @@ def channel_vectors(x: Any, values: tuple[float | None, ...], c: int | None = No
         raise OperandError(op, name, f"expected an (N, C, ...) array, got shape {tuple(shape)}")
     c = int(shape[1]) if c is None else int(c)
     key = (type(x), int(dev), c, values)
-    v = _CHANNEL_VECTORS.get(key)
+    table = session.current().table("channel_vectors")
+    v = table.get(key)
     if v is None:
         spec = TensorSpec.build((1, c, 1, 1), "float32", int(dev), "NCHW", view=(c,))
         v = tuple(ad.empty(spec) for _ in values)
         for t, fill in zip(v, values):
             if fill is not None:
                 t[...] = fill
-        _CHANNEL_VECTORS[key] = v
+        table[key] = v
     return v
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import session
 from ..dispatch import recorded_whole
 from ..engine.pooling import PoolGeometry, checked_axis, pool2d_geometry
 from ..errors import NoGPUError, OperandError
@@ -56,7 +57,6 @@ def dtype_prelude(dtype: str, suffix: str = "") -> str:
     return string.Template(kernel_file(f"dtype_{dtype}.cuh")).substitute(s=suffix)
 
 WARP_KERNELS = frozenset({"softmax_rows_warp", "layer_norm_channels"})
-_MODULES: dict[Any, Any] = {}  # key -> cupy.RawModule (pool's: its storage dtype)
 _MODULES_LOCK = threading.Lock()
 
 
@@ -66,15 +66,16 @@ def kernel_source(dtype: str) -> str:
 
 
 def cuda_function(key: Any, source: Callable[[], str], name: str) -> Any:
-    """Kernel ``name`` of the CUDA module compiled once per process from ``source()`` and kept under ``key``."""
-    mod = _MODULES.get(key)
+    """Kernel ``name`` of the CUDA module compiled once per session from ``source()`` and kept under ``key``."""
+    modules = session.current().table("cuda_modules")  # key -> cupy.RawModule (pool's: its storage dtype)
+    mod = modules.get(key)
     if mod is None:
         import cupy
 
         with _MODULES_LOCK:
-            mod = _MODULES.get(key)
+            mod = modules.get(key)
             if mod is None:
-                mod = _MODULES[key] = cupy.RawModule(code=source())
+                mod = modules[key] = cupy.RawModule(code=source())
     return mod.get_function(name)
 
 
@@ -169,16 +170,14 @@ def _i64(*v: int) -> list[np.int64]:
     return [np.int64(x) for x in v]
 
 
-_STREAMS: dict[tuple[int, int], Any] = {}  # (torch stream address, device) -> cupy ExternalStream
-
-
 def _external_stream(cp: Any, ptr: int, dev: int) -> Any:
     """CuPy's handle on a torch stream (its address and device, owning nothing), made once per pair."""
-    s = _STREAMS.get((ptr, dev))
+    streams = session.current().table("external_streams")  # (torch stream address, device) -> cupy ExternalStream
+    s = streams.get((ptr, dev))
     if s is None:
         with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
             warnings.simplefilter("ignore", DeprecationWarning)
-            s = _STREAMS[(ptr, dev)] = cp.cuda.ExternalStream(ptr, dev)
+            s = streams[(ptr, dev)] = cp.cuda.ExternalStream(ptr, dev)
     return s
 
 

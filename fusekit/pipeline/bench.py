@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import session
 from .ir import Program, run_torch_stage
 
 
@@ -34,17 +35,14 @@ def cuda_time_ms(fn: Callable[[], Any], *, iters: int = 20, trials: int = 10, wa
     return statistics.median(times)
 
 
-_PEAKS: dict[tuple[int, str], tuple[float, float]] = {}
-
-
 def measured_peaks(device: Any = None, dtype: str = "float16") -> tuple[float, float]:
     """(tensor-core FLOP/s, DRAM bytes/s) this GPU reaches here: a large ``dtype`` matmul and a large
     device-to-device copy (medians of CUDA-event timings); measured once per process and device."""
     import torch
 
     dev = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
-    key = (dev.index, dtype)
-    if key not in _PEAKS:
+    key, peaks = (dev.index, dtype), session.current().table("measured_peaks")
+    if key not in peaks:
         with torch.cuda.device(dev):
             n = 8192
             a = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype))
@@ -54,9 +52,9 @@ def measured_peaks(device: Any = None, dtype: str = "float16") -> tuple[float, f
             src = torch.empty(2**28, device=dev, dtype=torch.uint8).random_()  # 256 MiB
             dst = torch.empty_like(src)
             cp = cuda_time_ms(lambda: dst.copy_(src), iters=10, trials=5)
-            _PEAKS[key] = (2.0 * n**3 / (mm * 1e-3), 2.0 * src.numel() / (cp * 1e-3))
+            peaks[key] = (2.0 * n**3 / (mm * 1e-3), 2.0 * src.numel() / (cp * 1e-3))
             del src, dst
-    return _PEAKS[key]
+    return peaks[key]
 
 
 def capture(fn: Callable[[], Any], warmup: int = 3) -> Any:

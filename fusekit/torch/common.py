@@ -12,7 +12,7 @@ import torch
 from ..errors import LayoutWarning, OperandError, TorchFallbackWarning, warn_once
 from ..ops.common import ACTIVATIONS
 # the backend, looked up as common.<name> at each call
-from .. import ops  # noqa: F401
+from .. import ops, session  # noqa: F401
 from ..ops import pool  # noqa: F401
 from .replay import amp_dtype  # noqa: F401
 
@@ -73,15 +73,13 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-_ZERO_BIAS: dict[tuple, torch.Tensor] = {}
-
-
 def _zero_bias(n: int, like: torch.Tensor) -> torch.Tensor:
     """A cached zero bias of ``n`` channels in ``like``'s dtype and device (bias=False with a fused epilogue)."""
     key = (like.device, like.dtype, n)
-    z = _ZERO_BIAS.get(key)
+    table = session.current().table("zero_bias")
+    z = table.get(key)
     if z is None:
-        z = _ZERO_BIAS[key] = torch.zeros(n, device=like.device, dtype=like.dtype)
+        z = table[key] = torch.zeros(n, device=like.device, dtype=like.dtype)
     return z
 
 

@@ -176,9 +176,7 @@ def world(monkeypatch, tmp_path, fresh_session):
     monkeypatch.setitem(adapters._BY_TYPE, Dev, w.adapter)
     adapters.adapter_for(Dev((1,)))  # registered for the dispatch table's signatures, as a first call would
     monkeypatch.setattr(keys, "versions", lambda: runtime.Versions(91900, "1.32.0"))
-    monkeypatch.setattr(keys, "RUNTIME", rt)
-    for mod in (resolve, calls, choice):  # the modules of dispatch that ask the runtime for handles, workspaces, facts
-        monkeypatch.setattr(mod, "RUNTIME", rt)
+    fresh_session.runtime = rt
     monkeypatch.setattr(runtime.Runtime, "handle", lambda self, ad, device, stream, create=True: handle)
     monkeypatch.setattr(execute, "load_cudnn", lambda: SimpleNamespace(set_stream=lambda h, s: setattr(h, "stream", s)))
     monkeypatch.setattr(lower_mod, "lower", w.lower)

@@ -248,7 +248,7 @@ def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_tim
     cache = PlanCache(store=DiskStore(tmp_path), mode="heuristic")
     monkeypatch.setattr(choice, "default_cache", lambda: cache)
     gpu = ["Test GPU"]
-    monkeypatch.setattr(choice, "RUNTIME", SimpleNamespace(device_facts=lambda ad, dev: SimpleNamespace(name=gpu[0], cc=(9, 0))))
+    fresh_session.runtime = SimpleNamespace(device_facts=lambda ad, dev: SimpleNamespace(name=gpu[0], cc=(9, 0)), release=lambda: None)
     monkeypatch.setattr(choice, "versions", lambda: SimpleNamespace(cudnn_backend=91900, frontend="1.32.0"))
     timings = []
 

@@ -170,7 +170,7 @@ def test_policy_is_part_of_the_key_and_chooses_the_plans():
 OOM_CHILD = """
 import json, warnings, torch, torch.nn.functional as F, fusekit
 from fusekit.engine import lower
-from fusekit.engine.runtime import RUNTIME, forget_stream
+from fusekit.engine.runtime import current_runtime, forget_stream
 from fusekit.adapters import library
 
 torch.manual_seed(0)
@@ -210,7 +210,7 @@ for pattern, arrays, out, attrs, ref in CANDIDATES:
     seen.append((pattern, str(arrays[0].dtype), plan.workspace_size))
     if plan.workspace_size == 0:
         continue
-    h = RUNTIME.handle(ad, 0, side.cuda_stream)
+    h = current_runtime().handle(ad, 0, side.cuda_stream)
     key = plan.key
     try:
         b = lower.build(fusekit.get_pattern(pattern), dict(key.specs), dict(key.attrs), h, fusekit.default_cache().heuristics,
