@@ -4,7 +4,8 @@ adapter of an array (the hot path keeps per-type views of it)."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from .errors import CaptureError, NoGPUError, OperandError
 from .tensors import alignment, TensorSpec
@@ -398,6 +399,22 @@ def _register(t: type, ad: Adapter) -> Adapter:
     SIGNATURES[t] = ad.sig
     STREAMS[t] = ad.stream
     return ad
+
+
+@contextlib.contextmanager
+def registered(t: type, ad: Adapter) -> Iterator[Adapter]:
+    """Arrays of type ``t`` read through ``ad`` while the block runs (a plug-in array type, or a test's
+    stand-in); the registry is as it was afterwards."""
+    before = [(table, table.get(t)) for table in (_BY_TYPE, SIGNATURES, STREAMS)]
+    _register(t, ad)
+    try:
+        yield ad
+    finally:
+        for table, v in before:
+            if v is None:
+                table.pop(t, None)
+            else:
+                table[t] = v
 
 
 def library(name: str) -> Adapter:

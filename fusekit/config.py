@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from . import session
 from .errors import SettingError
 
 __version__ = "0.1.0"
@@ -156,9 +157,6 @@ def tf32_policy(value: Tf32Setting, name: str = "allow_tf32") -> Tf32Policy:
     raise SettingError(name, value, _TF32_EXPECTED)
 
 
-_tf32_set: Tf32Policy | None = None  # what fusekit.configure(allow_tf32=...) set, if anything
-
-
 def torch_tf32_flags() -> tuple[bool, bool] | None:
     """PyTorch's switches, (``torch.backends.cudnn.allow_tf32``, ``torch.backends.cuda.matmul.allow_tf32``;
     the latter is what ``torch.set_float32_matmul_precision`` sets), once PyTorch is imported; else None.
@@ -180,8 +178,9 @@ def allow_tf32() -> Tf32Policy:
     $FUSEKIT_ALLOW_TF32, else PyTorch's own switches (:func:`torch_tf32_flags`) where PyTorch is
     imported, else PyTorch's defaults. SettingError if the variable is invalid. Read when a call's plan
     key is made; dispatch keys carry PyTorch's switches, so flipping one re-resolves the calls."""
-    if _tf32_set is not None:
-        return _tf32_set
+    chosen = session.current().tf32_policy  # what fusekit.configure(allow_tf32=...) set, if anything
+    if chosen is not None:
+        return chosen
     raw = os.environ.get("FUSEKIT_ALLOW_TF32", "")
     if raw.strip():  # set and not empty
         return tf32_policy(raw, "FUSEKIT_ALLOW_TF32")
@@ -193,8 +192,7 @@ def set_allow_tf32(value: Tf32Setting) -> None:
     """Set the process's numerics policy (None: back to $FUSEKIT_ALLOW_TF32 or the defaults). Use
     ``fusekit.configure(allow_tf32=...)``, which also drops the calls already resolved (they would
     keep running the plans of the old policy)."""
-    global _tf32_set
-    _tf32_set = None if value is None else tf32_policy(value)
+    session.current().tf32_policy = None if value is None else tf32_policy(value)
 
 
 def pattern_dirs_from_env() -> list[Path]:

@@ -49,6 +49,7 @@ class Session:
         self.generation = 0
         self.warned: set[tuple] = set()  # (category name, key) of every warning given once
         self.cache: Any = None  # the default PlanCache, made on first use (engine.cache.default_cache)
+        self.tf32_policy: Any = None  # config.Tf32Policy that fusekit.configure(allow_tf32=...) set, if any
         self.observers: list[Callable[[Any, tuple, tuple], None]] = []  # called after each execute
         self.recording = Recording()
         self.runtime: Any = None  # engine.runtime.Runtime: handles and workspaces, made on first use

@@ -81,7 +81,7 @@ def _describe_call(a) -> str:
 
 _wrap(D, "_execute", _describe_call)
 _wrap(D, "_bind", lambda a: "bind handle")
-_wrap(P._Launch, "run", lambda a: f"pool kernel {a[2]} {a[1]}")
+_wrap(P.Launch, "run", lambda a: f"pool kernel {a[2]} {a[1]}")
 _wrap(R.Workspace, "ensure", lambda a: f"workspace.ensure {a[1]} (was {a[0].size})")
 _wrap(R, "release_cached_memory", lambda a: "release_cached_memory")
 

@@ -24,6 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..config import pattern_dirs_from_env
+from .. import session
 from ..errors import OperandError, PatternError, PatternWarning, warn_once
 from .signatures import ACTIVATIONS, OPS, OpSig, ShapeContext, conv_out_size  # noqa: F401 - OPS, ACTIVATIONS, conv_out_size: importable from here too
 
@@ -409,19 +410,22 @@ def pattern_dirs() -> list[Path]:
     return dirs
 
 
-_REGISTRY: dict[str, Pattern] = {}
+def _registry() -> dict[str, Pattern]:
+    """The session's patterns by name: loaded from their files on first use, or registered."""
+    return session.current().table("patterns")
 
 
 def get_pattern(name: str) -> Pattern:
-    """The pattern called ``name`` (loaded once per process)."""
+    """The pattern called ``name`` (loaded once per session)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise PatternError(str(name), "a pattern is named by an identifier (its file's name without .toml, in a pattern directory)")
-    pat = _REGISTRY.get(name)
+    registry = _registry()
+    pat = registry.get(name)
     if pat is None:
         for d in pattern_dirs():
             f = d / f"{name}.toml"
             if f.is_file():
-                pat = _REGISTRY[name] = load_pattern(f)
+                pat = registry[name] = load_pattern(f)
                 break
         else:
             raise PatternError(name, f"no file {name}.toml in {[str(d) for d in pattern_dirs()]}; known: {list_patterns()}")
@@ -454,8 +458,8 @@ def scan_patterns() -> tuple[list[Pattern], list[PatternError]]:
 
 
 def register(pattern: Pattern) -> Pattern:
-    """Make an in-memory pattern (from :func:`parse_pattern`) callable by name."""
-    _REGISTRY[pattern.name] = pattern
+    """Make an in-memory pattern (from :func:`parse_pattern`) callable by name (in this session)."""
+    _registry()[pattern.name] = pattern
     return pattern
 
 

@@ -12,7 +12,7 @@ from ..tensors import TensorSpec, matches, nhwc_strides
 from ..adapters import adapter_for
 
 #: Per-channel sums over fewer channels than this read their channels-last operands as rows of
-#: several pixels (see :func:`_pixels_per_row`).
+#: several pixels (see :func:`pixels_per_row`).
 #: Convolution gradients whose few-channel side (the dgrad output, the wgrad image) is channels-last
 #: with more than one and fewer than this many channels also time a route through an NCHW copy
 #: (see :func:`few_channels_last`).
@@ -58,7 +58,7 @@ def relu_bias_grad(dy: Any, y: Any, need_db: bool, upper_clip: float = math.inf)
     clip = clip_attrs(upper_clip)
     if not need_db:
         return call("relu_backward", dy, y, **clip), None
-    k = _pixels_per_row(dy, y)
+    k = pixels_per_row(dy, y)
     if k > 1:
         dz, db = relu_bias_grad(_as_rows(dy, k), _as_rows(y, k), True, upper_clip)
         return _from_rows(dz, dy.shape), _fold(db, k)
@@ -72,13 +72,13 @@ def relu_bias_grad(dy: Any, y: Any, need_db: bool, upper_clip: float = math.inf)
 
 def bias_grad(dy: Any) -> Any:
     """The (C,) per-channel sum of ``dy`` in float32: the bias gradient."""
-    k = _pixels_per_row(dy)
+    k = pixels_per_row(dy)
     if k > 1:
         return _fold(call("bias_grad", _as_rows(dy, k)), k)
     return call("bias_grad", dy)
 
 
-def _pixels_per_row(*arrays: Any) -> int:
+def pixels_per_row(*arrays: Any) -> int:
     """k such that the per-channel sums of ``arrays`` (same shape, dense channels-last (N, C, H, W),
     C < config.TUNABLES.row_channels) run on their memory read as (N*H*W / k, k*C, 1, 1), the k*C sums folded to C;
     1 where that does not apply. cuDNN's reductions give each row of threads a tile of channels, most

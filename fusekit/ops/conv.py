@@ -99,7 +99,7 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
         return _bias_act(call("conv_dgrad", x, w, **attrs), b, relu, out)
 
     def split_nchw() -> Any:  # the dgrad writes NCHW; the pointwise graph reads it and writes channels-last
-        y = call("conv_dgrad", x, w, out=empty_as(x, _convt_shape(x, w, values), "NCHW"), **attrs)
+        y = call("conv_dgrad", x, w, out=empty_as(x, convt_shape(x, w, values), "NCHW"), **attrs)
         return _bias_act(y, b, relu, empty_as(x, y.shape, "NHWC"))
 
     alt = split
@@ -110,7 +110,7 @@ def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any)
     return fused_or_split(tag(name, x, w, attrs=values), lambda: run(name, _CONVT_ATTRS, values, (x, w, b), out), alt, like=x)
 
 
-def _convt_shape(x: Any, w: Any, values: tuple) -> tuple[int, ...]:
+def convt_shape(x: Any, w: Any, values: tuple) -> tuple[int, ...]:
     """(N, C_out, H, W) of ``conv_transpose2d(x, w)`` with (padding, stride, dilation, output_padding, groups)
     ``values``: the conv_dgrad pattern's own shape inference (remembered per shapes and values: a hot path)."""
     vals = tuple(tuple(v) if isinstance(v, list) else v for v in values)
@@ -133,7 +133,7 @@ def _output_padding(x_hw: Sequence[int], dy_hw: Sequence[int], k_hw: Sequence[in
     return tuple(int(x_hw[i]) - ((int(dy_hw[i]) - 1) * s[i] - 2 * p[i] + d[i] * (int(k_hw[i]) - 1) + 1) for i in range(2))  # type: ignore[return-value]
 
 
-def _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip=math.inf):
+def conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip=math.inf):
     conv = dict(padding=padding, stride=stride, dilation=dilation, groups=groups)
     dx = dw = None
     if need_dx:
@@ -200,7 +200,7 @@ def conv_bias_relu_backward(
     ReLU's backward (the fused dgrad + dReLU graph), so the caller skips it."""
     need_dx, need_dw, need_db = needs
     dz, db = relu_bias_grad(dy, y, need_db, upper_clip)
-    dx, dw = _conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip)
+    dx, dw = conv_grads(dz, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip)
     return dx, dw, cast_like(db, dy)
 
 
@@ -211,7 +211,7 @@ def conv_bias_backward(
     """(dx, dw, db) of ``y = conv2d(x, w) + b``; saved: x, w."""
     need_dx, need_dw, need_db = needs
     db = bias_grad(dy) if need_db else None
-    dx, dw = _conv_grads(dy, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip)
+    dx, dw = conv_grads(dy, x, w, padding, stride, dilation, groups, need_dx, need_dw, input_relu, input_clip)
     return dx, dw, cast_like(db, dy)
 
 
@@ -220,7 +220,7 @@ def conv2d_backward(
     needs: Sequence[bool] = (True, True), input_relu: bool = False, input_clip: float = math.inf,
 ) -> tuple[Any, Any]:
     """(dx, dw) of ``y = conv2d(x, w)``; saved: x, w."""
-    return _conv_grads(dy, x, w, padding, stride, dilation, groups, needs[0], needs[1], input_relu, input_clip)
+    return conv_grads(dy, x, w, padding, stride, dilation, groups, needs[0], needs[1], input_relu, input_clip)
 
 
 def conv_transpose_bias_relu_backward(

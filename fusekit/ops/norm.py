@@ -72,7 +72,7 @@ def bn_normalize_backward(dy: Any, x: Any, mean: Any, inv_var: Any) -> Any:
         call("batchnorm_backward", dy, x, ones, mean, inv_var, out=(dx, dg, db))
         return dx
 
-    return fused_or_split(tag("batchnorm_backward_node", dy, x), node, lambda: _bn_split_backward(dy, x, ones, mean, inv_var)[0])
+    return fused_or_split(tag("batchnorm_backward_node", dy, x), node, lambda: bn_split_backward(dy, x, ones, mean, inv_var)[0])
 
 
 def _empty_like(x: Any, op: str = "fusekit", name: str = "x") -> Any:
@@ -100,7 +100,7 @@ def batchnorm(
         tag("batchnorm_node", x),
         lambda: _bn_node_forward(x, gamma, beta, running_mean, running_var, relu, kw, upper_clip, residual),
         lambda: _add_relu(
-            _bn_split_forward(x, gamma, beta, running_mean, running_var, relu and residual is None, epsilon, momentum, upper_clip), residual
+            bn_split_forward(x, gamma, beta, running_mean, running_var, relu and residual is None, epsilon, momentum, upper_clip), residual
         ),
     )
     return tuple(res[:3]) if stats_only else tuple(res)
@@ -137,7 +137,7 @@ def _count(x: Any) -> int:
     return n * h * w
 
 
-def _bn_split_forward(
+def bn_split_forward(
     x: Any, gamma: Any, beta: Any, rm: Any, rv: Any, relu: bool, epsilon: float, momentum: float, upper_clip: float = math.inf,
 ) -> tuple:
     """Training batch norm from reductions and one pointwise graph, for keys cuDNN's batch-norm node
@@ -155,7 +155,7 @@ def _bn_split_forward(
     return y, mean, inv, new_rm, new_rv
 
 
-def _bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tuple[Any, Any, Any]:
+def bn_split_backward(dy: Any, x: Any, gamma: Any, mean: Any, inv: Any) -> tuple[Any, Any, Any]:
     """Batch-norm backward from two reductions (sum dy, sum dy * x) and one pointwise graph for dx."""
     m = _count(x)
     gamma, mean, inv = (v.reshape(-1) for v in (gamma, mean, inv))
@@ -194,7 +194,7 @@ def batchnorm_backward(
 
     res = fused_or_split(
         tag("batchnorm_backward_node", dy, x), node,
-        lambda: _bn_split_backward(dy if y is None else call("relu_backward", dy, y, **clip), x, gamma, mean, inv_var),
+        lambda: bn_split_backward(dy if y is None else call("relu_backward", dy, y, **clip), x, gamma, mean, inv_var),
     )
     return tuple(r if n else None for r, n in zip(res, needs))  # type: ignore[return-value]
 
@@ -276,7 +276,7 @@ def fold_batchnorm(
     affine. The BN vectors share one float dtype (float32, or float16 / bfloat16 for a half model);
     w and b may each have any of the three.
     Run the result with :func:`conv_bias_relu` (or conv_bias, conv_bias_add_relu)."""
-    from .pool import FLOAT_DTYPES, _Launch, _operand, _same_place, cuda_function, dtype_prelude, kernel_file
+    from .pool import FLOAT_DTYPES, Launch, _operand, _same_place, cuda_function, dtype_prelude, kernel_file
 
     P = "fold_batchnorm"
     wo = _operand(P, "w", w, (4,), FLOAT_DTYPES)
@@ -302,7 +302,7 @@ def fold_batchnorm(
         raise OperandError(P, "epsilon", f"expected a number >= 0, got {epsilon!r}", what="argument")
     pd = vecs["var"].dtype
     dtypes = (wo.dtype, bo.dtype if bo is not None else wo.dtype, pd, out)  # w, b, the BN vectors, the output
-    with _Launch(P, wo) as L:  # (the module loads on w's device)
+    with Launch(P, wo) as L:  # (the module loads on w's device)
         kernel = cuda_function(
             (P, *dtypes), lambda: "".join(dtype_prelude(d, s) for d, s in zip(dtypes, ("_w", "_b", "_p", "_o"))) + kernel_file("fold_batchnorm.cu"), P)
         w2, w2v = L.empty_as(wo, out)  # w's very strides: a 1x1 or depthwise filter keeps the layout it came with

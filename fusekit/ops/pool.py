@@ -79,7 +79,7 @@ def cuda_function(key: Any, source: Callable[[], str], name: str) -> Any:
     return mod.get_function(name)
 
 
-def _kernel(dtype: str, name: str) -> Any:
+def pool_kernel(dtype: str, name: str) -> Any:
     return cuda_function(dtype, lambda: kernel_source(dtype), name)
 
 
@@ -181,7 +181,7 @@ def _external_stream(cp: Any, ptr: int, dev: int) -> Any:
     return s
 
 
-class _Launch:
+class Launch:
     """One call's GPU side: the operands' device, the stream (torch's current one for a torch
     caller, else CuPy's current one), kernel arguments for the operands and outputs of the
     caller's type. A CuPy caller's arrays go to the kernels as CuPy arrays; a torch caller's as
@@ -197,7 +197,7 @@ class _Launch:
         self.torch = first.lib == "torch"
         self._keep: list[Any] = []  # scratch tensors the queued kernels read
 
-    def __enter__(self) -> "_Launch":
+    def __enter__(self) -> "Launch":
         cp, dev = self.cp, self.first.device
         self._stack.enter_context(cp.cuda.Device(dev))
         if self.torch:
@@ -270,7 +270,7 @@ class _Launch:
 
     def run(self, dtype: str, name: str, threads: int, args: Sequence[Any]) -> None:
         """Launch ``name`` of ``dtype``'s module with ``threads`` threads (grid-stride past the cap)."""
-        self.launch(_kernel(dtype, name), threads, args)
+        self.launch(pool_kernel(dtype, name), threads, args)
 
     @staticmethod
     def launch(kernel: Any, threads: int, args: Sequence[Any]) -> None:
@@ -302,7 +302,7 @@ def max_pool2d(
     _check_plane(P, "x", h, w)
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
-    with _Launch(P, xo) as L:
+    with Launch(P, xo) as L:
         y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
         vec = 16 // ITEMSIZE[xo.dtype]
         xv = L.view(xo)
@@ -320,7 +320,7 @@ def max_pool2d(
     return y, am
 
 
-def _result(P: str, L: "_Launch", like: _Operand, out: Any, shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...], str]:
+def _result(P: str, L: "Launch", like: _Operand, out: Any, shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...], str]:
     """(result, its CuPy view, its strides, its layout): a new array dense in ``like``'s layout, or
     the caller's ``out`` checked against the expected shape, dtype, device and array type."""
     if out is None:
@@ -352,7 +352,7 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
     _check_plane(P, "input_shape", h, w)
     xs = _layout_strides((n, c, h, w), d.layout)
     total_in, total_out = n * c * h * w, d.shape[0] * d.shape[1] * d.shape[2] * d.shape[3]
-    with _Launch(P, d) as L:
+    with Launch(P, d) as L:
         dx, dxv = L.empty(d, (n, c, h, w), d.layout, zero=d.dtype == "float32")
         # float32: dy scatter-added into dx itself; else into float32 scratch with dx's strides (both dense in d.layout)
         acc = dxv if d.dtype == "float32" else L.zeros_f32(total_in)
@@ -389,7 +389,7 @@ def avg_pool2d(
     n, c, h, w = xo.shape
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
-    with _Launch(P, xo) as L:
+    with Launch(P, xo) as L:
         y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
         L.run(xo.dtype, "avg_pool_fwd", total, [
             L.view(xo), yv, *_i64(total),
@@ -417,7 +417,7 @@ def avg_pool2d_backward(
     if d.shape != (n, c, g.ho, g.wo):
         raise OperandError(P, "dy", f"expected shape {(n, c, g.ho, g.wo)} (avg_pool2d's output for input_shape), got {d.shape}")
     total = n * c * h * w
-    with _Launch(P, d) as L:
+    with Launch(P, d) as L:
         dx, dxv = L.empty(d, (n, c, h, w), d.layout)
         L.run(d.dtype, "avg_pool_bwd", total, [
             L.view(d), dxv, *_i64(total),
@@ -453,7 +453,7 @@ def _softmax_call(P: str, mode: int, a_name: str, a: Any, dy: Any, axis: int) ->
             raise OperandError(P, a_name, f"expected dy's shape {D.shape}, got {A.shape}")
     ax = checked_axis(P, axis, len(A.shape))
     like = A if D is None else D  # the result: x's (forward) or dy's (backward) type, dtype and layout
-    with _Launch(P, like) as L:
+    with Launch(P, like) as L:
         out, outv = L.empty(like, like.shape, like.layout)
         Q = replace(like, array=out)
         # rows walk the result's memory order; the kernel's b is dy (backward) or unread (forward)
@@ -519,7 +519,7 @@ def channel_layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float 
         raise OperandError(P, "eps", f"expected a positive number, got {eps!r}")
     vecs = [_channel_vector(P, k, v, xo) for k, v in (("weight", weight), ("bias", bias)) if v is not None]
     n, c, h, w = xo.shape
-    with _Launch(P, xo) as L:
+    with Launch(P, xo) as L:
         y, yv, ystr, _ = _result(P, L, xo, out, xo.shape)
         gb = [L.view(v) for v in vecs] or [L.zeros_f32(1)] * 2  # unread without weight and bias
         L.run(xo.dtype, "layer_norm_channels", n * h * w * 32, [
@@ -542,7 +542,7 @@ def channel_shuffle(x: Any, groups: int, *, out: Any = None) -> Any:
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 or c % groups:
         raise OperandError(P, "groups", f"expected a positive int dividing x's {c} channels, got {groups!r}")
     total = n * c * h * w
-    with _Launch(P, xo) as L:
+    with Launch(P, xo) as L:
         y, yv, ystr, ylayout = _result(P, L, xo, out, xo.shape)
         L.run(xo.dtype, "channel_shuffle", total, [
             L.view(xo), yv, *_i64(total), *_i32(c, h, w, int(groups)), *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC")])

@@ -155,7 +155,7 @@ class Pipeline:
             out[k] = t
         return out
 
-    def _torch_runner(self, s: Stage, w: dict[str, Any]) -> Callable[[], None]:
+    def torch_runner(self, s: Stage, w: dict[str, Any]) -> Callable[[], None]:
         import torch
 
         fn = s.fn
@@ -220,13 +220,13 @@ class Pipeline:
             out = self._layernorm_out(operands[0], x, y) if s.pattern == "layernorm" else y
         if out is None:
             self.engines[i] = "torch (channel slice)"
-            return self._torch_runner(s, w)
+            return self.torch_runner(s, w)
         try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
             fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
         except FusekitError as e:
             self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {e})")
             self.engines[i], self.sources[i] = "torch (refused)", "-"
-            return self._torch_runner(s, w)
+            return self.torch_runner(s, w)
         self.sources[i] = "pending"
         self._fused[i] = (operands, attrs, out)
         if pre is not None:
@@ -279,10 +279,10 @@ class Pipeline:
                 self._noop.add(i)
                 return lambda: None
             self.engines[i] = "copy (channel slice)"
-            return self._torch_runner(s, w)
+            return self.torch_runner(s, w)
         if s.pattern in POOL_PATTERNS and any(v in self.memory_plan.alias for v in (*s.inputs, s.output)):
             self.engines[i] = "torch (channel slice)"  # fusekit's pooling kernels take dense arrays only
-            return self._torch_runner(s, w)
+            return self.torch_runner(s, w)
         if s.pattern in FUSEKIT_PATTERNS:
             return self._fused_runner(i, s, w, x, y)
         if s.pattern == "max_pool2d":
@@ -291,7 +291,7 @@ class Pipeline:
             return lambda: pool.max_pool2d(x, k, st, p, out=y, indices=False, **kw)
         if s.pattern == "avg_pool2d" and is_global_pool(s):
             self.engines[i] = "torch mean"
-            return self._torch_runner(s, w)
+            return self.torch_runner(s, w)
         if s.pattern == "avg_pool2d":
             k, st, p, kw = a["kernel_size"], a["stride"], a["padding"], pool_options(s)
             self.engines[i] = "cupy kernel"
@@ -309,7 +309,7 @@ class Pipeline:
             return lambda: y.copy_(x.reshape(y.shape))
         if s.pattern == "torch":
             self.engines[i] = "torch"
-            return self._torch_runner(s, w)
+            return self.torch_runner(s, w)
         raise FusekitError(f"pipeline: stage {s.name} has no runner for pattern {s.pattern!r}")
 
     def replay(self) -> None:
@@ -432,7 +432,7 @@ class Pipeline:
             what = "fused cuDNN graph" if s.pattern in FUSEKIT_PATTERNS else "fusekit's CuPy kernel"
             t_own = self._stage_ms(self._runners[i])
             alts = [("cupy kernel", "fusekit's CuPy kernel", self._kernels[i])] if i in self._kernels else []
-            alts.append(("torch", "PyTorch", self._torch_runner(s, self._stage_weights[i])))
+            alts.append(("torch", "PyTorch", self.torch_runner(s, self._stage_weights[i])))
             t, engine, name, alt = min(((self._stage_ms(r), e, n, r) for e, n, r in alts), key=lambda c: c[0])
             if t < 0.97 * t_own:
                 self._runners[i] = alt
@@ -444,7 +444,7 @@ class Pipeline:
         for r in self.check():
             if not r["rel_err"] <= tol:  # NaN too
                 i, s = r["stage"], self.stages[r["stage"]]
-                self._runners[i] = self._torch_runner(s, self._stage_weights[i])
+                self._runners[i] = self.torch_runner(s, self._stage_weights[i])
                 self.build_fallbacks.append(f"{s.name}: {s.pattern} ({r['engine']}) disagreed with PyTorch's float32 result on the "
                                             f"same inputs (relative error {r['rel_err']:.1e} > {tol:.0e}); run by PyTorch")
                 self.engines[i], self.sources[i] = "torch (fusekit's result disagreed)", "-"

@@ -40,7 +40,7 @@ def on_graphs(x: Any, who: str, ranks: tuple[int, ...] | None = (4,)) -> bool:
     return False
 
 
-def _is_dense(x: torch.Tensor) -> bool:
+def is_dense(x: torch.Tensor) -> bool:
     return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
 
 
@@ -100,7 +100,7 @@ def _tag(t: torch.Tensor, name: str, value: Any) -> torch.Tensor:
     return t
 
 
-def _tagged(t: Any, name: str) -> Any:
+def tagged(t: Any, name: str) -> Any:
     """The value :func:`_tag` attached to ``t`` under ``name``, or None (no tag, or ``t`` modified since)."""
     tag = getattr(t, name, None) if isinstance(t, torch.Tensor) else None
     return tag[0] if tag is not None and tag[1] == _version(t) else None
@@ -109,23 +109,23 @@ def _tagged(t: Any, name: str) -> Any:
 # Fusion across modules (set up by convert): a producer computes its followers' work too and tags
 # its output with them; each follower, given exactly that tensor (same object, unmodified), passes
 # it on instead of computing again. Any other input is computed as usual.
-_DONE = "_fusekit_done"
-_ADDED = "_fusekit_added"  # a conv's output that already holds relu(. + residual): id(residual)
+DONE = "_fusekit_done"
+ADDED = "_fusekit_added"  # a conv's output that already holds relu(. + residual): id(residual)
 
 
-def _hand_on(y: torch.Tensor, followers: tuple) -> torch.Tensor:
-    return _tag(y, _DONE, tuple(id(m) for m in followers)) if followers else y
+def hand_on(y: torch.Tensor, followers: tuple) -> torch.Tensor:
+    return _tag(y, DONE, tuple(id(m) for m in followers)) if followers else y
 
 
-def _already_done(x: Any, m: torch.nn.Module) -> bool:
+def already_done(x: Any, m: torch.nn.Module) -> bool:
     """Whether ``x`` is a producer's output that already holds ``m``'s work (then ``m`` passes it on)."""
-    ids = _tagged(x, _DONE)
+    ids = tagged(x, DONE)
     if ids is None or ids[0] != id(m):
         return False
     if len(ids) > 1:
-        _tag(x, _DONE, ids[1:])
+        _tag(x, DONE, ids[1:])
     else:
-        delattr(x, _DONE)
+        delattr(x, DONE)
     return True
 
 
@@ -142,10 +142,10 @@ def _mark_relu_output(y: torch.Tensor, clip: float = math.inf) -> torch.Tensor:
     return _tag(y, _RELU_OUT, clip)
 
 
-def _relu_output_clip(x: Any) -> float | None:
+def relu_output_clip(x: Any) -> float | None:
     """The upper clip (inf: ReLU, 6: ReLU6) of the fusekit ReLU whose unmodified output ``x`` is (its
     gradient may carry the dReLU), or None."""
-    return _tagged(x, _RELU_OUT)
+    return tagged(x, _RELU_OUT)
 
 
 def _mark_relu_done(dx: torch.Tensor, relu_out: torch.Tensor) -> torch.Tensor:
@@ -154,7 +154,7 @@ def _mark_relu_done(dx: torch.Tensor, relu_out: torch.Tensor) -> torch.Tensor:
 
 def _relu_done(dy: Any, y: torch.Tensor | None) -> bool:
     """Whether ``dy`` already has the mask of the ReLU whose output is ``y`` applied (by the consumer's dgrad)."""
-    return y is not None and _tagged(dy, _RELU_DONE) == y.data_ptr()
+    return y is not None and tagged(dy, _RELU_DONE) == y.data_ptr()
 
 
 def _check_act(act: str | None, who: str = "fusekit.torch", allowed: tuple[str, ...] = ("relu", "relu6")) -> str | None:
@@ -215,7 +215,7 @@ def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tup
     return (left[0], left[1]), ((0, extra[1], 0, extra[0]) if any(extra) else None)
 
 
-def _padded(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch.Tensor:
+def padded_for_conv(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch.Tensor:
     """``F.pad(x, pad, mode)`` in x's memory format (the non-constant modes write NCHW)."""
     y = F.pad(x, pad, mode=mode)
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():

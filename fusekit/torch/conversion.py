@@ -14,7 +14,7 @@ import torch
 
 from ..errors import OperandError
 from ..ops.common import ACTIVATIONS
-from .modules import AvgPool2d, BatchNorm2d, Conv2d, ConvTranspose2d, Linear, LogSoftmax, MaxPool2d, ReLU, ReLU6, Softmax, _Fusekit
+from .modules import AvgPool2d, BatchNorm2d, Conv2d, ConvTranspose2d, Linear, LogSoftmax, MaxPool2d, ReLU, ReLU6, Softmax, FusekitModule
 
 F = torch.nn.functional
 
@@ -79,7 +79,7 @@ class FxTracer(torch.fx.Tracer):
     default tracer keeps ``torch.nn`` modules; tracing through them records PyTorch's ops instead."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:  # type: ignore[override]
-        return isinstance(m, _Fusekit) or super().is_leaf_module(m, module_qualified_name)
+        return isinstance(m, FusekitModule) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _relu_node(model: torch.nn.Module, n: Any) -> bool:
@@ -176,7 +176,7 @@ def _link(producer: Any, consumer: Any) -> bool:
 def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tuple[tuple[str, ...], str]]:
     groups: list[tuple[tuple[str, ...], str]] = []
     in_chain: set[int] = set()
-    mods = [m for m in model.modules() if isinstance(m, _Fusekit)]
+    mods = [m for m in model.modules() if isinstance(m, FusekitModule)]
     for m in mods:
         bn = m._fk_bn
         if bn is not None:
@@ -263,7 +263,7 @@ def _fuse_residual_ends(model: torch.nn.Module, names: dict[int, str], report: C
     attribute; the class, parameters and state-dict keys stay). A forward traced differently in training
     and eval mode, or not traceable, stays as it is."""
     for m in list(model.modules()):
-        if isinstance(m, _Fusekit) or next(m.children(), None) is None or "forward" in m.__dict__:
+        if isinstance(m, FusekitModule) or next(m.children(), None) is None or "forward" in m.__dict__:
             continue
         if type(m).forward is torch.nn.Sequential.forward:
             continue
@@ -310,7 +310,7 @@ def _reclass(model: torch.nn.Module, report: ConvertReport) -> dict[int, Any]:
     fusekit modules already there included); the report says what was replaced and what stays PyTorch's."""
     converted: dict[int, Any] = {}
     for name, m in model.named_modules():
-        if isinstance(m, _Fusekit):
+        if isinstance(m, FusekitModule):
             converted[id(m)] = m
             continue
         target = _TARGETS.get(type(m))

@@ -60,7 +60,7 @@ def graphed(model: torch.nn.Module, sample: torch.Tensor | None = None, *, autoc
                 raise OperandError(who, f"model.{name}", f"expected on {sample.device} (the sample's device), got {t.device}")
     if not isinstance(eval_graphs, bool):
         raise OperandError(who, "eval_graphs", f"expected True or False, got {eval_graphs!r}", what="argument")
-    fwd = _GraphedForward(model, model.forward, warmup, max_graphs, eval_graphs)
+    fwd = GraphedForward(model, model.forward, warmup, max_graphs, eval_graphs)
     if sample is not None:
         model.train()
         fwd.capture_now(sample, autocast)
@@ -113,8 +113,8 @@ def _check_wrappable(model: Any, who: str) -> None:
         raise OperandError(who, "model", f"has hooks registered on it ({', '.join(hooked[:3])}): a replay would skip them; "
                            "remove them first", what="argument")
     wrapped = model.__dict__.get("forward")
-    if isinstance(wrapped, (_GraphedForward, ReplayedForward)):
-        kind = "graphed" if isinstance(wrapped, _GraphedForward) else "replayed"
+    if isinstance(wrapped, (GraphedForward, ReplayedForward)):
+        kind = "graphed" if isinstance(wrapped, GraphedForward) else "replayed"
         raise OperandError(who, "model", f"is {kind} already", what="argument")
 
 
@@ -126,7 +126,7 @@ def _flat_outputs(out: Any) -> tuple:
     return outs
 
 
-class _Captured:
+class Captured:
     """One input signature's forward and backward CUDA graphs and their static buffers.
 
     The forward is captured with the parameters swapped for fresh leaves sharing their memory
@@ -134,7 +134,7 @@ class _Captured:
     from earlier steps (on another stream) take no part in the capture. ``train`` False: an eval
     forward without autograd, no backward graph (:meth:`replay_eval`)."""
 
-    def __init__(self, graphed: "_GraphedForward", x: torch.Tensor, amp: Any, train: bool = True) -> None:
+    def __init__(self, graphed: "GraphedForward", x: torch.Tensor, amp: Any, train: bool = True) -> None:
         self.handed: tuple = ()
         self.pending: Any = None  # weak reference to the autograd node of a replay whose backward is still to come
         if not train:
@@ -163,7 +163,7 @@ class _Captured:
             graphed.capturing = False
         torch.cuda.synchronize()
 
-    def _capture_eval(self, graphed: "_GraphedForward", x: torch.Tensor, amp: Any) -> None:
+    def _capture_eval(self, graphed: "GraphedForward", x: torch.Tensor, amp: Any) -> None:
         """The forward alone, without autograd; buffers that are ordinary tensors (not inference
         tensors), so a capture made under ``inference_mode`` replays under ``no_grad`` too."""
         self.params, self.bwd, self.grad_outs, self.grads = (), None, (), ()
@@ -192,11 +192,11 @@ class _Captured:
         return outs[0] if self.kind is None else self.kind(outs)
 
 
-class _Replay(torch.autograd.Function):
+class Replay(torch.autograd.Function):
     """A captured forward replayed (input copied in, outputs copied out), its backward replayed."""
 
     @staticmethod
-    def forward(ctx: Any, cap: _Captured, x: torch.Tensor, *params: torch.Tensor) -> tuple:
+    def forward(ctx: Any, cap: Captured, x: torch.Tensor, *params: torch.Tensor) -> tuple:
         ctx.cap = cap
         cap.x.copy_(x)
         cap.fwd.replay()
@@ -220,12 +220,12 @@ class _Replay(torch.autograd.Function):
         return (None, gx) + cap.handed[int(cap.x.requires_grad):]
 
 
-class _GraphedForward:
+class GraphedForward:
     """The forward :func:`graphed` puts on a model: replays a capture per input signature."""
 
     def __init__(self, model: torch.nn.Module, original: Any, warmup: int, max_graphs: int, eval_graphs: bool = True) -> None:
         self.model, self.original, self.warmup, self.max_graphs, self.eval_graphs = model, original, warmup, max_graphs, eval_graphs
-        self.graphs: dict[tuple, _Captured] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.calls: dict[tuple, int] = {}
         self.refused: dict[tuple, str] = {}
         self.attempts: dict[tuple, int] = {}
@@ -262,7 +262,7 @@ class _GraphedForward:
                     torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
                 del outs  # nothing of the warm-up's autograd graph outlives it
             key = self.signature(x)
-        self.graphs[key] = _Captured(self, x, amp)
+        self.graphs[key] = Captured(self, x, amp)
 
     def _refuse(self, key: tuple, why: str) -> None:
         self.refused[key] = why
@@ -302,7 +302,7 @@ class _GraphedForward:
                 self._refuse(key, f"max_graphs={self.max_graphs} signatures are captured already")
                 return self.original(x)
             try:
-                cap = self.graphs[key] = _Captured(self, x, key[5], key[6])
+                cap = self.graphs[key] = Captured(self, x, key[5], key[6])
             except CaptureError as e:  # raised before anything ran (a plan not built yet: the warm-up calls had no backward)
                 self.attempts[key] = self.attempts.get(key, 0) + 1
                 if self.attempts[key] >= 3:
@@ -319,9 +319,9 @@ class _GraphedForward:
             # The last replay's backward has not run yet (two forwards, one backward): replaying now would
             # overwrite the activations it reads. This call runs uncaptured instead.
             return self.original(x)
-        return cap.result(_Replay.apply(cap, x, *cap.params))
+        return cap.result(Replay.apply(cap, x, *cap.params))
 
 
-def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int, eval_graphs: bool = True) -> _GraphedForward:
+def _regraphed(model: torch.nn.Module, warmup: int, max_graphs: int, eval_graphs: bool = True) -> GraphedForward:
     """A graphed forward, no graphs yet, over ``model``'s class forward (how copies and pickles come back)."""
-    return _GraphedForward(model, type(model).forward.__get__(model), warmup, max_graphs, eval_graphs)
+    return GraphedForward(model, type(model).forward.__get__(model), warmup, max_graphs, eval_graphs)

@@ -14,12 +14,12 @@ from ..engine.patterns import conv_out_size
 from ..errors import OperandError
 from ..ops.common import ACTIVATIONS
 from . import common
-from .common import _ADDED, _act_of, _already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, _hand_on, _is_dense, _like, _mark_relu_output, _needs_grad, _padded, _relu_output_clip, _tag, _tagged, _version
+from .common import ADDED, _act_of, already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version
 from .functions import BatchNormAct, ConvBiasAct, ConvTransposeBiasAct, LinearBiasAct, ScaleShiftAct, _AddReLU, _AvgPool, _MaxPool, _ReLUFn, _Softmax
 
 F = torch.nn.functional
 
-class _Fusekit:
+class FusekitModule:
     """Marker and defaults of the fusekit.torch modules. ``_fk_bn`` / ``_fk_relu``: the module whose
     work this one does too (set by :func:`convert`, never registered as submodules)."""
 
@@ -65,7 +65,7 @@ class _Fusekit:
         return base + act + self._fk_followers()
 
 
-class _FusekitAct(_Fusekit):
+class FusekitActModule(FusekitModule):
     """A fusekit module over a torch layer with an optional fused ReLU (``activation="relu"``, or
     ``"relu6"`` where the module says so)."""
 
@@ -91,7 +91,7 @@ class _FusekitAct(_Fusekit):
         return None if getattr(self, "_fk_epilogue", None) is not None else self.activation
 
 
-class Conv2d(_FusekitAct, torch.nn.Conv2d):
+class Conv2d(FusekitActModule, torch.nn.Conv2d):
     """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused activation: ``"relu"`` or
     ``"relu6"`` (forward and backward graphs), or any of ``silu``, ``gelu``, ``gelu_tanh``,
     ``sigmoid``, ``tanh``, ``hardswish``, ``hardsigmoid``, ``leaky_relu``, ``elu`` (``(name, alpha)``
@@ -157,26 +157,26 @@ class Conv2d(_FusekitAct, torch.nn.Conv2d):
             if self._fk_relu is not None:
                 done = (self._fk_relu,)
         if self._fk_extra is not None:
-            x = _padded(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
+            x = padded_for_conv(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
         if (folded and act is None and residual is not None and common.on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x)
                 and not _needs_grad(x, w, b, residual)):
             z = _like(_cast(_dense(residual, "Conv2d"), x.dtype), x)
             y = common.ops.conv_bias_add_relu(x, w, b, z, padding=self._fk_pad, stride=self.stride, dilation=self.dilation, groups=self.groups)
-            return _hand_on(_tag(_mark_relu_output(y), _ADDED, id(residual)), done)
-        input_clip = _relu_output_clip(x) if self._fk_drelu else None
+            return hand_on(_tag(_mark_relu_output(y), ADDED, id(residual)), done)
+        input_clip = relu_output_clip(x) if self._fk_drelu else None
         ep = self._fk_epilogue
         if ep is not None:  # never with a folded BN: convert links nothing to a conv with its own activation
             if not _needs_grad(x, w, b):
                 y = common.ops.conv_bias_act(x, w, b, activation=ep[0], alpha=ep[1], padding=self._fk_pad, stride=self.stride,
                                              dilation=self.dilation, groups=self.groups)
-                return _hand_on(y, done)
+                return hand_on(y, done)
             y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, None, input_clip)
-            return _hand_on(_apply_epilogue(y, ep), done)
+            return hand_on(_apply_epilogue(y, ep), done)
         y = ConvBiasAct.apply(x, w, b, self._fk_pad, self.stride, self.dilation, self.groups, act, input_clip)
-        return _hand_on(y if act is None else _mark_relu_output(y, ACTIVATIONS[act]), done)
+        return hand_on(y if act is None else _mark_relu_output(y, ACTIVATIONS[act]), done)
 
 
-class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
+class ConvTranspose2d(FusekitActModule, torch.nn.ConvTranspose2d):
     """torch.nn.ConvTranspose2d as cuDNN dgrad-as-forward (``bias=False`` and ``groups`` too), with an
     optional fused ReLU; ``output_size`` in forward works as in PyTorch."""
 
@@ -198,10 +198,10 @@ class ConvTranspose2d(_FusekitAct, torch.nn.ConvTranspose2d):
             x, _cast(self.weight, amp), _cast(self.bias, amp), self.padding, self.stride, self.dilation, tuple(op), self.groups,
             "relu" if relu else None,
         )
-        return _hand_on(y, done)
+        return hand_on(y, done)
 
 
-class Linear(_FusekitAct, torch.nn.Linear):
+class Linear(FusekitActModule, torch.nn.Linear):
     """torch.nn.Linear as a fused cuDNN matmul graph (inputs of any rank >= 1, ``bias=False`` too),
     with an optional fused ReLU. Float32 under a numerics policy that keeps matmuls IEEE (the default,
     as PyTorch's) runs PyTorch's own linear: cuDNN 9.19 has no IEEE float32 matmul plan, and its TF32
@@ -227,10 +227,10 @@ class Linear(_FusekitAct, torch.nn.Linear):
         y = LinearBiasAct.apply(x2, _cast(self.weight, amp), _cast(self.bias, amp), "relu" if relu else None)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
-        return _hand_on(y, done)
+        return hand_on(y, done)
 
 
-class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
+class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
     """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU / ReLU6]; eval: one scale-shift
     [+ ReLU / ReLU6] graph from the running statistics, with gradients as PyTorch's). Parameters and buffers may be
     float16 / bfloat16 (``model.half()``): statistics are computed in float32 and the running stats
@@ -266,13 +266,13 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
             if self._fk_act() is not None:
                 raise OperandError("fusekit.torch.BatchNorm2d", "residual", "is added before a ReLU of its own: this module's activation must be None",
                                    what="argument")
-            if _tagged(x, _ADDED) == id(residual) and _already_done(x, self):  # eval: the conv before did BN, add and ReLU
+            if tagged(x, ADDED) == id(residual) and already_done(x, self):  # eval: the conv before did BN, add and ReLU
                 return x
             if not (isinstance(residual, torch.Tensor) and residual.shape == x.shape  # else: a broadcast, or off cuDNN's graphs
                     and common.on_graphs(x, "BatchNorm2d") and common.on_graphs(residual, "BatchNorm2d")):
                 return F.relu(self.forward(x) + residual)  # as written (bn(x) passes a folded conv's output on)
             residual = _dense(residual, "BatchNorm2d")
-        if _already_done(x, self):  # eval: folded into the conv before
+        if already_done(x, self):  # eval: folded into the conv before
             return x if residual is None else _mark_relu_output(_AddReLU.apply(x, _cast(residual, x.dtype)))
         if not common.on_graphs(x, "BatchNorm2d"):
             return self._torch_forward(x)
@@ -302,29 +302,29 @@ class BatchNorm2d(_FusekitAct, torch.nn.BatchNorm2d):
                 y = _AddReLU.apply(ScaleShiftAct.apply(x, scale, shift, None), residual)
         if act is not None and (batch_stats or residual is not None):
             _mark_relu_output(y, ACTIVATIONS[act])
-        return _hand_on(y, (after,) if after is not None else ())
+        return hand_on(y, (after,) if after is not None else ())
 
 
 def _relu_forward(m: Any, x: Any, clip: float, who: str, torch_forward: Any) -> Any:
-    if _already_done(x, m):
+    if already_done(x, m):
         return x
     if not common.on_graphs(x, who, (1, 2, 4)):
         return torch_forward(m, x)
-    if not _is_dense(x):
+    if not is_dense(x):
         if m.inplace:
             return torch_forward(m, x)  # write through the caller's strides, as PyTorch does
         x = _dense(x, who)
     return _mark_relu_output(_ReLUFn.apply(x, m.inplace, clip), clip)
 
 
-class ReLU(_Fusekit, torch.nn.ReLU):
+class ReLU(FusekitModule, torch.nn.ReLU):
     """torch.nn.ReLU as a cuDNN pointwise graph (1-, 2- and 4-D inputs; ``inplace=True`` writes into x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return _relu_forward(self, x, math.inf, "ReLU", torch.nn.ReLU.forward)
 
 
-class ReLU6(_Fusekit, torch.nn.ReLU6):
+class ReLU6(FusekitModule, torch.nn.ReLU6):
     """torch.nn.ReLU6 (min(max(x, 0), 6)) as a cuDNN pointwise graph (1-, 2- and 4-D inputs;
     ``inplace=True`` writes into x). Its backward passes the gradient where 0 < y < 6, as PyTorch's."""
 
@@ -332,7 +332,7 @@ class ReLU6(_Fusekit, torch.nn.ReLU6):
         return _relu_forward(self, x, ACTIVATIONS["relu6"], "ReLU6", torch.nn.ReLU6.forward)
 
 
-class ChannelScaleShift(_Fusekit, torch.nn.Module):
+class ChannelScaleShift(FusekitModule, torch.nn.Module):
     """y = x * gamma + beta per channel (``scale``/``shift`` choose which exist), optional fused ReLU
     (``activation="relu"`` or ``"relu6"``)."""
 
@@ -348,7 +348,7 @@ class ChannelScaleShift(_Fusekit, torch.nn.Module):
         return ScaleShiftAct.apply(x, self.weight, self.bias, self.activation)
 
 
-class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
+class MaxPool2d(FusekitModule, torch.nn.MaxPool2d):
     """torch.nn.MaxPool2d through fusekit's CuPy kernel (int32 argmax saved for the backward), with
     ``ceil_mode``, ``dilation`` and ``return_indices`` (int64 indices, as PyTorch's, for
     ``F.max_unpool2d``)."""
@@ -369,7 +369,7 @@ class MaxPool2d(_Fusekit, torch.nn.MaxPool2d):
         return (y, argmax.long()) if self.return_indices else y
 
 
-class AvgPool2d(_Fusekit, torch.nn.AvgPool2d):
+class AvgPool2d(FusekitModule, torch.nn.AvgPool2d):
     """torch.nn.AvgPool2d through fusekit's CuPy kernel (PyTorch's divisors; ``count_include_pad``,
     ``ceil_mode`` and ``divisor_override`` too)."""
 
@@ -395,7 +395,7 @@ def _softmax_forward(m: Any, x: Any, log: bool, who: str) -> Any:
     return _Softmax.apply(_dense(x, who), dim, log)
 
 
-class Softmax(_Fusekit, torch.nn.Softmax):
+class Softmax(FusekitModule, torch.nn.Softmax):
     """Softmax (``log=True``: log-softmax) over ``dim`` (default 1) through fusekit's kernel, for 2-D
     and 4-D inputs; the backward reads the output, not the input."""
 
@@ -410,7 +410,7 @@ class Softmax(_Fusekit, torch.nn.Softmax):
         return _softmax_forward(self, x, self.log, "Softmax")
 
 
-class LogSoftmax(_Fusekit, torch.nn.LogSoftmax):
+class LogSoftmax(FusekitModule, torch.nn.LogSoftmax):
     """torch.nn.LogSoftmax through fusekit's kernel (2-D and 4-D inputs)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

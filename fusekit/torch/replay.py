@@ -106,7 +106,7 @@ class _Record(torch.autograd.Function):
         return (None, None) + ((None,) if not xin.requires_grad else ()) + grads
 
 
-class _Replay(torch.autograd.Function):
+class Replay(torch.autograd.Function):
     """A tape's forward and backward replayed."""
 
     @staticmethod
@@ -249,7 +249,7 @@ class ReplayedForward:
                 if self.pooled is not None and not self.pooled.lent:
                     self.pooled.pool = None
                 self.pooled = tape
-            return _Replay.apply(tape, x, *self.params)
+            return Replay.apply(tape, x, *self.params)
         if key in self.refused:
             return self.original(x)
         n = self.calls[key] = self.calls.get(key, 0) + 1

@@ -702,12 +702,8 @@ def test_patterns_show_refuses_absurd_dims_and_attrs(args, needles):
 
 
 @pytest.fixture
-def user_patterns(tmp_path, monkeypatch):
-    """An empty $FUSEKIT_PATTERNS directory, a fresh registry and no directory warned about yet."""
-    from fusekit.engine import patterns as engine_patterns
-
-    monkeypatch.setattr(engine_patterns, "_REGISTRY", {})
-    forget_warnings()
+def user_patterns(tmp_path, monkeypatch, fresh_session):
+    """An empty $FUSEKIT_PATTERNS directory, a fresh session (registry, warnings given)."""
     d = tmp_path / "user"
     d.mkdir()
     monkeypatch.setenv("FUSEKIT_PATTERNS", str(d))

@@ -48,7 +48,7 @@ def _channel(v, name):
 
 def _image(*ts):
     for t in ts:
-        assert t.dim() == 4 and ft.common._is_dense(t), f"operand not dense NCHW / NHWC: strides {t.stride()}"
+        assert t.dim() == 4 and ft.common.is_dense(t), f"operand not dense NCHW / NHWC: strides {t.stride()}"
 
 
 def _same_dtype(*ts):
@@ -113,7 +113,7 @@ class FakeOps:
         y = F.conv2d(x, w, b, stride, padding, dilation, groups) + z
         return _like_layout(torch.relu(y), x)
 
-    def _conv_grads(self, dz, x, w, needs, kw):
+    def conv_grads(self, dz, x, w, needs, kw):
         _image(dz, x, w)
         _same_dtype(dz, x, w)
         dx, dw = _vjp(lambda a, b: F.conv2d(a, b, None, kw["stride"], kw["padding"], kw["dilation"], kw["groups"]), (x, w), dz)
@@ -124,17 +124,17 @@ class FakeOps:
 
     def conv2d_backward(self, dy, x, w, *, needs=(True, True), **kw):
         self.calls.append("conv_backward")
-        return self._conv_grads(dy, x, w, needs, kw)
+        return self.conv_grads(dy, x, w, needs, kw)
 
     def conv_bias_backward(self, dy, x, w, *, needs=(True, True, True), **kw):
         self.calls.append("conv_bias_backward")
-        dx, dw = self._conv_grads(dy, x, w, needs, kw)
+        dx, dw = self.conv_grads(dy, x, w, needs, kw)
         return dx, dw, dy.sum((0, 2, 3)) if needs[2] else None
 
     def conv_bias_relu_backward(self, dy, x, w, y, *, needs=(True, True, True), upper_clip=INF, **kw):
         self.calls.append("conv_bias_relu_backward")
         dz = dy * _mask(y, upper_clip)
-        dx, dw = self._conv_grads(dz, x, w, needs, kw)
+        dx, dw = self.conv_grads(dz, x, w, needs, kw)
         return dx, dw, dz.sum((0, 2, 3)) if needs[2] else None
 
     def _convt(self, name, x, w, b, output_padding, kw, relu):
@@ -402,7 +402,7 @@ def test_conv_padding_modes_pad_the_input_first(mode, padding, kernel, expect_ex
     if expect_extra is not None:
         assert m._fk_extra == tuple(t._reversed_padding_repeated_twice)
     x = torch.randn(2, 4, 7, 9).contiguous(memory_format=torch.channels_last)
-    y = ft.common._padded(x, (1, 2, 1, 2), mode)
+    y = ft.common.padded_for_conv(x, (1, 2, 1, 2), mode)
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, F.pad(x, (1, 2, 1, 2), mode=mode))
 
 
@@ -513,13 +513,10 @@ def test_linear_matches_torch(fake, shape, bias):
     compare(fk, ref, torch.randn(shape, dtype=torch.float64))
 
 
-def test_float32_linear_keeps_ieee_matmuls_through_pytorch(fake, monkeypatch):
+def test_float32_linear_keeps_ieee_matmuls_through_pytorch(fake, monkeypatch, fresh_session):
     """Float32 Linear under a policy that keeps matmuls IEEE (the default) runs PyTorch's linear (cuDNN
     9.19 has only TF32 float32 matmul plans: 3e-4 off float64 on the H100, PyTorch 1e-7); allowing
     matmul TF32 sends it to cuDNN again, and other dtypes always go there."""
-    from fusekit import config
-
-    monkeypatch.setattr(config, "_tf32_set", None)
     monkeypatch.delenv("FUSEKIT_ALLOW_TF32", raising=False)
     torch.manual_seed(0)
     ref = torch.nn.Linear(12, 7)
@@ -822,14 +819,14 @@ def test_cpu_tensors_run_pytorch_with_one_warning(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 def test_hand_on_passes_only_the_exact_unmodified_tensor():
     a, b = torch.nn.ReLU(), torch.nn.ReLU()
-    y = ft.common._hand_on(torch.randn(3), (a, b))
-    assert not ft.common._already_done(y, b)  # b's turn comes after a's
-    assert ft.common._already_done(y, a) and ft.common._already_done(y, b) and not ft.common._already_done(y, b)
-    z = ft.common._hand_on(torch.randn(3), (a,))
+    y = ft.common.hand_on(torch.randn(3), (a, b))
+    assert not ft.common.already_done(y, b)  # b's turn comes after a's
+    assert ft.common.already_done(y, a) and ft.common.already_done(y, b) and not ft.common.already_done(y, b)
+    z = ft.common.hand_on(torch.randn(3), (a,))
     z.add_(1)  # modified in place after the producer: computed again
-    assert not ft.common._already_done(z, a)
-    w = ft.common._hand_on(torch.randn(3), (a,))
-    assert not ft.common._already_done(w.clone(), a) and not ft.common._already_done(w[:2], a)
+    assert not ft.common.already_done(z, a)
+    w = ft.common.hand_on(torch.randn(3), (a,))
+    assert not ft.common.already_done(w.clone(), a) and not ft.common.already_done(w[:2], a)
 
 
 def small_cnn():
@@ -1009,9 +1006,9 @@ def test_relu_output_changed_in_place_is_not_fused(fake):
     x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
     with torch.no_grad():
         h = fk[2](fk[1](fk[0](x)))
-    assert ft.common._relu_output_clip(h) == float("inf")
+    assert ft.common.relu_output_clip(h) == float("inf")
     h.add_(1.0)
-    assert ft.common._relu_output_clip(h) is None
+    assert ft.common.relu_output_clip(h) is None
     h.requires_grad_(True)
     fk[3](h).sum().backward()
     assert "dgrad_drelu" not in fake and h.grad is not None
@@ -1168,7 +1165,7 @@ def test_convert_twice_and_fuse_off():
     assert r2.replaced == [] and len(r2.fused) == len(r1.fused)
     plain, r3 = ft.convert(small_cnn(), fuse=False)
     assert r3.fused == [] and len(r3.replaced) == len(r1.replaced)
-    assert all(m._fk_bn is None and m._fk_relu is None for m in plain.modules() if isinstance(m, ft.modules._Fusekit))
+    assert all(m._fk_bn is None and m._fk_relu is None for m in plain.modules() if isinstance(m, ft.modules.FusekitModule))
 
 
 def test_deepcopy_keeps_links_inside_the_copy():
@@ -1315,9 +1312,9 @@ def test_graphed_forward_captures_each_signature_after_its_warmup(monkeypatch):
             replays.append(tuple(x.shape))
             return (x * 2,)
 
-    monkeypatch.setattr(ft.graphs, "_Captured", Captured)
-    monkeypatch.setattr(ft.graphs, "_Replay", Replay)
-    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible",
+    monkeypatch.setattr(ft.graphs, "Captured", Captured)
+    monkeypatch.setattr(ft.graphs, "Replay", Replay)
+    monkeypatch.setattr(ft.graphs.GraphedForward, "eligible",
                         lambda self, a, k: a[0] if self.model.training and torch.is_grad_enabled() and len(a) == 1 else None)
     model = ft.graphed(torch.nn.Linear(3, 3), warmup=2, max_graphs=3)
     x = torch.randn(4, 3)
@@ -1371,7 +1368,7 @@ def test_graphed_checks_its_arguments_before_capturing(monkeypatch):
     parameter on another device, hooks on any submodule, a model graphed twice) before anything is
     captured."""
     called = []
-    monkeypatch.setattr(ft.graphs, "_Captured", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(ft.graphs, "Captured", lambda *a, **k: called.append(a))
     model = torch.nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8)
     cases = [
@@ -1401,13 +1398,13 @@ def test_a_graphed_model_copies_and_pickles_without_its_graphs(monkeypatch):
     import copy
     import pickle
 
-    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible", lambda self, a, k: None)  # CPU: every call uncaptured
+    monkeypatch.setattr(ft.graphs.GraphedForward, "eligible", lambda self, a, k: None)  # CPU: every call uncaptured
     model = ft.graphed(torch.nn.Linear(3, 3), warmup=2, max_graphs=2)
     model.forward.graphs[("a signature",)] = object()  # stands for a capture
     x = torch.randn(4, 3)
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         fwd = twin.forward
-        assert isinstance(fwd, ft.graphs._GraphedForward) and fwd.model is twin and not fwd.graphs
+        assert isinstance(fwd, ft.graphs.GraphedForward) and fwd.model is twin and not fwd.graphs
         assert (fwd.warmup, fwd.max_graphs) == (2, 2)
         with torch.no_grad():
             twin.weight.mul_(2)
@@ -1444,9 +1441,9 @@ def test_graphed_eval_graphs_capture_eval_forwards_without_autograd(monkeypatch)
         def apply(cap, x, *params):
             return (x * 100,)
 
-    monkeypatch.setattr(ft.graphs, "_Captured", Captured)
-    monkeypatch.setattr(ft.graphs, "_Replay", Replay)
-    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible", lambda self, a, k: a[0] if self.wants_graph() and len(a) == 1 else None)
+    monkeypatch.setattr(ft.graphs, "Captured", Captured)
+    monkeypatch.setattr(ft.graphs, "Replay", Replay)
+    monkeypatch.setattr(ft.graphs.GraphedForward, "eligible", lambda self, a, k: a[0] if self.wants_graph() and len(a) == 1 else None)
     x = torch.randn(4, 3)
     plain = ft.graphed(_ScaleNet(), warmup=2, eval_graphs=False).eval()
     with torch.no_grad():
@@ -1490,7 +1487,7 @@ class _ScaleNet(torch.nn.Module):
 
 
 class _FakeCapture:
-    """_Captured's buffers over CPU 'graphs': the forward replay writes y = p * x and keeps x as the
+    """Captured's buffers over CPU 'graphs': the forward replay writes y = p * x and keeps x as the
     activation its backward reads (as a graph keeps saved tensors in its pool); the backward replay
     writes dL/dp = sum(dy * x) and dL/dx = dy * p."""
 
@@ -1523,13 +1520,13 @@ class _FakeCapture:
 
 
 def test_graphed_replays_give_autograd_the_uncaptured_gradients(monkeypatch):
-    """_Replay (the autograd Function over a capture) run on a fake capture whose 'graphs' compute on
+    """Replay (the autograd Function over a capture) run on a fake capture whose 'graphs' compute on
     the CPU: gradients accumulate into .grad over micro-batches without aliasing the capture's
     buffers, outputs keep their values after the next call, and two forwards before one backward
     (the second would overwrite the activations the first's backward reads) give the uncaptured
     gradients: the second call runs uncaptured."""
-    monkeypatch.setattr(ft.graphs, "_Captured", _FakeCapture)
-    monkeypatch.setattr(ft.graphs._GraphedForward, "eligible",
+    monkeypatch.setattr(ft.graphs, "Captured", _FakeCapture)
+    monkeypatch.setattr(ft.graphs.GraphedForward, "eligible",
                         lambda self, a, k: a[0] if self.model.training and torch.is_grad_enabled() and len(a) == 1 else None)
     model, ref = ft.graphed(_ScaleNet(), warmup=1), _ScaleNet()
     xs = [torch.randn(5) for _ in range(6)]

@@ -472,9 +472,9 @@ def test_converted_torchvision_model_matches_original(name, precision):
     passed, added = [], []  # per BN call: whether its input came from a conv that did its work (folded), and the residual's add + ReLU too
 
     def handed_on(m, i, s=passed):
-        ids = ft().common._tagged(i[0], ft().common._DONE)
+        ids = ft().common.tagged(i[0], ft().common.DONE)
         s.append(ids is not None and ids[0] == id(m))
-        added.append(len(i) == 2 and ft().common._tagged(i[0], ft().common._ADDED) == id(i[1]))
+        added.append(len(i) == 2 and ft().common.tagged(i[0], ft().common.ADDED) == id(i[1]))
 
     for bn in (m for m in fk.modules() if isinstance(m, ft().BatchNorm2d)):
         bn.register_forward_pre_hook(handed_on)
@@ -612,8 +612,8 @@ def test_relu_backward_in_the_next_convs_dgrad_matches_float64(dtype, monkeypatc
     x = cl(torch.randn(8, 16, 14, 14, device="cuda"))
     g = cl(torch.randn(8, 64, 14, 14, device="cuda"))
     seen = []
-    real = opsconv._conv_grads
-    monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: seen.append(a[9]) or real(*a))  # input_relu
+    real = opsconv.conv_grads
+    monkeypatch.setattr(opsconv, "conv_grads", lambda *a: seen.append(a[9]) or real(*a))  # input_relu
 
     def grads(model, fused):
         for m in model.modules():
@@ -671,9 +671,9 @@ def test_converted_relu6_blocks_train_on_fused_graphs(precision, monkeypatch):
     assert report.counts().get("ReLU6") == 2 and sum("BN+ReLU6" in what for _, what in report.fused) == 2, report
     ref64 = copy.deepcopy(base).double()
     clips, fed = [], []
-    real_bn, real_grads = ft().common.ops.batchnorm, opsconv._conv_grads
+    real_bn, real_grads = ft().common.ops.batchnorm, opsconv.conv_grads
     monkeypatch.setattr(ft().common.ops, "batchnorm", lambda *a, **k: clips.append(k.get("upper_clip")) or real_bn(*a, **k))
-    monkeypatch.setattr(opsconv, "_conv_grads", lambda *a: fed.append(a[9:]) or real_grads(*a))
+    monkeypatch.setattr(opsconv, "conv_grads", lambda *a: fed.append(a[9:]) or real_grads(*a))
     x = cl(torch.randn(8, 32, 14, 14, device="cuda"))
     g = cl(torch.randn(8, 32, 14, 14, device="cuda"))
     amp = precision == "amp-fp16"

@@ -173,8 +173,11 @@ def world(monkeypatch, tmp_path, fresh_session):
     w = World()
     rt = runtime.Runtime()
     handle = SimpleNamespace(stream=0)
-    monkeypatch.setitem(adapters._BY_TYPE, Dev, w.adapter)
-    adapters.adapter_for(Dev((1,)))  # registered for the dispatch table's signatures, as a first call would
+    with adapters.registered(Dev, w.adapter):
+        yield from _world(monkeypatch, w, rt, handle, fresh_session)
+
+
+def _world(monkeypatch, w, rt, handle, fresh_session):
     monkeypatch.setattr(keys, "versions", lambda: runtime.Versions(91900, "1.32.0"))
     fresh_session.runtime = rt
     monkeypatch.setattr(runtime.Runtime, "handle", lambda self, ad, device, stream, create=True: handle)
@@ -189,12 +192,9 @@ def world(monkeypatch, tmp_path, fresh_session):
     for var in config.SETTINGS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FUSEKIT_CACHE_DIR", "off")  # never the user's cache directory
-    monkeypatch.setattr(config, "_tf32_set", None)
     fresh_session.cache = PlanCache(maxsize=64, store=None)
     w.rt, w.handle = rt, handle
     yield w
-    for table in ("SIGNATURES", "STREAMS"):
-        getattr(adapters, table).pop(Dev, None)
 
 
 def linear_operands(batch=7, fin=300, fout=77, dtype="float32"):
@@ -251,8 +251,7 @@ def test_bad_policy_values_are_setting_errors(bad):
         config.tf32_policy(bad)
 
 
-def test_env_variable_is_read_when_asked(monkeypatch):
-    monkeypatch.setattr(config, "_tf32_set", None)
+def test_env_variable_is_read_when_asked(monkeypatch, fresh_session):
     monkeypatch.delenv("FUSEKIT_ALLOW_TF32", raising=False)
     assert config.allow_tf32() == config.Tf32Policy()
     monkeypatch.setenv("FUSEKIT_ALLOW_TF32", "none")

@@ -236,8 +236,7 @@ y = { like = "x" }
 
 
 @pytest.fixture
-def clean_registry(monkeypatch):
-    monkeypatch.setattr(patterns, "_REGISTRY", {})
+def clean_registry(monkeypatch, fresh_session):
     monkeypatch.delenv("FUSEKIT_PATTERNS", raising=False)
 
 

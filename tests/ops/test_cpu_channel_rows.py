@@ -43,9 +43,9 @@ def test_few_channel_sums_run_on_rows_of_pixels(monkeypatch, c, rows):
     odd = torch.randn(1, c, 3, 3, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     common.bias_grad(odd)
     assert [s[1][0] for s in seen] == [(2, c, 8, 8), (1, c, 3, 3)]
-    assert common._pixels_per_row(torch.empty(0, c, 8, 8).contiguous(memory_format=torch.channels_last)) == 1  # empty
+    assert common.pixels_per_row(torch.empty(0, c, 8, 8).contiguous(memory_format=torch.channels_last)) == 1  # empty
     if c > 1:  # operands in different layouts: as they are
-        assert common._pixels_per_row(dy, y.contiguous()) == 1
+        assert common.pixels_per_row(dy, y.contiguous()) == 1
 
 
 def test_few_channel_sums_of_host_tensors_name_the_operand():
@@ -53,7 +53,7 @@ def test_few_channel_sums_of_host_tensors_name_the_operand():
     refuses it naming the pattern's operand, before anything reaches cuDNN."""
     torch = pytest.importorskip("torch")
     x = torch.ones(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
-    assert common._pixels_per_row(x, x) == 16
+    assert common.pixels_per_row(x, x) == 16
     with pytest.raises(fusekit.OperandError, match=r"bias_grad: operand 'dy': expected a CUDA device array"):
         common.bias_grad(x)
     with pytest.raises(fusekit.OperandError, match=r"relu_bias_grad: operand 'dy': expected a CUDA device array"):

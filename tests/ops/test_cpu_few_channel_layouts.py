@@ -42,7 +42,7 @@ def test_transposed_conv_output_shape_is_pytorchs(cin, cout, k, stride, padding,
     w = torch.randn(cin, cout // groups, *((k, k) if isinstance(k, int) else k))
     ref = torch.nn.functional.conv_transpose2d(x, w, stride=stride, padding=padding, output_padding=output_padding, groups=groups,
                                                dilation=dilation)
-    assert conv._convt_shape(x, w, (padding, stride, dilation, output_padding, groups)) == tuple(ref.shape)
+    assert conv.convt_shape(x, w, (padding, stride, dilation, output_padding, groups)) == tuple(ref.shape)
 
 
 class _Oracle:

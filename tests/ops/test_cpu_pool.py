@@ -428,11 +428,9 @@ class Tripwire:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setitem(adapters._BY_TYPE, FakeDev, FakeDevAdapter())
-    monkeypatch.setattr(pool, "_Launch", Tripwire)
-    yield
-    for table in ("SIGNATURES", "STREAMS"):
-        getattr(tensors, table, {}).pop(FakeDev, None)
+    monkeypatch.setattr(pool, "Launch", Tripwire)
+    with adapters.registered(FakeDev, FakeDevAdapter()):
+        yield
 
 
 @pytest.mark.usefixtures("fake")
@@ -674,11 +672,9 @@ def host_launch(host_kernels, monkeypatch):
                         lib.set_idx(b, t)
                         fn(*cargs)
 
-    monkeypatch.setitem(adapters._BY_TYPE, HostArray, HostAdapter())
-    monkeypatch.setattr(pool, "_Launch", HostLaunch)
-    yield
-    for table in ("SIGNATURES", "STREAMS"):
-        getattr(tensors, table, {}).pop(HostArray, None)
+    monkeypatch.setattr(pool, "Launch", HostLaunch)
+    with adapters.registered(HostArray, HostAdapter()):
+        yield
 
 
 HOST_TOL = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -714,13 +710,13 @@ def test_host_compiled_pool_kernels(case, dtype, layout, rng):
     np.testing.assert_array_equal(y.values(), yr)
     np.testing.assert_array_equal(am.a, amr)
     assert dense_in(y, layout) and dense_in(am, layout)
-    pool._Launch.launched.clear()
+    pool.Launch.launched.clear()
     yi, none = pool.max_pool2d(x, *geom, ceil_mode=ceil, indices=False)  # inference: no argmax (NHWC, C % lanes == 0: 16-byte lanes)
     np.testing.assert_array_equal(yi.values(), yr)
     assert none is None and dense_in(yi, layout)
     lanes = 16 // np.dtype(STORAGE[dtype]).itemsize
     want = "max_pool_fwd_nhwc_vec" if layout == "NHWC" and c % lanes == 0 else "max_pool_fwd"
-    assert pool._Launch.launched == [want], pool._Launch.launched
+    assert pool.Launch.launched == [want], pool.Launch.launched
     dy, dyv = host_array(rng.standard_normal(yr.shape), dtype, layout)
     other = "NCHW" if layout == "NHWC" else "NHWC"
     am64 = host_array(amr.astype(np.float64), "float32", other)[0]  # int64 argmax in the other layout
@@ -753,11 +749,11 @@ def test_host_compiled_dilated_max_pool(case, ceil, dtype, layout, rng):
     yr, amr = oracle.max_pool2d_reference(xv, k, s, p, ceil_mode=ceil, dilation=d)
     np.testing.assert_array_equal(y.values(), yr)
     np.testing.assert_array_equal(am.a, amr)
-    pool._Launch.launched.clear()
+    pool.Launch.launched.clear()
     yi, _ = pool.max_pool2d(x, k, s, p, ceil_mode=ceil, dilation=d, indices=False)
     np.testing.assert_array_equal(yi.values(), yr)
     lanes = 16 // np.dtype(STORAGE[dtype]).itemsize
-    assert pool._Launch.launched == ["max_pool_fwd_nhwc_vec" if layout == "NHWC" and shape[1] % lanes == 0 else "max_pool_fwd"]
+    assert pool.Launch.launched == ["max_pool_fwd_nhwc_vec" if layout == "NHWC" and shape[1] % lanes == 0 else "max_pool_fwd"]
     dy, dyv = host_array(rng.standard_normal(yr.shape), dtype, layout)
     dx = pool.max_pool2d_backward(dy, am, shape)
     assert rel(dx.values(), oracle.max_pool2d_backward_reference(dyv, amr, shape)) < HOST_TOL[dtype]

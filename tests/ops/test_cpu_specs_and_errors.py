@@ -1,7 +1,7 @@
 """CPU: operand specs, pointer alignment, and every user error of the public API raised before cuDNN.
 
 The public-API tests run on fake "device arrays" read by a fake Adapter registered in
-``adapters._BY_TYPE``; everything that would reach cuDNN or the GPU is replaced by a tripwire.
+``adapters.registered``; everything that would reach cuDNN or the GPU is replaced by a tripwire.
 """
 
 import numpy as np
@@ -183,7 +183,6 @@ def _tripwire(*args, **kwargs):
 
 @pytest.fixture
 def fake(monkeypatch, fresh_session):
-    monkeypatch.setitem(adapters._BY_TYPE, FakeArray, FakeAdapter())
     monkeypatch.setattr(runtime, "versions", _tripwire)
     monkeypatch.setattr(keys, "versions", _tripwire)  # keys imported the name
     monkeypatch.setattr(runtime, "load_cudnn", _tripwire)
@@ -194,10 +193,8 @@ def fake(monkeypatch, fresh_session):
     monkeypatch.setattr(lower_mod, "load_cudnn", _tripwire)
     cache = fusekit.default_cache()
     before = (len(cache), cache.stats.builds, cache.stats.misses)
-    yield
-    # adapter_for copies a type registered only in _BY_TYPE into the hot path's tables: undo that
-    for table in ("SIGNATURES", "STREAMS"):
-        getattr(adapters, table).pop(FakeArray, None)
+    with adapters.registered(FakeArray, FakeAdapter()):
+        yield
     assert fresh_session.calls == {}, "a failed call left a dispatch entry"
     assert (len(cache), cache.stats.builds, cache.stats.misses) == before, "a failed call touched the plan cache"
 

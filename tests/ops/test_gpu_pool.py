@@ -382,7 +382,7 @@ def test_channel_shuffle_is_torchs_exactly(lib, layout, shape, groups):
 def launch_streams(monkeypatch):
     """The CuPy current stream at every kernel launch."""
     seen = []
-    real = pool._kernel
+    real = pool.pool_kernel
 
     def spy(dtype, name):
         k = real(dtype, name)
@@ -393,7 +393,7 @@ def launch_streams(monkeypatch):
 
         return launch
 
-    monkeypatch.setattr(pool, "_kernel", spy)
+    monkeypatch.setattr(pool, "pool_kernel", spy)
     return seen
 
 

@@ -526,7 +526,7 @@ def test_verify_moves_a_disagreeing_stage_to_pytorch(small, monkeypatch):
     monkeypatch.setattr(pipe, "check", lambda: [
         {"stage": i, "name": pipe.stages[i].name, "pattern": pipe.stages[i].pattern, "engine": pipe.engines[i], "rel_err": e}
         for i, e in errs.items()])
-    monkeypatch.setattr(pipe, "_torch_runner", lambda s, w: f"torch {s.name}")
+    monkeypatch.setattr(pipe, "torch_runner", lambda s, w: f"torch {s.name}")
     pipe._verify()
     assert pipe._runners[:3] == [f"torch {pipe.stages[0].name}", f"torch {pipe.stages[1].name}", "fused 2"]
     assert len(pipe.build_fallbacks) == 2 and "relative error nan" in pipe.build_fallbacks[0]
