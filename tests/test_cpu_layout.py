@@ -111,3 +111,48 @@ def test_test_folders_do_not_shadow_modules_the_tests_import():
     for name in folders:  # nor like any other top-level module importable here
         spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
         assert spec is None, f"tests/{name} shadows {spec.origin or spec.submodule_search_locations}"
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``name._x`` where ``name`` is bound to something imported from fusekit, and
+    ``setattr(obj, "_x", ...)`` / ``setitem(obj._x, ...)`` forms, in one test or benchmark file."""
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fusekit"):
+            aliases.update(a.asname or a.name for a in n.names)
+        elif isinstance(n, ast.Import):
+            aliases.update((a.asname or a.name).split(".")[0] for a in n.names if a.name.startswith("fusekit"))
+        elif isinstance(n, ast.Assign) and "importorskip" in ast.unparse(n.value) and "fusekit" in ast.unparse(n.value):
+            aliases.update(t.id for t in n.targets if isinstance(t, ast.Name))
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+            root = n.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in aliases:
+                found.append(f"{path.name}:{n.lineno}: {ast.unparse(n)}")
+        elif (isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("setattr", "delattr") and len(n.args) >= 2
+              and isinstance(n.args[1], ast.Constant) and str(n.args[1].value).startswith("_") and not str(n.args[1].value).startswith("__")
+              and not (isinstance(n.args[0], ast.Name) and n.args[0].id not in aliases)):
+            found.append(f"{path.name}:{n.lineno}: setattr {ast.unparse(n.args[0])}.{n.args[1].value}")
+    return found
+
+
+def test_no_test_probe_or_benchmark_names_a_private_of_fusekit():
+    top = ROOT.parent
+    files = sorted((top / "tests").rglob("*.py")) + sorted((top / "benchmarks").rglob("*.py"))
+    found = [u for p in files for u in _private_uses(p)]
+    assert not found, "\n".join(found)
+
+
+def test_modules_and_functions_stay_small():
+    """No module of fusekit over 600 lines and no function over 80: a newcomer reads one job at a time."""
+    long_modules = [f"{p.relative_to(ROOT)}: {n}" for p in FILES if (n := len(p.read_text().splitlines())) > 600]
+    long_functions = []
+    for p in FILES:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long_functions.append(f"{p.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long_modules and not long_functions, long_modules + long_functions

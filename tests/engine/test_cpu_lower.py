@@ -224,22 +224,23 @@ def test_float32_convolutions_and_matmuls_exclude_tf32_plans_and_nothing_else_do
 
 def test_preload_frontend_imports_the_racy_modules_once():
     """The GEMM engine's lazily imported facades are imported once, by one thread, before planning
-    (threads planning at once raced on their first import on the H200)."""
+    (threads planning at once raced on their first import on the H200). Run in a fresh interpreter,
+    where nothing is imported yet: eight threads preload at once."""
+    import subprocess
     import sys
-    import threading
-
-    from fusekit.engine import lower
 
     pytest.importorskip("cudnn")
-    lower._preloaded = False
-    ts = [threading.Thread(target=lower.preload_frontend) for _ in range(8)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert lower._preloaded
-    loaded = [m for m in lower.LAZY_FRONTEND_MODULES if m in sys.modules]
-    assert "cudnn.gemm.frost.compiler" in loaded, loaded
+    program = (
+        "import sys, threading\n"
+        "from fusekit.engine import lower\n"
+        "assert not any(m in sys.modules for m in lower.LAZY_FRONTEND_MODULES)\n"
+        "ts = [threading.Thread(target=lower.preload_frontend) for _ in range(8)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print([m for m in lower.LAZY_FRONTEND_MODULES if m in sys.modules])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "cudnn.gemm.frost.compiler" in r.stdout, r.stdout
 
 
 class _FakeLowered:
