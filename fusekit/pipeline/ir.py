@@ -317,7 +317,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
         if k == "maxpool":
             return into(F.max_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k in ("avgpool", "gap"):
-            if is_global_pool(s):  # a reduction kernel: avg_pool2d's one thread per output is slow over a whole plane
+            if is_global_pool(s):  # a reduction kernel: avg_pool2d's one thread per output is slow over a whole plane,
+                # and cuDNN has no engine for the reduction alone (benchmarks/probes/probe_plane_reduction.py)
                 return torch.mean(x, (2, 3), keepdim=True) if out is None else torch.mean(x, (2, 3), keepdim=True, out=out)
             return into(F.avg_pool2d(x, _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a["padding"]), **pool_options(s)))
         if k == "softmax":

@@ -84,7 +84,8 @@ class MemoryPlan:
         return bad
 
 
-#: Byte alignment a channel slice must start at to be handed to cuDNN (its graphs' tensor alignment).
+#: Byte alignment a channel slice must start at to be handed to cuDNN (its graphs' tensor alignment);
+#: which graphs take slices at all: benchmarks/probes/probe_strided_concat.py.
 SLICE_ALIGNMENT = 16
 
 

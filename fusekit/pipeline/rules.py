@@ -311,7 +311,7 @@ def _gated_projection(c: _Ctx, s: Stage) -> Any:
     if m is None or _gate_order(m) is None:
         return None
     _, k, h, wd = s.out_shape
-    return m if h * wd >= k else None
+    return m if h * wd >= k else None  # where it pays: benchmarks/probes/probe_se_fold.py (slower at K > H*W)
 
 
 def _gated_projection_as_gconv(c: _Ctx, s: Stage, m: Stage) -> None:
