@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fusekit  # noqa: E402
+import fusekit.timing  # noqa: E402
 from timing import cl  # noqa: E402
 from timing import graph_time_us as _graph_time_us  # noqa: E402
 from fusekit import dispatch  # noqa: E402
@@ -76,17 +77,7 @@ def graph_time_us(fn_i) -> float:
 
 def host_time_us(fn, n: int = 200, trials: int = 9) -> float:
     """Median wall time per call of n back-to-back calls (host-side cost), synchronizing between trials."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        res.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(res)
+    return fusekit.timing.host_us(fn, calls=n, trials=trials, warmup=20, synchronize=torch.cuda.synchronize)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

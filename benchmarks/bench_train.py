@@ -25,12 +25,11 @@ child process of its own, both sides in that one process. Then every case runs a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from statistics import geometric_mean
 
@@ -89,46 +88,24 @@ def graphed_time_us(model, x) -> float:
     return graph_time_us(fn_i, reps=REPS, trials=TRIALS, warm=3, reset=reset)
 
 
-@contextlib.contextmanager
-def wrapped_run(wrap: Callable[[Callable], Callable]) -> Iterator[Callable]:
-    """Inside the block, ``wrap(dispatch.run)`` stands in for dispatch.run wherever fusekit calls it
-    (dispatch and the fusekit.ops modules that imported it); yields the real one."""
-    import importlib
-
-    from fusekit import dispatch
-
-    real = dispatch.run
-    holders = [dispatch] + [m for m in (importlib.import_module(f"fusekit.ops.{n}") for n in ("common", "conv", "linear", "norm", "pool"))
-                            if getattr(m, "run", None) is real]
-    stand_in = wrap(real)
-    for m in holders:
-        m.run = stand_in
-    try:
-        yield real
-    finally:
-        for m in holders:
-            m.run = real
-
-
 def graph_profile(model, x, top: int = 6) -> list[dict]:
-    """The fusekit graphs one step of ``model`` runs, each call timed alone: (pattern, operand
-    shapes) groups with calls per step and device us per step, the ``top`` largest."""
+    """The fusekit graphs one step of ``model`` runs (seen by the session's observer), each call timed
+    alone: (pattern, operand shapes) groups with calls per step and device us per step, the ``top`` largest."""
+    from fusekit import session
+    from fusekit.dispatch import launch
+
     calls: list[tuple] = []
-
-    def recording(real: Callable) -> Callable:
-        def run(pattern, names, values, operands, out, cache=None):
-            calls.append((pattern, names, values, operands, out))
-            return real(pattern, names, values, operands, out, cache)
-        return run
-
-    with wrapped_run(recording) as real:
+    stop = session.current().observe(lambda call, operands, outs: calls.append((call, operands, outs)))
+    try:
         step_fn(model, x)()
         torch.cuda.synchronize()
+    finally:
+        stop()
     groups: dict[tuple, dict] = {}
-    for pattern, names, values, operands, out in calls:
-        name = pattern if isinstance(pattern, str) else pattern.name
+    for call, operands, outs in calls:
+        name = call.plan.key.pattern
         shapes = " ".join("x".join(map(str, a.shape)) for a in operands)
-        us = graph_time_us(lambda i, c=(pattern, names, values, operands, out): real(*c), reps=REPS, trials=TRIALS, warm=3)
+        us = graph_time_us(lambda i, c=(call, operands, outs): launch(c[0], c[1], c[2], False), reps=REPS, trials=TRIALS, warm=3)
         g = groups.setdefault((name, shapes), {"graph": name, "operands": shapes, "calls": 0, "us": 0.0})
         g["calls"] += 1
         g["us"] += us

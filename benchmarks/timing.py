@@ -1,12 +1,15 @@
-"""The one CUDA-graph timer every benchmark here uses (see the device tool's METHOD.md)."""
+"""The CUDA-graph timing every benchmark here uses (see the device tool's METHOD.md): fn_i captured
+in one graph, its replays timed by fusekit.timing."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
 
 import torch
+
+import fusekit.adapters
+import fusekit.timing
 
 
 def cl(t: torch.Tensor) -> torch.Tensor:
@@ -23,18 +26,8 @@ def graph_time_us(
     warmed); ``reset()`` runs before each of them and before capture (e.g. clearing gradients).
     Each trial replays the graph between two CUDA events; the median over trials is divided by reps."""
     g = capture(fn_i, reps, warm, reset)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    times = fusekit.timing.events_ms(fusekit.adapters.library("torch"), g.replay, trials=trials, warmup=3)
+    return statistics.median(times) * 1e3 / reps
 
 
 def capture(fn_i: Callable[[int], object], reps: int = 1, warm: int = 3, reset: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
@@ -59,17 +52,7 @@ def capture(fn_i: Callable[[int], object], reps: int = 1, warm: int = 3, reset: 
 
 
 def host_us(fn: Callable[[], object], n: int = 300, warm: int = 20, trials: int = 3) -> float:
-    """Host microseconds per call of fn: the best of ``trials`` runs of ``n`` back-to-back calls (no
-    synchronize inside a run), after ``warm`` calls. Meaningful where the host bounds: keep each
-    call's GPU work below its host time."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) * 1e6 / n)
-        torch.cuda.synchronize()
-    return best
+    """Host microseconds per call of fn (:func:`fusekit.timing.host_us`: the median of ``trials`` runs of
+    ``n`` back-to-back calls, after ``warm`` calls). Meaningful where the host bounds: keep each call's
+    GPU work below its host time."""
+    return fusekit.timing.host_us(fn, calls=n, trials=trials, warmup=warm, synchronize=torch.cuda.synchronize)

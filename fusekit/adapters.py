@@ -36,10 +36,36 @@ class Adapter:
         """Device address of ``a``'s first element (the hot path)."""
         return self.probe(a)[1]
 
-    def device_ms(self, fn: Any, reps: int = 5) -> float:
-        """GPU milliseconds per ``fn()`` (which launches on the current stream): ``reps`` calls
-        back to back between two events, queued behind a kernel that spins for about 2 ms, so that
-        the host's launch time does not count."""
+    # -- timing primitives (fusekit.timing times with them) --------------------------------------
+    def event(self) -> Any:
+        """A CUDA event that records time."""
+        raise NotImplementedError
+
+    def record(self, event: Any) -> None:
+        """Record ``event`` on the library's current stream."""
+        raise NotImplementedError
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two recorded events, once ``end`` has completed."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for the library's current stream."""
+        raise NotImplementedError
+
+    def spin(self, cycles: int = 4_000_000) -> None:
+        """Queue a kernel on the current stream that spins ``cycles`` GPU clocks (~2 ms), as
+        torch.cuda._sleep: calls queued behind it are timed on the GPU, not at the host's launch
+        rate (without it, a 22 us dgrad timed 104 us)."""
+        raise NotImplementedError
+
+    def use_stream(self, stream: Any) -> Any:
+        """A context manager making ``stream`` (the library's stream object; None: leave it) current."""
+        raise NotImplementedError
+
+    def capture(self, stream: Any, fn: Any) -> Any:
+        """Run ``fn()`` once on ``stream``, then capture it there in a CUDA graph; returns a function
+        that replays the graph on the current stream."""
         raise NotImplementedError
 
     def fence(self, device: int) -> None:
@@ -95,11 +121,6 @@ class Adapter:
         """(stream object, cudaStream_t) of a fresh non-default stream (for capturing)."""
         raise NotImplementedError
 
-    def graph_times_ms(self, stream: Any, fn: Any, trials: int) -> list[float]:
-        """Capture ``fn()`` (which launches on ``stream``) in a CUDA graph; the device time of each of
-        ``trials`` replays, by events. Small kernels are timed without host launch gaps this way."""
-        raise NotImplementedError
-
 
 _SPIN_SOURCE = r"""
 extern "C" __global__ void fusekit_spin(long long cycles) {
@@ -133,28 +154,40 @@ class CupyAdapter(Adapter):
     def ptr(a):
         return a.data.ptr
 
-    def device_ms(self, fn, reps=5):
-        cuda = self.cp.cuda
-        a, b = cuda.Event(), cuda.Event()
-        cuda.get_current_stream().synchronize()
-        self._spin()
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        return cuda.get_elapsed_time(a, b) / reps
+    def event(self):
+        return self.cp.cuda.Event()
 
-    def _spin(self, cycles: int = 4_000_000) -> None:
-        """Queue a kernel that spins ``cycles`` GPU clocks (~2 ms), as torch.cuda._sleep: calls queued
-        behind it are timed on the GPU, not at the host's launch rate (without it, a 22 us dgrad
-        timed 104 us)."""
+    def record(self, event):
+        event.record()
+
+    def elapsed_ms(self, start, end):
+        end.synchronize()
+        return float(self.cp.cuda.get_elapsed_time(start, end))
+
+    def synchronize(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def spin(self, cycles=4_000_000):
         import numpy as np
 
         k = self._spin_kernel
         if k is None:
             k = self._spin_kernel = self.cp.RawKernel(_SPIN_SOURCE, "fusekit_spin")
         k((1,), (1,), (np.int64(cycles),))
+
+    def use_stream(self, stream):
+        return contextlib.nullcontext() if stream is None else stream
+
+    def capture(self, stream, fn):
+        with stream:
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+        return lambda: graph.launch(self.cp.cuda.get_current_stream())
 
     def fence(self, device):
         buf = self._fences.get(device)
@@ -238,26 +271,6 @@ class CupyAdapter(Adapter):
             s = self.cp.cuda.Stream(non_blocking=True)
         return s, s.ptr
 
-    def graph_times_ms(self, stream, fn, trials):
-        cp = self.cp
-        with stream:
-            fn()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            fn()
-        finally:
-            graph = stream.end_capture()
-        out = []
-        for _ in range(trials):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-            b.synchronize()
-            out.append(float(cp.cuda.get_elapsed_time(a, b)))
-        return out
-
 
 class TorchAdapter(Adapter):
     name = "torch"
@@ -287,19 +300,37 @@ class TorchAdapter(Adapter):
     def ptr(a):
         return a.data_ptr()
 
-    def device_ms(self, fn, reps=5):
-        cuda = self.torch.cuda
-        a, b = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        cuda.current_stream().synchronize()
-        sleep = getattr(cuda, "_sleep", None)
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def record(self, event):
+        event.record()
+
+    def elapsed_ms(self, start, end):
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def synchronize(self):
+        self.torch.cuda.current_stream().synchronize()
+
+    def spin(self, cycles=4_000_000):
+        sleep = getattr(self.torch.cuda, "_sleep", None)
         if sleep is not None:
-            sleep(4_000_000)  # ~2 ms of spinning: the calls below are queued before the first runs
-        a.record()
-        for _ in range(reps):
+            sleep(cycles)
+
+    def use_stream(self, stream):
+        return contextlib.nullcontext() if stream is None else self.torch.cuda.stream(stream)
+
+    def capture(self, stream, fn):
+        cuda = self.torch.cuda
+        stream.wait_stream(cuda.current_stream(stream.device))
+        with cuda.stream(stream):
             fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / reps
+        stream.synchronize()
+        g = cuda.CUDAGraph()
+        with cuda.graph(g, stream=stream):
+            fn()
+        return g.replay
 
     def fence(self, device):
         t = self._fences.get(device)
@@ -365,26 +396,6 @@ class TorchAdapter(Adapter):
     def new_stream(self, device):
         s = self.torch.cuda.Stream(device=device)
         return s, s.cuda_stream
-
-    def graph_times_ms(self, stream, fn, trials):
-        cuda = self.torch.cuda
-        stream.wait_stream(cuda.current_stream(stream.device))
-        with cuda.stream(stream):
-            fn()
-        stream.synchronize()
-        g = cuda.CUDAGraph()
-        with cuda.graph(g, stream=stream):
-            fn()
-        out = []
-        with cuda.stream(stream):  # replay() launches on the current stream: make it the one timed
-            for _ in range(trials):
-                a, b = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                out.append(float(a.elapsed_time(b)))
-        return out
 
 
 _BY_TYPE: dict[type, Adapter] = {}

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1] / "fusekit"
 
 # Layer of each top-level part of the package; a module may import only from its own layer or below.
 LAYERS = {
-    "config": 0, "errors": 0, "tensors": 0, "adapters": 0, "session": 0,
+    "config": 0, "errors": 0, "tensors": 0, "adapters": 0, "session": 0, "timing": 0,
     "engine": 1,
     "dispatch": 2,
     "ops": 3,

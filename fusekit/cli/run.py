@@ -12,7 +12,9 @@ import numpy as np
 
 import fusekit
 from fusekit.engine import oracle
+from fusekit.adapters import library
 from fusekit.errors import FusekitError
+from fusekit.timing import events_ms
 
 from .common import (
     LAYOUT_KINDS,
@@ -101,26 +103,13 @@ def _graphed(torch: Any, fn: Callable[[], Any], warmup: int) -> tuple[Callable[[
 
 
 def time_calls(lib: str, mod: Any, fn: Callable[[], Any], warmup: int, repeat: int, graph: bool = False) -> tuple[list[float], str]:
-    """(per-call times in ms from CUDA events on the current stream after ``warmup`` calls, how
-    ``fn`` ran): with ``graph`` (PyTorch only) inside a CUDA graph when it can be captured, else plainly."""
+    """(per-call times in ms from CUDA events on the current stream after ``warmup`` calls
+    (:func:`fusekit.timing.events_ms`), how ``fn`` ran): with ``graph`` (PyTorch only) inside a CUDA
+    graph when it can be captured, else plainly."""
     mode = "plain"
     if graph and lib == "torch":
         fn, mode = _graphed(mod, fn, warmup)
-    for _ in range(warmup):
-        fn()
-    if lib == "torch":
-        pairs = [(mod.cuda.Event(enable_timing=True), mod.cuda.Event(enable_timing=True)) for _ in range(repeat)]
-    else:
-        pairs = [(mod.cuda.Event(), mod.cuda.Event()) for _ in range(repeat)]
-    for start, end in pairs:
-        start.record()
-        fn()
-        end.record()
-    if lib == "torch":
-        mod.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in pairs], mode
-    pairs[-1][1].synchronize()
-    return [mod.cuda.get_elapsed_time(s, e) for s, e in pairs], mode
+    return events_ms(library(lib), fn, trials=repeat, warmup=warmup), mode
 
 
 def _first_call(pat: Any, operands: list, attrs: dict[str, Any]) -> tuple[tuple, Any]:

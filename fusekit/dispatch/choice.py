@@ -13,6 +13,7 @@ from ..adapters import Adapter, adapter_for
 from ..engine.cache import PlanCache, default_cache
 from ..engine.runtime import current_runtime, versions
 from ..errors import FusionWarning, UnsupportedError
+from ..timing import device_ms
 
 
 def split_wins(t: tuple[float, float]) -> bool:
@@ -67,7 +68,7 @@ def fusion_choice(tag: tuple, mode: str | None = None) -> str | None:
 
 def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any], like: Any) -> Any:
     """First call of a (tag, mode): run fused and split once each (their plans built in that mode),
-    then time both (Adapter.device_ms, alternating, median of 3) and remember the faster. cuDNN's fused
+    then time both (fusekit.timing.device_ms, alternating, median of 3) and remember the faster. cuDNN's fused
     engines are at times far slower than the split graphs (a float32 transposed conv + bias + ReLU:
     149 us fused against 44 us for its dgrad alone, H200)."""
     y = fused()  # first: it checks the operands (an OperandError before any timing)
@@ -89,8 +90,8 @@ def _time_both(timed: tuple, fused: Callable[[], Any], split: Callable[[], Any],
         return y
     tf, ts = [], []
     for _ in range(3):
-        tf.append(ad.device_ms(fused))
-        ts.append(ad.device_ms(split))
+        tf.append(device_ms(ad, fused))
+        ts.append(device_ms(ad, split))
     t = times[timed] = (sorted(tf)[1], sorted(ts)[1])
     if key is not None:
         cache.store_fusion(key, t[0], t[1], "split" if split_wins(t) else "fused")

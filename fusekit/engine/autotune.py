@@ -21,6 +21,7 @@ from ..errors import OperandError, UnsupportedError
 from ..tensors import TensorSpec
 from ..adapters import Adapter, library
 from .. import session
+from ..timing import graph_times_ms
 from . import keys, lower
 from .cache import Plan, PlanCache, PlanKey, default_cache
 from .patterns import Pattern, get_pattern
@@ -180,7 +181,7 @@ def tune(
                         for s in range(len(sets)):
                             run(index, s, thandle)
 
-                c.times_us = [t * 1e3 / per_graph for t in adapter.graph_times_ms(tstream, rounds, opt.repeats)]
+                c.times_us = [t * 1e3 / per_graph for t in graph_times_ms(adapter, tstream, rounds, opt.repeats)]
                 c.time_us = statistics.median(c.times_us)
                 c.verdict = "ok"
         except Exception as e:  # noqa: BLE001 - a candidate that fails to run is reported, not fatal

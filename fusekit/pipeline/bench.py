@@ -3,36 +3,23 @@ execution of a Program (the "PyTorch eager" side for ONNX models, which have no 
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import session
+from ..timing import median_ms
 from .ir import Program, run_torch_stage
 
 
 def cuda_time_ms(fn: Callable[[], Any], *, iters: int = 20, trials: int = 10, warmup: int = 3,
                  before_trial: Callable[[], Any] | None = None) -> float:
-    """Median over ``trials`` of (CUDA-event time of ``iters`` calls of ``fn``) / iters, in ms.
-    ``before_trial`` (e.g. copying a fresh random input in) runs outside the timed region."""
-    import torch
+    """Median over ``trials`` of (CUDA-event time of ``iters`` calls of ``fn``) / iters, in ms, on
+    PyTorch's current stream (:func:`fusekit.timing.median_ms`). ``before_trial`` (e.g. copying a fresh
+    random input in) runs outside the timed region."""
+    from ..adapters import library
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        if before_trial is not None:
-            before_trial()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
+    return median_ms(library("torch"), fn, iters=iters, trials=trials, warmup=warmup, before_trial=before_trial)
 
 
 def measured_peaks(device: Any = None, dtype: str = "float16") -> tuple[float, float]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import FusekitError, OperandError
 from ..tensors import ITEMSIZE
+from ..timing import events_ms, graph_times_ms
 from . import reference as _reference
 from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, channel_rows, concat_parts,
                  fused_operands, gate_scaled_weights, is_global_pool, is_view_of, pixel_rows, pool_options, run_torch_stage)
@@ -392,29 +393,19 @@ class Pipeline:
 
     def _stage_ms(self, runner: Callable[[], None], replays: int = 10) -> float:
         """GPU time of one stage: the stage alone captured in a CUDA graph and replayed (as the whole
-        forward runs), median of ``replays`` event-timed replays; a stage that cannot be captured
-        alone is timed eagerly (then its time includes the host's launch gaps)."""
+        forward runs), median of ``replays`` event-timed replays queued behind a spinning kernel; a
+        stage that cannot be captured alone is timed eagerly."""
         import torch
 
-        s = self.stream
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        g = torch.cuda.CUDAGraph()
+        from ..adapters import library
+
+        ad = library("torch")
         try:
-            with torch.cuda.graph(g, stream=s):
-                runner()
-            run = g.replay
+            times = graph_times_ms(ad, self.stream, runner, replays, spin=True)
         except Exception:  # noqa: BLE001 - time it eagerly instead
             torch.cuda.synchronize(self.device)
-            run = runner
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-        with torch.cuda.stream(s):
-            run()
-            ev[0].record()
-            for e in ev[1:]:
-                run()
-                e.record()
-        s.synchronize()
-        return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(replays))
+            times = events_ms(ad, runner, trials=replays, warmup=1, stream=self.stream, spin=True)
+        return statistics.median(times)
 
     def _profile(self) -> None:
         self.times_ms = [0.0 if i in self._noop else self._stage_ms(r) for i, r in enumerate(self._runners)]

@@ -168,6 +168,7 @@ def test_fused_or_split_keeps_the_faster_in_each_mode(monkeypatch, fused_ms, spl
         device_ms = staticmethod(lambda fn: (fn(), times[fn])[1])
 
     monkeypatch.setattr(choice, "adapter_for", lambda a: Ad)
+    monkeypatch.setattr(choice, "device_ms", lambda ad, fn: ad.device_ms(fn))  # the stand-in adapter's timings
     tag = ("conv_transpose_bias_relu", ((1, 1), (2, 2)), ((64, 32, 8, 8), "float32", (2048, 1, 256, 32)))
     assert dispatch.fusion_choice(tag) is None
     assert dispatch.fused_or_split(tag, fused, split, like=object()) == expect
@@ -201,6 +202,7 @@ def test_fused_or_split_times_nothing_inside_a_capture_and_checks_operands_first
         device_ms = staticmethod(lambda fn: (fn(), 1.0)[1])
 
     monkeypatch.setattr(choice, "adapter_for", lambda a: Ad)
+    monkeypatch.setattr(choice, "device_ms", lambda ad, fn: ad.device_ms(fn))  # the stand-in adapter's timings
     tag = ("conv_dgrad_drelu", ((0, 0), 1, 1, 1, 1), ((8, 8, 4, 4), "float16", (128, 16, 4, 1)))
     runs = []
     assert dispatch.fused_or_split(tag, lambda: runs.append("f") or "f", lambda: runs.append("s") or "s", like=object()) == "f"
@@ -263,6 +265,7 @@ def test_fused_or_split_decisions_persist_across_processes_and_bad_files_are_tim
             return 1.0 if fn is fused else 0.5
 
     monkeypatch.setattr(choice, "adapter_for", lambda a: Ad)
+    monkeypatch.setattr(choice, "device_ms", lambda ad, fn: ad.device_ms(fn))  # the stand-in adapter's timings
     runs = []
     fused = lambda: runs.append("fused") or "fused"  # noqa: E731
     split = lambda: runs.append("split") or "split"  # noqa: E731

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from helpers import float64_nchw, rel
 
 import fusekit
-from fusekit import dispatch, ops, session
+from fusekit import dispatch, ops, session, timing
 
 F = torch.nn.functional
 BOUND = {"float32": 2e-3, "float16": 5e-3}  # float32 convolutions may run TF32 (the default policy, as PyTorch's)
@@ -142,7 +142,7 @@ def test_transposed_conv_to_three_channels_matches_float64(mode, lib, dtype, rou
 
 @pytest.mark.alone  # times the GPU: other processes' kernels would be in its figures
 def test_cupy_first_call_timing_reads_gpu_time_as_torch_does():
-    """fused_or_split times both routes with Adapter.device_ms: on CuPy arrays it read the host's
+    """fused_or_split times both routes with fusekit.timing.device_ms: on CuPy arrays it read the host's
     launch rate (a 22 us dgrad timed 104 us, 5x torch's figure for the same graph); with a spin kernel queued first it reads GPU time, as on torch tensors."""
     cp = pytest.importorskip("cupy")
     from fusekit.adapters import library
@@ -155,6 +155,6 @@ def test_cupy_first_call_timing_reads_gpu_time_as_torch_does():
     fns = {"torch": lambda: dispatch.call("conv_dgrad", dz, w, **conv), "cupy": lambda: dispatch.call("conv_dgrad", dzc, wc, **conv)}
     for fn in fns.values():
         fn()
-    ms = {lib: sorted(library(lib).device_ms(fn) for _ in range(5))[2] for lib, fn in fns.items()}
+    ms = {lib: sorted(timing.device_ms(library(lib), fn) for _ in range(5))[2] for lib, fn in fns.items()}
     print(f"device_ms of one dgrad: torch {ms['torch'] * 1e3:.1f} us, cupy {ms['cupy'] * 1e3:.1f} us")
     assert ms["cupy"] < 1.5 * ms["torch"] + 0.003, ms
