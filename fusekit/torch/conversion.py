@@ -37,6 +37,7 @@ class ConvertReport:
     left_alone: list[tuple[str, str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     analysis: str = ""
+    route: str = "modules"  # how training steps run: "replayed" (fusekit.torch.replayed) or "modules"
 
     def counts(self) -> dict[str, int]:
         """Replaced modules per torch type."""
@@ -65,9 +66,12 @@ class ConvertReport:
         if self.notes:
             lines.append("notes:")
             lines += [f"  {n}" for n in self.notes]
-        if self.replaced:
-            lines.append("training: uncaptured, every fusekit layer pays Python and cuDNN host time per call; for speed run "
-                         "forward and backward as CUDA graphs: fusekit.torch.graphed(model)")
+        if self.replaced and self.route == "replayed":
+            lines.append("route: replayed (training steps replay their recorded kernels, fusekit.torch.replayed); "
+                         "convert(..., route='modules') gives the plain modules; fusekit.torch.graphed(model) captures CUDA graphs")
+        elif self.replaced:
+            lines.append(f"route: {self.route}: uncaptured, every fusekit layer pays Python and cuDNN host time per call; for speed "
+                         "replay the steps (fusekit.torch.replayed(model)) or capture them (fusekit.torch.graphed(model))")
         return "\n".join(lines)
 
 
@@ -334,8 +338,8 @@ def _reclass(model: torch.nn.Module, report: ConvertReport) -> dict[int, Any]:
     return converted
 
 
-def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True, fuse_residual: bool = True
-            ) -> tuple[torch.nn.Module, ConvertReport]:
+def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True, fuse_residual: bool = True,
+            route: str = "replayed") -> tuple[torch.nn.Module, ConvertReport]:
     """Move ``module`` onto fusekit: every ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear``,
     ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.ReLU6``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.Softmax``
     and ``nn.LogSoftmax`` (exact types, not subclasses) becomes its fusekit.torch module: the same
@@ -361,10 +365,15 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
     within the copy); nn.DataParallel's replicas would share the original's, so use
     DistributedDataParallel or ``fuse=False``.
 
-    ``inplace=False`` converts a deep copy. Returns (model, report); ``print(report)`` lists what was
-    replaced, fused and left alone, with reasons."""
+    ``route="replayed"`` (the default) returns the model with its training steps replayed from tapes
+    (:func:`fusekit.torch.replayed`: eval calls and steps it cannot replay run as the modules); a
+    model with hooks, which a replay would skip, keeps ``"modules"``. ``route="modules"``: the plain
+    modules. ``inplace=False`` converts a deep copy. Returns (model, report); ``print(report)`` lists
+    what was replaced, fused and left alone, with reasons, and the route taken."""
     if not isinstance(module, torch.nn.Module):
         raise OperandError("fusekit.torch.convert", "module", f"expected a torch.nn.Module, got {type(module).__name__}", what="argument")
+    if route not in ("replayed", "modules"):
+        raise OperandError("fusekit.torch.convert", "route", f"expected 'replayed' or 'modules', got {route!r}", what="argument")
     model = module if inplace else copy.deepcopy(module)
     report = ConvertReport()
     names: dict[int, str] = {}
@@ -394,6 +403,19 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
         if isinstance(converted.get(i), Conv2d):
             converted[i].__dict__["_fk_drelu"] = True
             report.fused.append(((relu, names[i]), "training backward: the ReLU's backward runs in the conv's dgrad (one dgrad + dReLU graph)"))
+    if route == "replayed":
+        report.route = _replay(model)
     return model, report
+
+
+def _replay(model: torch.nn.Module) -> str:
+    """The route a converted model takes by default: replayed, unless it cannot be (hooks)."""
+    from .graphs import replayed
+
+    try:
+        replayed(model)
+    except OperandError as e:
+        return f"modules ({e})"
+    return "replayed"
 
 

@@ -104,7 +104,8 @@ def _check_count(who: str, name: str, v: Any, why: str = "") -> None:
 
 
 def _check_wrappable(model: Any, who: str) -> None:
-    """A module whose forward graphed / replayed may take over: no hooks, not wrapped already."""
+    """A module whose forward graphed / replayed may take over: no hooks, not graphed already (a
+    replayed forward, as convert returns by default, is unwrapped: the new wrapper takes over)."""
     if not isinstance(model, torch.nn.Module):
         raise OperandError(who, "model", f"expected a torch.nn.Module, got {type(model).__name__}", what="argument")
     hooked = [n or "model" for n, m in model.named_modules()
@@ -113,9 +114,14 @@ def _check_wrappable(model: Any, who: str) -> None:
         raise OperandError(who, "model", f"has hooks registered on it ({', '.join(hooked[:3])}): a replay would skip them; "
                            "remove them first", what="argument")
     wrapped = model.__dict__.get("forward")
-    if isinstance(wrapped, (GraphedForward, ReplayedForward)):
-        kind = "graphed" if isinstance(wrapped, GraphedForward) else "replayed"
-        raise OperandError(who, "model", f"is {kind} already", what="argument")
+    if isinstance(wrapped, GraphedForward):
+        raise OperandError(who, "model", "is graphed already", what="argument")
+    if isinstance(wrapped, ReplayedForward):  # (convert's default route): graphed or replayed anew takes over
+        original = wrapped.original
+        if getattr(original, "__self__", None) is model and getattr(original, "__func__", None) is type(model).forward:
+            del model.forward
+        else:
+            model.forward = original
 
 
 def _flat_outputs(out: Any) -> tuple:

@@ -367,10 +367,24 @@ def test_bad_arguments_raise_operand_errors():
     hooked.c1.register_forward_hook(lambda m, a, o: None)
     with pytest.raises(OperandError, match=r"hooks registered on it \(c1\)"):
         ft.replayed(hooked)
-    with pytest.raises(OperandError, match="'model': is replayed already"):
-        ft.replayed(ft.replayed(Net()))
-    with pytest.raises(OperandError, match="'model': is replayed already"):
-        ft.graphed(ft.replayed(Net()))
+
+
+
+def test_replayed_or_graphed_take_over_from_a_replayed_model():
+    """convert's default route is replayed: replayed again (new options) or graphed unwrap it first,
+    and the class's own forward comes back when the wrapper goes."""
+    from fusekit.torch.graphs import GraphedForward
+    from fusekit.torch.replay import ReplayedForward
+
+    m = ft.replayed(Net())
+    first = m.forward
+    again = ft.replayed(m, warmup=3)
+    assert again is m and isinstance(m.forward, ReplayedForward) and m.forward is not first and m.forward.warmup == 3
+    assert m.forward.original.__func__ is Net.forward  # the class's forward, not the old wrapper
+    g = ft.graphed(m)
+    assert g is m and isinstance(m.__dict__["forward"], GraphedForward)
+    with pytest.raises(OperandError, match="'model': is graphed already"):
+        ft.replayed(m)
 
 
 def test_clearing_dispatch_records_again_and_a_plan_eviction_does_not(fresh_session):
@@ -616,3 +630,21 @@ def test_a_call_resolved_again_between_recordings_still_agrees(monkeypatch):
         assert any("op " in str(w.message) and "fusekit graph" in str(w.message) for w in caught), [str(w.message) for w in caught]
     finally:
         MUL = original
+
+
+def test_convert_takes_the_replayed_route_by_default_and_says_so():
+    """The obvious call gets the fast path: convert returns the model replayed (route in the report);
+    route='modules' gives the plain modules; a model with hooks, which a replay would skip, keeps them."""
+    from fusekit.torch.replay import ReplayedForward
+
+    fast, report = ft.convert(Net())
+    assert report.route == "replayed" and isinstance(fast.__dict__["forward"], ReplayedForward)
+    assert "route: replayed" in str(report)
+    plain, report = ft.convert(Net(), route="modules")
+    assert report.route == "modules" and "forward" not in plain.__dict__ and "route: modules" in str(report)
+    hooked = Net()
+    hooked.c1.register_forward_hook(lambda m, a, o: None)
+    kept, report = ft.convert(hooked)
+    assert report.route.startswith("modules (") and "hooks" in report.route and "forward" not in kept.__dict__
+    with pytest.raises(OperandError, match="'route': expected 'replayed' or 'modules'"):
+        ft.convert(Net(), route="graphs")

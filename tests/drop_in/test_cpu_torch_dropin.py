@@ -1250,12 +1250,13 @@ def test_convert_torchvision_models(name):
         assert all(b.bn1._fk_relu is b.relu and b.bn2._fk_relu is (b.relu if hasattr(b, "bn3") else None) for b in blocks)
         assert all(getattr(b, "bn3", b.bn2)._fk_relu is None for b in blocks)  # the last BN feeds the residual add
         # fuse_residual (the default): each block's forward is rewritten so that it takes the residual: relu(bn(x) + identity) in one call
-        assert all("forward" in b.__dict__ for b in blocks) and "forward" not in fk.__dict__
+        assert all("forward" in b.__dict__ for b in blocks)
+        assert type(fk.__dict__["forward"]).__name__ == "ReplayedForward" and report.route == "replayed"  # the default route
         ends = [names for names, what in report.fused if "residual add" in what]
         assert len(ends) == len(blocks), ends
         assert all(n[0].endswith(("bn2", "bn3")) and n[2].endswith("relu") for n in ends), ends
-        plain, plain_report = ft.convert(model, fuse_residual=False)
-        assert not any("forward" in m.__dict__ for m in plain.modules())
+        plain, plain_report = ft.convert(model, fuse_residual=False, route="modules")
+        assert not any("forward" in m.__dict__ for m in plain.modules()) and plain_report.route == "modules"
         assert len(plain_report.fused) == fused - len(blocks) and list(plain.state_dict()) == list(model.state_dict())
     print(report)
 
