@@ -34,7 +34,8 @@ for part in "$@"; do
         --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
       FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
         ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_alone.log" 2>&1
-      for k in xdist alone; do echo "$k:"; grep -E "^(FAILED|ERROR)|passed|failed|skipped in" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25; done
+      for k in xdist alone; do echo "$k:"; grep -E "^(FAILED|ERROR)|passed|failed|skipped in" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25 \
+        || { echo "  no test summary: pytest stopped before it (last lines below)"; tail -6 "$OUT/gpu_tests_$k.log" | cut -c1-300; }; done
       python3 - "$OUT" <<'PY'
 import glob, json, sys
 rs = [json.load(open(p)) for p in sorted(glob.glob(f"{sys.argv[1]}/fuzz.*.json"))]

@@ -156,3 +156,24 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
                 long_functions.append(f"{p.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long_modules and not long_functions, long_modules + long_functions
+
+
+def test_the_capture_watch_plugin_wraps_names_that_exist():
+    """benchmarks/probes/capture_watch.py (the device runs' pytest plugin) wraps fusekit functions by
+    name at import: a renamed one would stop the whole GPU suite before it starts."""
+    import importlib
+
+    path = ROOT.parent / "benchmarks" / "probes" / "capture_watch.py"
+    tree = ast.parse(path.read_text())
+    aliases = {a.asname or a.name: a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names if a.name.startswith("fusekit")}
+    aliases |= {a.asname or a.name: f"{n.module}.{a.name}" for n in tree.body if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("fusekit") for a in n.names}
+    wrapped = [(ast.unparse(c.args[0]), c.args[1].value) for c in ast.walk(tree)
+               if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "_wrap"]
+    assert wrapped
+    for owner, name in wrapped:
+        base, *attrs = owner.split(".")
+        target = importlib.import_module(aliases[base])
+        for a in attrs:
+            target = getattr(target, a)
+        assert hasattr(target, name), f"capture_watch wraps {owner}.{name}, which does not exist"

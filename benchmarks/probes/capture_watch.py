@@ -17,7 +17,7 @@ import traceback
 import cupy
 import torch
 
-import fusekit.dispatch as D
+import fusekit.dispatch.execute as D
 import fusekit.engine.runtime as R
 import fusekit.ops.pool as P
 
@@ -79,8 +79,8 @@ def _describe_call(a) -> str:
     return f"execute {c.origin.key.describe()[:160]} ws={c.workspace.size}"
 
 
-_wrap(D, "_execute", _describe_call)
-_wrap(D, "_bind", lambda a: "bind handle")
+_wrap(D, "execute", _describe_call)
+_wrap(D, "bind", lambda a: "bind handle")
 _wrap(P.Launch, "run", lambda a: f"pool kernel {a[2]} {a[1]}")
 _wrap(R.Workspace, "ensure", lambda a: f"workspace.ensure {a[1]} (was {a[0].size})")
 _wrap(R, "release_cached_memory", lambda a: "release_cached_memory")

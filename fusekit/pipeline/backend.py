@@ -1,0 +1,155 @@
+"""fusekit as a ``torch.compile`` backend: ``torch.compile(model, backend="fusekit")``.
+
+Registered through the ``torch_dynamo_backends`` entry point, so no import of fusekit is needed.
+Each graph dynamo hands over is read as the pipeline reads a model (its parameters and buffers bound
+as constants, ``torch.export``'s ATen graph, the same lowering rules) and, in inference, runs as
+fusekit pipelines: one per input shape, built on the GPU at its first call (a new batch size builds
+another, sharing the weights). Options (``torch.compile(..., options={...})``):
+
+- ``dtype``: "auto" (the input's), "float16", "bfloat16" or "float32": what the pipeline computes in;
+- ``autotune``: autotune each stage's plan at build (default False: cuDNN's heuristics);
+- ``min_fused``: the fraction of stages that must lower to fusekit graphs or kernels for the graph to
+  run on fusekit (default 0.5); below it, and for training, graphs go to Inductor.
+
+Inference is a graph compiled under ``torch.no_grad()`` / ``inference_mode()``; graphs that take
+gradients (training) go to Inductor (``torch._inductor.compile_fx``): fusekit's fused backward
+graphs are reached through ``fusekit.torch`` (``convert``). Calls a pipeline does not take (inputs
+not on a CUDA device, or wanting gradients) run the graph as dynamo captured it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from ..errors import FusekitError, OperandError
+from .ir import Program
+
+__all__ = ["backend", "FusekitGraph", "bind_constants_of"]
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+def bind_constants_of(gm: Any, example_inputs: list) -> tuple[Any, list[int]]:
+    """(a GraphModule of ``gm``'s graph with its parameter and buffer placeholders turned into
+    constants of its own, the positions of the placeholders left: the activation inputs). Dynamo
+    passes a module's parameters and buffers as graph inputs (``l_self_modules_..._parameters_...``)."""
+    import torch
+
+    graph = copy.deepcopy(gm.graph)
+    root = torch.nn.Module()
+    inputs = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, torch.nn.Parameter) or "_parameters_" in node.name or "_buffers_" in node.name:
+            name = f"const{i}"
+            root.register_buffer(name, value.detach())
+            with graph.inserting_before(node):
+                got = graph.get_attr(name)
+            node.replace_all_uses_with(got)
+            graph.erase_node(node)
+        else:
+            inputs.append(i)
+    return torch.fx.GraphModule(root, graph), inputs
+
+
+def fused_fraction(prog: Program) -> float:
+    """The share of a program's stages that run as fusekit graphs, kernels or views (not PyTorch fallbacks)."""
+    return sum(s.pattern != "torch" for s in prog.stages) / max(len(prog.stages), 1)
+
+
+class FusekitGraph:
+    """The callable a dynamo graph compiles to: fusekit pipelines by input shape, built at first use
+    (``pipelines``), the graph itself for inputs it does not take (not CUDA, another dtype than
+    the one compiled for, gradients wanted). ``program``: the lowered stages for the example shape."""
+
+    def __init__(self, gm: Any, bound: Any, inputs: list[int], program: Program, dtype: str, autotune: bool) -> None:
+        self.gm, self.bound, self.inputs, self.program = gm, bound, inputs, program
+        self.dtype, self.autotune = dtype, autotune
+        self.pipelines: dict[tuple, Any] = {}
+        self._weights: dict[tuple, Any] = {}  # shared by the pipelines of every shape
+
+    def _pipeline(self, x: Any) -> Any:
+        from . import lower_model
+        from .runtime import Pipeline
+
+        key = (tuple(x.shape), x.dtype, x.device)
+        pipe = self.pipelines.get(key)
+        if pipe is None:
+            dtype = str(x.dtype).replace("torch.", "") if self.dtype == "auto" else self.dtype
+            prog = self.program if tuple(x.shape) == tuple(self.program.input_shape) else lower_model(self.bound, tuple(x.shape), importer="export")
+            pipe = self.pipelines[key] = Pipeline(prog, dtype=dtype, weight_pool=self._weights).build(device=x.device, autotune=self.autotune)
+        return pipe
+
+    def __call__(self, *args: Any) -> Any:
+        import torch
+
+        x = args[self.inputs[0]]
+        takes = (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                 and not (torch.is_grad_enabled() and x.requires_grad))
+        if not takes:
+            return self.gm(*args)
+        y = self._pipeline(x).run(x)
+        return (y.to(x.dtype),)
+
+
+def _options(options: dict | None) -> tuple[str, bool, float]:
+    o = dict(options or {})
+    dtype, autotune, min_fused = o.pop("dtype", "auto"), o.pop("autotune", False), o.pop("min_fused", 0.5)
+    if o:
+        raise OperandError("fusekit backend", "options", f"unknown option(s) {sorted(o)}; expected dtype, autotune, min_fused", what="argument")
+    if dtype not in DTYPES:
+        raise OperandError("fusekit backend", "options", f"dtype must be one of {DTYPES}, got {dtype!r}", what="argument")
+    if not isinstance(autotune, bool):
+        raise OperandError("fusekit backend", "options", f"autotune must be True or False, got {autotune!r}", what="argument")
+    if not isinstance(min_fused, (int, float)) or isinstance(min_fused, bool) or not 0 <= min_fused <= 1:
+        raise OperandError("fusekit backend", "options", f"min_fused must be a number in [0, 1], got {min_fused!r}", what="argument")
+    return dtype, autotune, float(min_fused)
+
+
+def inductor(gm: Any, example_inputs: list, why: str) -> Callable:
+    """The graph compiled by Inductor (what fusekit does not run), with the reason said once per reason."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from ..errors import warn_once
+
+    warn_once(("backend", why), f"fusekit backend: {why}; Inductor compiles this graph", UserWarning, stacklevel=3)
+    return compile_fx(gm, example_inputs)
+
+
+def _lowered(gm: Any, example_inputs: list) -> tuple[Any, list[int], Program] | str:
+    """(bound module, its activation inputs, the lowered program) or why the graph cannot run on fusekit."""
+    import torch
+
+    from . import lower_model
+
+    if any(not isinstance(t, torch.Tensor) for t in example_inputs):
+        return "dynamic shapes (sizes as graph inputs); torch.compile(..., dynamic=False) gives a fusekit pipeline per shape"
+    outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    if not isinstance(outs, (tuple, list)) or len(outs) != 1:
+        return "a graph with several outputs"
+    bound, inputs = bind_constants_of(gm, example_inputs)
+    if len(inputs) != 1 or not isinstance(example_inputs[inputs[0]], torch.Tensor):
+        return f"a graph of {len(inputs)} activation inputs (fusekit pipelines take one tensor)"
+    x = example_inputs[inputs[0]]
+    try:
+        prog = lower_model(bound, tuple(x.shape), importer="export")
+    except (FusekitError, NotImplementedError, RuntimeError, TypeError, ValueError) as e:
+        return f"its lowering failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    return bound, inputs, prog
+
+
+def backend(gm: Any, example_inputs: list, options: dict | None = None, **_: Any) -> Callable:
+    """The ``torch.compile`` backend: a dynamo graph and its example inputs -> a callable."""
+    import torch
+
+    dtype, autotune, min_fused = _options(options)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        return inductor(gm, example_inputs, "training graphs (gradients) are not lowered to fusekit pipelines")
+    got = _lowered(gm, example_inputs)
+    if isinstance(got, str):
+        return inductor(gm, example_inputs, got)
+    bound, inputs, prog = got
+    if fused_fraction(prog) < min_fused:
+        return inductor(gm, example_inputs, f"{fused_fraction(prog):.0%} of its stages lower to fusekit (min_fused {min_fused:.0%})")
+    return FusekitGraph(gm, bound, inputs, prog, dtype, autotune)

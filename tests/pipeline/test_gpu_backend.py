@@ -1,0 +1,67 @@
+"""GPU: torch.compile(model, backend="fusekit") runs a fusekit pipeline per input shape, within
+PyTorch float16's own error of float32 eager; a new batch size builds another pipeline; calls that
+want gradients run the captured graph."""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+tv = pytest.importorskip("torchvision")
+
+from fusekit.pipeline import backend as fb  # noqa: E402
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("name", ["efficientnet_b0", "resnet50"])
+def test_compiled_model_runs_fusekit_pipelines_and_matches_float32_eager(name):
+    torch.manual_seed(0)
+    model = tv.models.get_model(name, weights=None).eval().cuda()
+    with torch.no_grad():  # BN statistics of random images, so the activations keep a sensible scale
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    half = tv.models.get_model(name, weights=None).eval().cuda()
+    half.load_state_dict(model.state_dict())
+    half = half.half().to(memory_format=torch.channels_last)
+    built = []
+    real = fb.FusekitGraph._pipeline
+
+    def watching(self, x):
+        pipe = real(self, x)
+        built.append((tuple(x.shape), pipe))
+        return pipe
+
+    fb.FusekitGraph._pipeline = watching
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(half, backend="fusekit", dynamic=False)
+        for batch in (8, 8, 4):
+            x = torch.randn(batch, 3, 128, 128, device="cuda")
+            with torch.no_grad():
+                y = compiled(x.half().contiguous(memory_format=torch.channels_last))
+                want, fp16 = model(x), half(x.half().contiguous(memory_format=torch.channels_last))
+            assert y.dtype == torch.float16 and y.shape == want.shape
+            assert _rel(y, want) < max(5e-3, 4 * _rel(fp16, want)), (batch, _rel(y, want), _rel(fp16, want))
+    finally:
+        fb.FusekitGraph._pipeline = real
+    shapes = {s for s, _ in built}
+    assert shapes == {(8, 3, 128, 128), (4, 3, 128, 128)}, shapes  # one pipeline per batch size
+    pipes = {id(p): p for _, p in built}
+    assert len(pipes) == 2 and all(p.graph_captured for p in pipes.values())
+
+
+def test_calls_wanting_gradients_run_the_captured_graph():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).cuda().eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="fusekit", dynamic=False)
+        compiled(torch.randn(2, 3, 16, 16, device="cuda"))
+    x = torch.randn(2, 3, 16, 16, device="cuda", requires_grad=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert x.grad is not None and torch.allclose(y, model(x), atol=1e-4)
