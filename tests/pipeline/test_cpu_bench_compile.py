@@ -1,0 +1,22 @@
+"""CPU: benchmarks/bench_compile.py's table: each row's ratios are Inductor's time over fusekit's."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_compile  # noqa: E402
+
+
+def test_table_rows_give_speedups_over_each_inductor_mode_and_mark_what_did_not_run():
+    recs = [{"model": "resnet50", "batch": 32, "fusekit_ms": 1.0, "inductor_ms": 2.0, "inductor_max_autotune_ms": 1.5,
+             "fusekit_compile_s": 20.0, "inductor_compile_s": 60.0, "inductor_max_autotune_compile_s": 240.0,
+             "fusekit_rel_err": 3e-3, "torch_fp16_rel_err": 2.9e-3},
+            {"model": "convnext_tiny", "batch": 1, "fusekit_ms": None, "inductor_ms": 0.8, "fusekit_error": "UnsupportedError: x"}]
+    text = bench_compile.markdown(recs, {"gpu": "Test GPU", "date": "2026-12-07T13:00:00", "torch": "2.11", "iters": 10, "trials": 5})
+    rows = [ln for ln in text.splitlines() if ln.startswith("| resnet50") or ln.startswith("| convnext")]
+    assert "| 2.00x | 1.50x | 20 / 60 / 240 | 3.0e-03 (2.9e-03) |" in rows[0]
+    assert "| - |" in rows[1] and "-x" in rows[1]
