@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-tv = pytest.importorskip("torchvision")
 
 import fusekit.pipeline as fp  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
@@ -30,8 +29,13 @@ def dynamo_graph(model, x, grad=False):
     return got["gm"], got["ex"]
 
 
+def _tv():
+    return pytest.importorskip("torchvision")
+
+
 @pytest.mark.parametrize("name", ["efficientnet_b0", "resnet18", "mobilenet_v3_small"])
 def test_dynamo_graphs_lower_with_the_pipeline_rules_and_match_in_float64(name):
+    tv = _tv()
     torch.manual_seed(0)
     model = tv.models.get_model(name, weights=None).eval()
     x = torch.randn(2, 3, 64, 64)
@@ -58,6 +62,7 @@ def test_bound_graph_holds_the_parameters_as_constants():
 
 
 def test_what_fusekit_does_not_run_goes_to_inductor_with_the_reason(monkeypatch):
+    tv = _tv()
     sent = []
     monkeypatch.setattr(fb, "inductor", lambda gm, ex, why: sent.append(why) or gm.forward)
     model = tv.models.resnet18().train()
