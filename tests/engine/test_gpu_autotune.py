@@ -147,7 +147,7 @@ FUSION_CHILD = textwrap.dedent(
     """
     import json, sys
     import torch
-    from fusekit import dispatch, ops
+    from fusekit import dispatch, ops, session
     from fusekit.dispatch import choice
 
     if sys.argv[1] == "no-timing":  # a later process must read the decisions, not time them again
@@ -162,7 +162,7 @@ FUSION_CHILD = textwrap.dedent(
     y = ops.conv_transpose_bias_relu(x, w, b, padding=1, stride=2, output_padding=1)
     ref = torch.relu(torch.nn.functional.conv_transpose2d(x.double(), w.double(), b.double(), padding=1, stride=2, output_padding=1))
     err = float((y.double() - ref).norm() / ref.norm())
-    times = sorted([k[0][0], k[1], list(t)] for k, t in fresh_session.fusion_times.items())
+    times = sorted([k[0][0], k[1], list(t)] for k, t in session.current().fusion_times.items())
     print(json.dumps(dict(times=times, err=err)))
     """
 )

@@ -326,7 +326,8 @@ def test_softmax_is_stable_for_large_logits():
 def test_channel_layer_norm_against_float64_and_torch(lib, dtype, layout, c):
     need(lib, dtype)
     shape = (2, c, 5, 7)
-    x = make(lib, shape, dtype, layout, scale=2.0) + 3  # an offset the mean must remove
+    x = make(lib, shape, dtype, layout, scale=2.0)
+    x += 3  # an offset the mean must remove (in place: x keeps its layout)
     g = make(lib, (c,), "float32", "ROW") * 0.5 + 1
     b = make(lib, (c,), "float32", "ROW")
     y = pool.channel_layer_norm(x, g, b, 1e-5)
@@ -348,8 +349,8 @@ def test_channel_layer_norm_writes_out_in_its_layout():
 
 
 @pytest.mark.parametrize("kwargs, operand, words", [
-    ({"weight": "half"}, "weight", "float32"),
-    ({"weight": "short"}, "weight", "vector of x's 8 channels"),
+    ({"weight": "half", "bias": "ok"}, "weight", "float32"),
+    ({"weight": "short", "bias": "ok"}, "weight", "vector of x's 8 channels"),
     ({"weight": "ok"}, "bias", "together"),
     ({"eps": 0.0}, "eps", "positive"),
     ({"out": "wrong"}, "out", "shape"),

@@ -1,4 +1,5 @@
-"""GPU: torch.compile(model, backend="fusekit") runs a fusekit pipeline per input shape, within
+"""GPU: torch.compile(model, backend="fusekit") (here the backend itself: the device runs fusekit from
+its source tree, without the package's entry point; tests/pipeline/test_cpu_backend.py checks that) runs a fusekit pipeline per input shape, within
 PyTorch float16's own error of float32 eager; a new batch size builds another pipeline; calls that
 want gradients run the captured graph."""
 
@@ -31,7 +32,7 @@ def test_compiled_model_runs_fusekit_pipelines_and_matches_float32_eager(name, m
     init = fb.FusekitGraph.__init__
     monkeypatch.setattr(fb.FusekitGraph, "__init__", lambda self, *a, **k: (init(self, *a, **k), made.append(self))[0])
     torch._dynamo.reset()
-    compiled = torch.compile(half, backend="fusekit", dynamic=False)
+    compiled = torch.compile(half, backend=fb.backend, dynamic=False)
     for batch in (8, 8, 4):
         x = torch.randn(batch, 3, 128, 128, device="cuda")
         with torch.no_grad():
@@ -49,7 +50,7 @@ def test_calls_wanting_gradients_run_the_captured_graph():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).cuda().eval()
     torch._dynamo.reset()
     with torch.no_grad():
-        compiled = torch.compile(model, backend="fusekit", dynamic=False)
+        compiled = torch.compile(model, backend=fb.backend, dynamic=False)
         compiled(torch.randn(2, 3, 16, 16, device="cuda"))
     x = torch.randn(2, 3, 16, 16, device="cuda", requires_grad=True)
     y = compiled(x)
