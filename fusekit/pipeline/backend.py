@@ -4,7 +4,7 @@ Registered through the ``torch_dynamo_backends`` entry point, so no import of fu
 Each graph dynamo hands over is read as the pipeline reads a model (its parameters and buffers bound
 as constants, ``torch.export``'s ATen graph, the same lowering rules) and, in inference, runs as
 fusekit pipelines: one per input shape, built on the GPU at its first call (a new batch size builds
-another, sharing the weights). Options (``torch.compile(..., options={...})``):
+another, sharing the weights), run through the custom op ``torch.ops.fusekit.run_pipeline``. Options (``torch.compile(..., options={...})``):
 
 - ``dtype``: "auto" (the input's), "float16", "bfloat16" or "float32": what the pipeline computes in;
 - ``autotune``: autotune each stage's plan at build (default False: cuDNN's heuristics);
@@ -22,10 +22,11 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+from .. import session
 from ..errors import FusekitError, OperandError
 from .ir import Program
 
-__all__ = ["backend", "FusekitGraph", "bind_constants_of"]
+__all__ = ["backend", "FusekitGraph", "bind_constants_of", "run_pipeline"]
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 
@@ -58,16 +59,33 @@ def fused_fraction(prog: Program) -> float:
     return sum(s.pattern != "torch" for s in prog.stages) / max(len(prog.stages), 1)
 
 
+def _graphs() -> dict[int, "FusekitGraph"]:
+    """The session's compiled graphs by key (what ``torch.ops.fusekit.run_pipeline`` runs)."""
+    return session.current().table("compiled_graphs")
+
+
 class FusekitGraph:
     """The callable a dynamo graph compiles to: fusekit pipelines by input shape, built at first use
-    (``pipelines``), the graph itself for inputs it does not take (not CUDA, another dtype than
-    the one compiled for, gradients wanted). ``program``: the lowered stages for the example shape."""
+    (``pipelines``) and run through the custom op ``torch.ops.fusekit.run_pipeline(x, key)``, the
+    graph itself for inputs it does not take (not CUDA, gradients wanted). ``program``: the lowered
+    stages for the example shape."""
 
     def __init__(self, gm: Any, bound: Any, inputs: list[int], program: Program, dtype: str, autotune: bool) -> None:
         self.gm, self.bound, self.inputs, self.program = gm, bound, inputs, program
         self.dtype, self.autotune = dtype, autotune
         self.pipelines: dict[tuple, Any] = {}
         self._weights: dict[tuple, Any] = {}  # shared by the pipelines of every shape
+        graphs = _graphs()
+        self.key = len(graphs)
+        graphs[self.key] = self
+
+    def out_shape(self, x: Any) -> tuple[int, ...]:
+        """The output's shape for input ``x`` (the batch is the input's)."""
+        return (int(x.shape[0]), *self.program.output_shape[1:])
+
+    def run(self, x: Any) -> Any:
+        """The output for ``x`` (a CUDA tensor): its shape's pipeline, the result in x's dtype."""
+        return self._pipeline(x).run(x).to(x.dtype)
 
     def _pipeline(self, x: Any) -> Any:
         from . import lower_model
@@ -89,8 +107,28 @@ class FusekitGraph:
                  and not (torch.is_grad_enabled() and x.requires_grad))
         if not takes:
             return self.gm(*args)
-        y = self._pipeline(x).run(x)
-        return (y.to(x.dtype),)
+        return (run_pipeline(x, self.key),)
+
+
+def _define_op() -> Any:
+    """``torch.ops.fusekit.run_pipeline(x, key)``: compiled graph ``key``'s output for ``x``, with a fake
+    implementation (the output's shape, x's dtype) for shape propagation and tracing."""
+    import torch
+
+    @torch.library.custom_op("fusekit::run_pipeline", mutates_args=(), schema="(Tensor x, int key) -> Tensor")
+    def op(x: torch.Tensor, key: int) -> torch.Tensor:
+        return _graphs()[key].run(x)
+
+    @op.register_fake
+    def _(x: torch.Tensor, key: int) -> torch.Tensor:
+        shape = _graphs()[key].out_shape(x)
+        y = x.new_empty(shape)
+        return y.contiguous(memory_format=torch.channels_last) if len(shape) == 4 else y
+
+    return op
+
+
+run_pipeline = _define_op()
 
 
 def _options(options: dict | None) -> tuple[str, bool, float]:

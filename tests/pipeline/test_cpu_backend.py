@@ -110,3 +110,22 @@ def test_the_backend_is_registered_by_entry_point_and_compiles_end_to_end():
     with torch.no_grad():
         y = torch.compile(model, backend="fusekit")(x)
     assert torch.allclose(y, model(x), atol=1e-6)
+
+
+def test_compiled_graphs_run_through_a_registered_custom_op_with_a_fake_implementation(fresh_session):
+    """torch.ops.fusekit.run_pipeline(x, key) is registered (schema (Tensor x, int key) -> Tensor); its
+    fake implementation gives the output's shape for any batch and x's dtype, so that shape
+    propagation and tracing need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(8, 5)).eval()
+    gm, ex = dynamo_graph(model, torch.randn(2, 3, 8, 8))
+    with torch.no_grad():
+        compiled = fb.backend(gm, ex)
+    assert isinstance(compiled, fb.FusekitGraph) and fresh_session.table("compiled_graphs")[compiled.key] is compiled
+    assert "fusekit::run_pipeline(Tensor x, int key) -> Tensor" in str(torch.ops.fusekit.run_pipeline.default._schema)
+    with FakeTensorMode() as mode:
+        for batch, dtype in ((2, torch.float16), (7, torch.float32)):
+            y = torch.ops.fusekit.run_pipeline(mode.from_tensor(torch.empty(batch, 3, 8, 8, dtype=dtype)), compiled.key)
+            assert tuple(y.shape) == (batch, 5) and y.dtype == dtype
