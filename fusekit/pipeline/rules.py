@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import UnsupportedError
 from ..engine.folding import bn_scale_shift
 from .ir import Program, Stage, concat_parts, fill_shapes, fold_bn_weights, rename
+from .radix import radix_softmax_chain, radix_sum, rewrite_radix_softmax, rewrite_radix_sum
 
 RELU = ("relu", 0.0)
 
@@ -327,6 +328,10 @@ def _gated_projection_as_gconv(c: _Ctx, s: Stage, m: Stage) -> None:
 
 RULES: tuple[Rule, ...] = (
     Rule("drop identities (dropout, stochastic depth in eval)", ("identity",), _always, _drop_identity),
+    Rule("split-attention's rSoftMax (view, transpose, softmax, flatten, view) as one radix softmax", ("torch",),
+         radix_softmax_chain, rewrite_radix_softmax),
+    Rule("split-attention / selective-kernel sums over paths as per-path channel slices, gates and adds", ("torch",),
+         radix_sum, rewrite_radix_sum),
     Rule("ECA: a Conv1d across a pooled vector's channels as a 1x1 convolution", ("torch",), _channel_conv1d, _channel_conv1d_as_conv),
     Rule("an expand read only by broadcasting multiplies and adds is dropped", ("torch",), _broadcast_expand, _drop_identity),
     Rule("ReLU and ReLU6 as activations", ("relu",), _always, _relu_as_act),

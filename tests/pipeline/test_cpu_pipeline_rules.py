@@ -554,3 +554,57 @@ def test_pixel_rows_of_a_dense_channels_last_image_are_a_view():
     sw = gate_scaled_weights(gate, w.reshape(4, 8).t())
     want = F.conv2d(xd * gate, w)
     assert torch.allclose(from_pixel_rows(pixel_rows(xd) @ sw, want.shape), want, atol=1e-12)
+
+
+class SplitAttention(nn.Module):
+    """ResNeSt's split attention as timm writes it: radix paths as one (N, r, C, H, W) view of a grouped
+    convolution's output, a gate from their sum, rSoftMax over the paths, the weighted sum."""
+
+    def __init__(self, c=16, radix=2, cardinality=1):
+        super().__init__()
+        self.radix, self.card = radix, cardinality
+        self.conv = nn.Conv2d(c, c * radix, 3, padding=1, groups=radix * cardinality)
+        self.fc1, self.fc2 = nn.Conv2d(c, 8, 1), nn.Conv2d(8, c * radix, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        b, rc, h, w = x.shape
+        x = x.reshape((b, self.radix, rc // self.radix, h, w))
+        gap = x.sum(dim=1).mean((2, 3), keepdim=True)
+        attn = self.fc2(torch.relu(self.fc1(gap)))
+        attn = attn.view(b, self.card, self.radix, -1).transpose(1, 2)
+        attn = torch.softmax(attn, dim=1).reshape(b, -1).view(b, -1, 1, 1)
+        return (x * attn.reshape((b, self.radix, rc // self.radix, 1, 1))).sum(dim=1)
+
+
+class SelectiveKernel(nn.Module):
+    """SKNet's selective kernel: two paths stacked, a gate from their sum, softmax over the paths."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.p0, self.p1 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=2, dilation=2)
+        self.reduce, self.select = nn.Conv2d(c, 8, 1), nn.Conv2d(8, 2 * c, 1)
+
+    def forward(self, x):
+        x = torch.stack([torch.relu(self.p0(x)), torch.relu(self.p1(x))], dim=1)
+        b, n, c, h, w = x.shape
+        attn = self.select(torch.relu(self.reduce(x.sum(1).mean((2, 3), keepdim=True)))).view(b, n, c, 1, 1)
+        return (x * torch.softmax(attn, dim=1)).sum(dim=1)
+
+
+@pytest.mark.parametrize("importer", ["fx", "export"])
+@pytest.mark.parametrize("make", [SplitAttention, lambda: SplitAttention(radix=4, cardinality=2), SelectiveKernel],
+                         ids=["resnest-r2", "resnest-r4-card2", "sknet"])
+def test_split_attention_and_selective_kernels_lower_to_images_only(make, importer):
+    """No 5-D value is left: the sums over paths become channel slices, per-path gates and adds, and
+    the softmax over the paths one radix_softmax stage, the only one PyTorch runs; float64 matches eager."""
+    torch.manual_seed(0)
+    block = make()
+    x = np.random.default_rng(2).standard_normal((2, 16, 6, 6))
+    prog = fp.lower_model(block.eval(), x.shape, importer=importer)
+    assert all(len(s.out_shape) <= 4 for s in prog.stages), str(prog)
+    assert [s.attrs.get("op") for s in prog.stages if s.pattern == "torch"] == ["radix_softmax"], str(prog)
+    assert sum(s.pattern == "channel_slice" for s in prog.stages) >= 2 and any(s.pattern == "channel_gate" for s in prog.stages)
+    want = block.double()(torch.from_numpy(x)).detach().numpy()
+    block.float()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() <= 1e-12 * np.abs(want).max()
