@@ -266,6 +266,8 @@ class _Importer:
         if self.is_t(k) or not self.is_t(a if k is b else b):
             return None
         v = self.template(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):  # a scalar: the same factor for every channel
+            return torch.full((c,), float(v), dtype=torch.float64)
         if not isinstance(v, torch.Tensor) or v.numel() != c:
             return None
         ok = (tuple(v.shape) in ((c,), (1, 1, 1, c))) if last else (tuple(v.shape) in ((c, 1, 1), (1, c, 1, 1)))
@@ -398,6 +400,8 @@ class _Importer:
             return Stage("mul", [x.name, node.args[1].name], name, name=name)
         if t is F.batch_norm:
             return self.functional_bn(node)
+        if t in (F.conv2d, torch.conv2d):
+            return self.functional_conv(node)
         if t in (torch.flatten, "flatten", "view", "reshape") and self.flatten_ok(node) and (
                 t not in (torch.flatten, "flatten") or (a(node, 1, "start_dim", 0) == 1 and a(node, 2, "end_dim", -1) == -1)):
             return Stage("flatten", [x.name], name, name=name)
@@ -411,6 +415,23 @@ class _Importer:
         if t in (F.dropout, "contiguous", "clone") or getattr(t, "__name__", "") in ("stochastic_depth", "drop_path"):
             return Stage("identity", [x.name], name, name=name)  # eval mode: their value is their input's
         return None
+
+    def functional_conv(self, node: Any) -> Stage | None:
+        """``F.conv2d`` of an image with constant weights (a weight-standardized conv computes them from
+        its parameters, a constant in eval) as nn.Conv2d's stage; zero or int / pair padding only."""
+        import torch
+
+        a = self.arg
+        w, b = self.template(a(node, 1, "weight")), self.template(a(node, 2, "bias"))
+        stride, padding, dilation, groups = (self.template(a(node, i, k, d)) for i, k, d in
+                                             ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1)))
+        if not isinstance(w, torch.Tensor) or w.dim() != 4 or not (b is None or isinstance(b, torch.Tensor)) or isinstance(padding, str):
+            return None
+        if self.values[node.args[0].name].dim() != 4:
+            return None
+        weights = {"w": _np(w)} | ({"b": _np(b)} if b is not None else {})
+        return Stage("conv", [node.args[0].name], node.name, weights=weights, attrs=dict(
+            padding=_p(padding), stride=_p(stride), dilation=_p(dilation), groups=int(groups)), name=node.name)
 
     def functional_bn(self, node: Any) -> Stage | None:
         """``F.batch_norm`` in eval (running statistics given, training False) as nn.BatchNorm2d's stage."""

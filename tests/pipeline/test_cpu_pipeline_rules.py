@@ -608,3 +608,35 @@ def test_split_attention_and_selective_kernels_lower_to_images_only(make, import
     want = block.double()(torch.from_numpy(x)).detach().numpy()
     block.float()
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() <= 1e-12 * np.abs(want).max()
+
+
+class StdConv(nn.Conv2d):
+    """timm's ScaledStdConv2d form: weights standardized in the forward, then F.conv2d."""
+
+    def forward(self, x):
+        w = nn.functional.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0,
+                                     eps=1e-6).reshape_as(self.weight)
+        return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def test_weight_standardized_convs_and_scalar_multiplies_are_fused_stages():
+    """NFNets: a conv whose weights the forward computes from its parameters (a constant in eval) is a
+    conv stage; ``x * 0.2`` and ``2.0 * x`` are per-channel scales (folded into the conv before where
+    they can be). Its weights are folded in float32 as the trace computed them: float64 agrees to 1e-6."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = StdConv(4, 8, 3, padding=1), StdConv(8, 8, 1, groups=2)
+
+        def forward(self, x):
+            y = torch.relu(self.c1(x)) * 0.2
+            return 2.0 * self.c2(y)
+
+    torch.manual_seed(0)
+    m = Block().eval()
+    x = np.random.default_rng(3).standard_normal((2, 4, 6, 6))
+    prog = fp.lower_model(m, x.shape)
+    assert not prog.fallbacks and [s.kind for s in prog.stages].count("conv") == 2, str(prog)
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() <= 1e-6 * np.abs(want).max()
