@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from typing import Any, Callable
 
 from .. import config, session
 from ..adapters import Adapter, adapter_for
 from ..engine.cache import PlanCache, default_cache
 from ..engine.runtime import current_runtime, versions
-from ..errors import FusionWarning, UnsupportedError
+from ..errors import FusionWarning, UnsupportedError, warn_once
 from ..timing import device_ms
 
 
@@ -44,15 +43,10 @@ def fused_or_split(
             return _time_both(timed, fused, split, like)
         return fused()
     except UnsupportedError as e:
-        said = any(t[0] == tag[0] for t in s.split)  # once per graph kind: a model refused it at every shape says so once
         s.split.add(tag)
-        if not said:
-            warnings.warn(
-                f"fusekit: cuDNN has no engine for {tag[0]} with {_describe_tag(tag)}; running it {instead} ({first_line(e)}); "
-                f"other shapes of {tag[0]} that cuDNN refuses run so too, unsaid",
-                FusionWarning,
-                stacklevel=3,
-            )
+        warn_once((tag[0],), f"fusekit: cuDNN has no engine for {tag[0]} with {_describe_tag(tag)}; running it {instead} ({first_line(e)}); "
+                  f"other shapes of {tag[0]} that cuDNN refuses run so too, unsaid",
+                  FusionWarning, stacklevel=3)  # once per graph kind: a model refused it at every shape says so once
         return split()
 
 
