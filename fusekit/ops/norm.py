@@ -276,25 +276,25 @@ def fold_batchnorm(
     affine. The BN vectors share one float dtype (float32, or float16 / bfloat16 for a half model);
     w and b may each have any of the three.
     Run the result with :func:`conv_bias_relu` (or conv_bias, conv_bias_add_relu)."""
-    from .pool import FLOAT_DTYPES, Launch, _operand, _same_place, cuda_function, dtype_prelude, kernel_file
+    from .pool import FLOAT_DTYPES, Launch, operand, same_place, cuda_function, dtype_prelude, kernel_file
 
     P = "fold_batchnorm"
-    wo = _operand(P, "w", w, (4,), FLOAT_DTYPES)
+    wo = operand(P, "w", w, (4,), FLOAT_DTYPES)
     k = wo.shape[0]
     if (gamma is None) != (beta is None):
         raise OperandError(P, "gamma" if gamma is None else "beta", "expected gamma and beta both given (affine BN) or both None")
-    vecs = {n: _operand(P, n, a, (1,), FLOAT_DTYPES) for n, a in (("var", var), ("mean", mean), ("gamma", gamma), ("beta", beta)) if a is not None}
+    vecs = {n: operand(P, n, a, (1,), FLOAT_DTYPES) for n, a in (("var", var), ("mean", mean), ("gamma", gamma), ("beta", beta)) if a is not None}
     for n, v in vecs.items():
         if v.shape != (k,):
             raise OperandError(P, n, f"expected shape ({k},) (one per output channel of w {wo.shape}), got {v.shape}")
-        _same_place(P, ("var", vecs["var"]), (n, v))
-        _same_place(P, ("w", wo), (n, v), dtype=False)
+        same_place(P, ("var", vecs["var"]), (n, v))
+        same_place(P, ("w", wo), (n, v), dtype=False)
     bo = None
     if b is not None:
-        bo = _operand(P, "b", b, (1,), FLOAT_DTYPES)
+        bo = operand(P, "b", b, (1,), FLOAT_DTYPES)
         if bo.shape != (k,):
             raise OperandError(P, "b", f"expected shape ({k},) (one per output channel of w {wo.shape}), got {bo.shape}")
-        _same_place(P, ("w", wo), ("b", bo), dtype=False)
+        same_place(P, ("w", wo), ("b", bo), dtype=False)
     out = dtype or wo.dtype
     if out not in FLOAT_DTYPES:
         raise OperandError(P, "dtype", f"expected one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}", what="argument")

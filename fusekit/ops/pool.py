@@ -105,7 +105,7 @@ def _layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return nchw_strides(shape) if layout == "NCHW" else row_strides(shape)
 
 
-def _operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tuple[str, ...]) -> _Operand:
+def operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tuple[str, ...]) -> _Operand:
     """Check one array (device, rank, dtype, dense NCHW/NHWC or row-major strides); no GPU work."""
     a = as_device_array(a, pattern, name)
     ad = adapter_for(a, pattern, name)
@@ -137,7 +137,7 @@ def _operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tu
     return _Operand(a, ad.name, shape, _layout_strides(shape, layout), layout, dtype, int(device))
 
 
-def _same_place(pattern: str, first: tuple[str, _Operand], other: tuple[str, _Operand], dtype: bool = True) -> None:
+def same_place(pattern: str, first: tuple[str, _Operand], other: tuple[str, _Operand], dtype: bool = True) -> None:
     (fname, f), (oname, o) = first, other
     if o.device != f.device:
         raise OperandError(pattern, oname, f"is on cuda:{o.device} but '{fname}' is on cuda:{f.device}; put all operands on one device")
@@ -296,7 +296,7 @@ def max_pool2d(
     row-major window order on ties; NaN wins), or None with ``indices=False`` (inference: not made).
     """
     P = "max_pool2d"
-    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
     g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode, dilation)
     n, c, h, w = xo.shape
     _check_plane(P, "x", h, w)
@@ -326,8 +326,8 @@ def _result(P: str, L: "Launch", like: _Operand, out: Any, shape: tuple[int, ...
     if out is None:
         y, yv = L.empty(like, shape, like.layout)
         return y, yv, _layout_strides(shape, like.layout), like.layout
-    o = _operand(P, "out", out, (len(shape),), FLOAT_DTYPES)
-    _same_place(P, ("x", like), ("out", o))
+    o = operand(P, "out", out, (len(shape),), FLOAT_DTYPES)
+    same_place(P, ("x", like), ("out", o))
     if o.shape != tuple(shape) or o.lib != like.lib:
         raise OperandError(P, "out", f"expected a {like.lib} array of shape {tuple(shape)}, got a {o.lib} array of shape {o.shape}")
     return out, L.view(o), o.strides, o.layout
@@ -343,9 +343,9 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
     dropped. dx has dy's dtype and memory layout.
     """
     P = "max_pool2d_backward"
-    d = _operand(P, "dy", dy, (4,), FLOAT_DTYPES)
-    a = _operand(P, "argmax", argmax, (4,), INDEX_DTYPES)
-    _same_place(P, ("dy", d), ("argmax", a), dtype=False)
+    d = operand(P, "dy", dy, (4,), FLOAT_DTYPES)
+    a = operand(P, "argmax", argmax, (4,), INDEX_DTYPES)
+    same_place(P, ("dy", d), ("argmax", a), dtype=False)
     if a.shape != d.shape:
         raise OperandError(P, "argmax", f"expected dy's shape {d.shape}, got {a.shape}")
     n, c, h, w = _input_shape(P, input_shape, d)
@@ -383,7 +383,7 @@ def avg_pool2d(
     PyTorch's divisors, ``ceil_mode``'s extra windows included, or ``divisor_override``); y has x's
     dtype and memory layout, or is ``out`` (dense NCHW or NHWC) if given."""
     P = "avg_pool2d"
-    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
     div = _divisor(P, divisor_override)
     g = pool2d_geometry(xo.shape, kernel_size, stride, padding, P, ceil_mode)
     n, c, h, w = xo.shape
@@ -410,7 +410,7 @@ def avg_pool2d_backward(
     dtype and memory layout.
     """
     P = "avg_pool2d_backward"
-    d = _operand(P, "dy", dy, (4,), FLOAT_DTYPES)
+    d = operand(P, "dy", dy, (4,), FLOAT_DTYPES)
     div = _divisor(P, divisor_override)
     n, c, h, w = _input_shape(P, input_shape, d)
     g = pool2d_geometry((n, c, h, w), kernel_size, stride, padding, P, ceil_mode)
@@ -445,10 +445,10 @@ def _row_args(ops: Sequence[_Operand], axis: int) -> tuple[int, int, int, int, l
 
 def _softmax_call(P: str, mode: int, a_name: str, a: Any, dy: Any, axis: int) -> Any:
     """mode 0 / 1: softmax / log_softmax of a = x; 2 / 3: their gradients from a = y and dy."""
-    D = _operand(P, "dy", dy, (2, 4), FLOAT_DTYPES) if dy is not None else None
-    A = _operand(P, a_name, a, (2, 4), FLOAT_DTYPES)
+    D = operand(P, "dy", dy, (2, 4), FLOAT_DTYPES) if dy is not None else None
+    A = operand(P, a_name, a, (2, 4), FLOAT_DTYPES)
     if D is not None:
-        _same_place(P, ("dy", D), (a_name, A))
+        same_place(P, ("dy", D), (a_name, A))
         if D.shape != A.shape:
             raise OperandError(P, a_name, f"expected dy's shape {D.shape}, got {A.shape}")
     ax = checked_axis(P, axis, len(A.shape))
@@ -498,8 +498,8 @@ def log_softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
 # Layer norm over channels
 # ----------------------------------------------------------------------------------------------
 def _channel_vector(P: str, name: str, v: Any, x: _Operand) -> _Operand:
-    o = _operand(P, name, v, (1,), ("float32",))
-    _same_place(P, ("x", x), (name, o), dtype=False)
+    o = operand(P, name, v, (1,), ("float32",))
+    same_place(P, ("x", x), (name, o), dtype=False)
     if o.shape != (x.shape[1],) or o.lib != x.lib:
         raise OperandError(P, name, f"expected a float32 {x.lib} vector of x's {x.shape[1]} channels, got a {o.lib} array of shape {o.shape}")
     return o
@@ -512,7 +512,7 @@ def channel_layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float 
     ``weight`` and ``bias``: float32 vectors of C (both or neither). y has x's dtype and layout, or
     is ``out`` (dense NCHW or NHWC, x's shape and dtype)."""
     P = "channel_layer_norm"
-    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
     if (weight is None) != (bias is None):
         raise OperandError(P, "weight" if weight is None else "bias", "pass weight and bias together, or neither")
     if not (isinstance(eps, (int, float)) and eps > 0):
@@ -537,7 +537,7 @@ def channel_shuffle(x: Any, groups: int, *, out: Any = None) -> Any:
     output channel k is input channel (k % groups) * (C / groups) + k // groups. One pass over
     memory; y has x's dtype and layout, or is ``out`` (dense NCHW or NHWC, x's shape and dtype)."""
     P = "channel_shuffle"
-    xo = _operand(P, "x", x, (4,), FLOAT_DTYPES)
+    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
     n, c, h, w = xo.shape
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 or c % groups:
         raise OperandError(P, "groups", f"expected a positive int dividing x's {c} channels, got {groups!r}")
