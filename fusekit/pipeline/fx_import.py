@@ -495,7 +495,7 @@ def import_module(model: Any, example_input: Any) -> Program:
     import torch.fx
 
     shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
-    m = copy.deepcopy(model).cpu().float().eval()
+    m = copy.deepcopy(model).cpu().double().eval()  # float64: constants the forward computes come out exact
 
     class Tracer(torch.fx.Tracer):
         """fusekit.torch modules (a converted model) stay whole, as torch.nn's do; a submodule that
@@ -523,7 +523,7 @@ def import_module(model: Any, example_input: Any) -> Program:
                                "reads the model through torch.export, which specializes control flow on shapes)") from None
     gen = torch.Generator().manual_seed(0)
     try:
-        values = _record_values(gm, torch.randn(shape, generator=gen))
+        values = _record_values(gm, torch.randn(shape, generator=gen, dtype=torch.float64))
     except Exception as e:  # noqa: BLE001
         raise UnsupportedError(f"pipeline: {type(model).__name__} fails on an input of shape {shape}: {type(e).__name__}: {e}") from None
     imp = _Importer(gm, values)

@@ -195,13 +195,16 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def torch_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """Shape of a torch fallback: run it once on zeros in float32 on the CPU."""
+    """Shape of a torch fallback: run it once on zeros on the CPU, in its module's float dtype (the fx
+    importer's modules are float64) or float32."""
     import torch
 
-    env = {n: torch.zeros(shp, dtype=torch.float32) for n, shp in zip(s.inputs, ins)}
+    held = [t for t in s.fn.parameters()] + [t for t in s.fn.buffers()] if isinstance(s.fn, torch.nn.Module) else []
+    dt = next((t.dtype for t in held if t.is_floating_point()), torch.float32)
+    env = {n: torch.zeros(shp, dtype=dt) for n, shp in zip(s.inputs, ins)}
     with torch.no_grad():
-        y = run_torch_stage(s, env, fn=s.fn, weights={k: torch.from_numpy(v).float() for k, v in s.weights.items()},
-                            device="cpu", dtype=torch.float32)
+        y = run_torch_stage(s, env, fn=s.fn, weights={k: torch.from_numpy(v).to(dt) for k, v in s.weights.items()},
+                            device="cpu", dtype=dt)
     return tuple(int(d) for d in y.shape)
 
 
