@@ -79,7 +79,7 @@ def rewrite_radix_sum(c: Any, s: Stage, parts: list) -> None:
         total = out
     at = c.stages.index(s)
     c.stages[at:at + 1] = made
-    _drop_unread(c)
+    c.drop_unread()
 
 
 def _materialize(c: Any, s: Stage, part: tuple, name: str, made: list[Stage]) -> str:
@@ -150,14 +150,4 @@ def rewrite_radix_softmax(c: Any, s: Stage, found: tuple) -> None:
     st = torch_fallback(s.output, [z], s.output, radix_softmax, [Ref(z), r, card], reason="softmax over the paths of a split-attention gate")
     st.out_shape, st.name = tuple(s.out_shape), "+".join([t.name for t in reversed(chain)] + [s.name])
     c.stages[c.stages.index(s)] = st
-    _drop_unread(c)
-
-
-def _drop_unread(c: Any) -> None:
-    """Remove stages whose output nothing reads (the 5-D views, stacks, gates and sums replaced)."""
-    while True:
-        dead = [t for t in c.stages if t.output != c.output and c.uses(t.output) == 0]
-        if not dead:
-            return
-        for t in dead:
-            c.stages.remove(t)
+    c.drop_unread()

@@ -60,6 +60,15 @@ class _Ctx:
         if self.output == s.output:
             self.output = keep
 
+    def drop_unread(self) -> None:
+        """Remove stages whose output nothing reads (what a rewrite left behind), until none is left."""
+        while True:
+            dead = [t for t in self.stages if t.output != self.output and self.uses(t.output) == 0]
+            if not dead:
+                return
+            for t in dead:
+                self.stages.remove(t)
+
     def absorb(self, into: Stage, s: Stage) -> None:
         """``into`` (an earlier stage) now computes ``s``'s value too: it moves to ``s``'s place and
         takes its output name (its inputs are all computed by then)."""
