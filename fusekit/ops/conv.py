@@ -91,6 +91,26 @@ def conv_transpose_bias(
     return _conv_transpose(False, x, w, b, (padding, stride, dilation, output_padding, groups), out)
 
 
+def conv_transpose_bias_act(
+    x: Any, w: Any, b: Any, *, activation: str = "relu", alpha: float = 0.0, padding: Any = 0, stride: Any = 1, dilation: Any = 1,
+    output_padding: Any = 0, groups: int = 1, out: Any = None,
+) -> Any:
+    """``act(conv_transpose2d(x, w) + b)`` (``activation`` one of fusekit.patterns.ACTIVATIONS, ``alpha`` its
+    parameter) as one cuDNN graph, or the dgrad then one pointwise graph where that measures faster or
+    cuDNN refuses the fusion. w: (C_in, C_out, R, S)."""
+    values = (padding, stride, dilation, output_padding, groups)
+
+    def split() -> Any:
+        y = call("conv_dgrad", x, w, **dict(zip(_CONVT_ATTRS, values)))
+        b32 = adapter_for(b).astype(b, "float32")
+        return call("channel_scale_shift_act", y, affine_identity(y)[0], b32, out=out, activation=activation, alpha=float(alpha))
+
+    attrs = values + (activation, float(alpha))
+    names = _CONVT_ATTRS + ("activation", "alpha")
+    return fused_or_split(tag("conv_transpose_bias_act", x, w, b, attrs=attrs), lambda: run("conv_transpose_bias_act", names, attrs, (x, w, b), out),
+                          split, like=x)
+
+
 def _conv_transpose(relu: bool, x: Any, w: Any, b: Any, values: tuple, out: Any) -> Any:
     name = "conv_transpose_bias_relu" if relu else "conv_transpose_bias"
     attrs = dict(zip(_CONVT_ATTRS, values))

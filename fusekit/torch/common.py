@@ -169,11 +169,14 @@ EPILOGUES = {"silu": 0.0, "gelu": 0.0, "gelu_tanh": 0.0, "sigmoid": 0.0, "tanh":
              "leaky_relu": 0.01, "elu": 1.0}
 
 
-def _epilogue(activation: Any, who: str) -> tuple[str, float] | None:
-    """(name, alpha) of a Conv2d ``activation`` of :data:`EPILOGUES` (a name, or (name, alpha) for
-    leaky_relu's slope and elu's alpha); None for None, "relu" and "relu6" (the ReLU graphs)."""
-    if activation is None or activation in ("relu", "relu6"):
+def _epilogue(activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "relu6")) -> tuple[str, float] | None:
+    """(name, alpha) of a module's ``activation`` that its own ReLU graphs (``graphs``) do not compute:
+    one of :data:`EPILOGUES` (a name, or (name, alpha) for leaky_relu's slope and elu's alpha), or
+    "relu6" as ("clip", 6.0) where ``graphs`` lacks it; None for None and the names in ``graphs``."""
+    if activation is None or activation in graphs:
         return None
+    if activation == "relu6":
+        return "clip", 6.0
     name, alpha = (activation, None) if isinstance(activation, str) else tuple(activation) if isinstance(activation, (tuple, list)) and len(activation) == 2 else (None, None)
     if name not in EPILOGUES or (alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)))):
         raise OperandError(who, "activation", f"expected None, 'relu', 'relu6', one of {sorted(EPILOGUES)} or (name, alpha) for "
@@ -185,7 +188,7 @@ def _apply_epilogue(y: torch.Tensor, act: tuple[str, float]) -> torch.Tensor:
     """PyTorch's activation ``act`` of ``y`` (autograd records it)."""
     name, alpha = act
     return {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sigmoid": torch.sigmoid,
-            "tanh": torch.tanh, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
+            "tanh": torch.tanh, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "clip": lambda t: F.hardtanh(t, 0.0, alpha),
             "leaky_relu": lambda t: F.leaky_relu(t, alpha), "elu": lambda t: F.elu(t, alpha)}[name](y)
 
 

@@ -14,7 +14,7 @@ from ..engine.patterns import conv_out_size
 from ..errors import OperandError
 from ..ops.common import ACTIVATIONS
 from . import common
-from .common import ADDED, _act_of, already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version
+from .common import ADDED, _act_of, already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version, _zero_bias
 from .functions import BatchNormAct, ConvBiasAct, ConvTransposeBiasAct, LinearBiasAct, ScaleShiftAct, _AddReLU, _AvgPool, _MaxPool, _ReLUFn, _Softmax
 
 F = torch.nn.functional
@@ -26,7 +26,8 @@ class FusekitModule:
     _fk_bn: Any = None
     _fk_relu: Any = None
     _fk_drelu = False  # (convolutions) every call's input is a ReLU output used only by this module
-    activation: str | None = None
+    _fk_epilogue: tuple[str, float] | None = None  # an activation the module's own ReLU graphs do not compute
+    activation: Any = None
 
     def _fk_setup(self) -> None:
         """Check the torch attributes and set fusekit's (also run on a torch module :func:`convert` re-classes)."""
@@ -66,8 +67,11 @@ class FusekitModule:
 
 
 class FusekitActModule(FusekitModule):
-    """A fusekit module over a torch layer with an optional fused ReLU (``activation="relu"``, or
-    ``"relu6"`` where the module says so)."""
+    """A fusekit module over a torch layer with an optional fused activation: ``"relu"`` / ``"relu6"``
+    (forward and backward graphs where the module has them), or any of ``silu``, ``gelu``, ``gelu_tanh``,
+    ``sigmoid``, ``tanh``, ``hardswish``, ``hardsigmoid``, ``leaky_relu``, ``elu`` (``(name, alpha)`` for
+    the last two): fused into the forward graph where autograd records nothing (inference), else the
+    layer's graph then PyTorch's activation, whose backward autograd runs."""
 
     def __init__(self, *args: Any, activation: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -76,10 +80,15 @@ class FusekitActModule(FusekitModule):
     def extra_repr(self) -> str:
         return self._fk_repr(super().extra_repr())
 
+    def _fk_set_activation(self, activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "relu6")) -> None:
+        """Check and set ``activation``; one the module's own ReLU ``graphs`` lack becomes its epilogue."""
+        self._fk_epilogue = _epilogue(activation, who, graphs)
+        self.activation = activation
+
     def _torch_forward(self, x: Any, *args: Any) -> Any:
-        """The torch layer's own forward, then the ReLU: CPU tensors, tracing, what cuDNN cannot run."""
+        """The torch layer's own forward, then the activation: CPU tensors, tracing, what cuDNN cannot run."""
         y = super().forward(x, *args)
-        if getattr(self, "_fk_epilogue", None) is not None:
+        if self._fk_epilogue is not None:
             return _apply_epilogue(y, self._fk_epilogue)
         return F.relu6(y) if self.activation == "relu6" else F.relu(y) if self.activation == "relu" else y
 
@@ -88,15 +97,12 @@ class FusekitActModule(FusekitModule):
         the work of (set by convert); None for another activation (Conv2d's epilogues)."""
         if self._fk_relu is not None:
             return _act_of(self._fk_relu)
-        return None if getattr(self, "_fk_epilogue", None) is not None else self.activation
+        return None if self._fk_epilogue is not None else self.activation
 
 
 class Conv2d(FusekitActModule, torch.nn.Conv2d):
-    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused activation: ``"relu"`` or
-    ``"relu6"`` (forward and backward graphs), or any of ``silu``, ``gelu``, ``gelu_tanh``,
-    ``sigmoid``, ``tanh``, ``hardswish``, ``hardsigmoid``, ``leaky_relu``, ``elu`` (``(name, alpha)``
-    for the last two): fused into the forward graph where autograd records nothing (inference), else
-    the conv graph then PyTorch's activation, whose backward autograd runs.
+    """torch.nn.Conv2d as a fused cuDNN graph, with an optional fused activation (FusekitActModule's;
+    a batch norm folded in eval brings its own).
 
     Takes every torch argument cuDNN can run: ``bias=False``, ``groups`` (grouped and depthwise),
     ``padding`` as ints, "valid" or "same" (an odd total "same" padding pads the input's last row /
@@ -104,8 +110,7 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
     with ``F.pad`` and convolve unpadded, as PyTorch does."""
 
     def _fk_setup(self, activation: Any = None) -> None:  # type: ignore[override]
-        self._fk_epilogue = _epilogue(activation, "fusekit.torch.Conv2d")
-        self.activation = activation if self._fk_epilogue is not None else _check_act(activation, "fusekit.torch.Conv2d")
+        self._fk_set_activation(activation, "fusekit.torch.Conv2d")
         if self.padding_mode == "zeros":
             self._fk_pad, self._fk_extra = _explicit_padding(self.padding, self.kernel_size, self.dilation)
         else:  # cuDNN pads with zeros only: the input is padded first (torch.nn.Conv2d's own route), the conv pads nothing
@@ -145,12 +150,12 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
             return self._torch_forward(x)
         amp = common.amp_dtype()
         x = _cast(_dense(x, "Conv2d"), amp)
-        act, done = self._fk_act(), ()
+        act, done, ep = self._fk_act(), (), self._fk_epilogue
         bn = self._fk_bn
         folded = bn is not None and not bn.training and bn.running_mean is not None and bn.running_var is not None
         if folded:
             w, b = self._folded(bn, x.dtype)  # eval: BN folded into this conv's weights and bias
-            act = bn._fk_act()
+            act, ep = bn._fk_act(), bn._fk_epilogue
             done = (bn,) + ((bn._fk_relu,) if bn._fk_relu is not None else ())
         else:
             w, b = _cast(self.weight, amp), _cast(self.bias, amp)
@@ -158,14 +163,13 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
                 done = (self._fk_relu,)
         if self._fk_extra is not None:
             x = padded_for_conv(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
-        if (folded and act is None and residual is not None and common.on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x)
+        if (folded and act is None and ep is None and residual is not None and common.on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x)
                 and not _needs_grad(x, w, b, residual)):
             z = _like(_cast(_dense(residual, "Conv2d"), x.dtype), x)
             y = common.ops.conv_bias_add_relu(x, w, b, z, padding=self._fk_pad, stride=self.stride, dilation=self.dilation, groups=self.groups)
             return hand_on(_tag(_mark_relu_output(y), ADDED, id(residual)), done)
         input_clip = relu_output_clip(x) if self._fk_drelu else None
-        ep = self._fk_epilogue
-        if ep is not None:  # never with a folded BN: convert links nothing to a conv with its own activation
+        if ep is not None:  # the conv's own or a folded BN's (convert links nothing to a conv with an activation)
             if not _needs_grad(x, w, b):
                 y = common.ops.conv_bias_act(x, w, b, activation=ep[0], alpha=ep[1], padding=self._fk_pad, stride=self.stride,
                                              dilation=self.dilation, groups=self.groups)
@@ -178,10 +182,10 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
 
 class ConvTranspose2d(FusekitActModule, torch.nn.ConvTranspose2d):
     """torch.nn.ConvTranspose2d as cuDNN dgrad-as-forward (``bias=False`` and ``groups`` too), with an
-    optional fused ReLU; ``output_size`` in forward works as in PyTorch."""
+    optional fused activation (ReLU's backward fused too); ``output_size`` in forward works as in PyTorch."""
 
-    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
-        self.activation = _check_act(activation, "fusekit.torch.ConvTranspose2d", ("relu",))
+    def _fk_setup(self, activation: Any = None) -> None:  # type: ignore[override]
+        self._fk_set_activation(activation, "fusekit.torch.ConvTranspose2d", ("relu",))
         if self.padding_mode != "zeros":
             raise OperandError("fusekit.torch.ConvTranspose2d", "padding_mode", "only 'zeros' is supported", what="argument")
 
@@ -191,24 +195,26 @@ class ConvTranspose2d(FusekitActModule, torch.nn.ConvTranspose2d):
         amp = common.amp_dtype()
         x = _cast(_dense(x, "ConvTranspose2d"), amp)
         op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)  # type: ignore[arg-type]
-        relu, done = self.activation == "relu", ()
+        relu, done, ep = self.activation == "relu", (), self._fk_epilogue
         if self._fk_relu is not None:
             relu, done = True, (self._fk_relu,)
-        y = ConvTransposeBiasAct.apply(
-            x, _cast(self.weight, amp), _cast(self.bias, amp), self.padding, self.stride, self.dilation, tuple(op), self.groups,
-            "relu" if relu else None,
-        )
-        return hand_on(y, done)
+        w, b = _cast(self.weight, amp), _cast(self.bias, amp)
+        if ep is not None and not _needs_grad(x, w, b):  # inference: one graph with the activation
+            bias = b if b is not None else _zero_bias(int(w.shape[1]) * self.groups, x)
+            return common.ops.conv_transpose_bias_act(x, _like(w, x), bias, activation=ep[0], alpha=ep[1], padding=self.padding, stride=self.stride,
+                                                      dilation=self.dilation, output_padding=tuple(op), groups=self.groups)
+        y = ConvTransposeBiasAct.apply(x, w, b, self.padding, self.stride, self.dilation, tuple(op), self.groups, "relu" if relu else None)
+        return hand_on(y if ep is None else _apply_epilogue(y, ep), done)
 
 
 class Linear(FusekitActModule, torch.nn.Linear):
     """torch.nn.Linear as a fused cuDNN matmul graph (inputs of any rank >= 1, ``bias=False`` too),
-    with an optional fused ReLU. Float32 under a numerics policy that keeps matmuls IEEE (the default,
+    with an optional fused activation (ReLU's backward fused too). Float32 under a numerics policy that keeps matmuls IEEE (the default,
     as PyTorch's) runs PyTorch's own linear: cuDNN 9.19 has no IEEE float32 matmul plan, and its TF32
     one is ~3e-4 off float64 where PyTorch's is ~1e-7 (float16 / bfloat16 and autocast run cuDNN)."""
 
-    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
-        self.activation = _check_act(activation, "fusekit.torch.Linear", ("relu",))
+    def _fk_setup(self, activation: Any = None) -> None:  # type: ignore[override]
+        self._fk_set_activation(activation, "fusekit.torch.Linear", ("relu",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not common.on_graphs(x, "Linear", None) or x.dim() == 0:
@@ -221,10 +227,16 @@ class Linear(FusekitActModule, torch.nn.Linear):
         x2 = _cast(_dense(x, "Linear", rows=True), amp)
         if x2.dim() != 2:
             x2 = x2.reshape(-1, self.in_features)
-        relu, done = self.activation == "relu", ()
+        relu, done, ep = self.activation == "relu", (), self._fk_epilogue
         if self._fk_relu is not None:
             relu, done = True, (self._fk_relu,)
-        y = LinearBiasAct.apply(x2, _cast(self.weight, amp), _cast(self.bias, amp), "relu" if relu else None)
+        w, b = _cast(self.weight, amp), _cast(self.bias, amp)
+        if ep is not None and not _needs_grad(x2, w, b):  # inference: one graph with the activation
+            bias = b if b is not None else _zero_bias(self.out_features, x2)
+            y = common.ops.linear_bias_act(x2, w.contiguous(), bias, activation=ep[0], alpha=ep[1])
+        else:
+            y = LinearBiasAct.apply(x2, w, b, "relu" if relu else None)
+            y = y if ep is None else _apply_epilogue(y, ep)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return hand_on(y, done)
@@ -232,12 +244,13 @@ class Linear(FusekitActModule, torch.nn.Linear):
 
 class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
     """torch.nn.BatchNorm2d on cuDNN graphs (train: fused BN [+ ReLU / ReLU6]; eval: one scale-shift
-    [+ ReLU / ReLU6] graph from the running statistics, with gradients as PyTorch's). Parameters and buffers may be
+    [+ activation] graph from the running statistics, with gradients as PyTorch's; other activations
+    than ReLU / ReLU6 run after the training BN graph as PyTorch's). Parameters and buffers may be
     float16 / bfloat16 (``model.half()``): statistics are computed in float32 and the running stats
     written back in their own dtype. ``affine=False`` runs normalize only."""
 
-    def _fk_setup(self, activation: str | None = None) -> None:  # type: ignore[override]
-        self.activation = _check_act(activation, "fusekit.torch.BatchNorm2d")
+    def _fk_setup(self, activation: Any = None) -> None:  # type: ignore[override]
+        self._fk_set_activation(activation, "fusekit.torch.BatchNorm2d")
 
     def _check_input_dim(self, input: Any) -> None:
         if isinstance(input, torch.Tensor):  # an fx Proxy (tracing) has no dim() to check
@@ -263,7 +276,7 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
         """bn(x) [+ the fused ReLU]; with ``residual`` (how :func:`convert` rewrites a residual block's
         end), relu(bn(x) + residual): training runs BN + add + ReLU as one graph."""
         if residual is not None:
-            if self._fk_act() is not None:
+            if self.activation is not None:
                 raise OperandError("fusekit.torch.BatchNorm2d", "residual", "is added before a ReLU of its own: this module's activation must be None",
                                    what="argument")
             if tagged(x, ADDED) == id(residual) and already_done(x, self):  # eval: the conv before did BN, add and ReLU
@@ -296,12 +309,17 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
             )
         else:
             scale, shift = self._scale_shift()
+            if residual is None and self._fk_epilogue is not None and not _needs_grad(x, scale, shift):
+                ep = self._fk_epilogue  # inference: one scale-shift graph with the activation
+                return common.ops.channel_scale_shift_act(x, scale, shift, activation=ep[0], alpha=ep[1])
             if residual is None:
                 y = ScaleShiftAct.apply(x, scale, shift, act)
             else:
                 y = _AddReLU.apply(ScaleShiftAct.apply(x, scale, shift, None), residual)
         if act is not None and (batch_stats or residual is not None):
             _mark_relu_output(y, ACTIVATIONS[act])
+        if self._fk_epilogue is not None:
+            y = _apply_epilogue(y, self._fk_epilogue)
         return hand_on(y, (after,) if after is not None else ())
 
 

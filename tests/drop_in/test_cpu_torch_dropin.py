@@ -147,6 +147,12 @@ class FakeOps:
     def conv_transpose_bias(self, x, w, b, *, output_padding=0, **kw):
         return self._convt("conv_transpose_bias", x, w, b, output_padding, kw, False)
 
+    def conv_transpose_bias_act(self, x, w, b, *, activation="relu", alpha=0.0, output_padding=0, **kw):
+        from fusekit.pipeline.ir import torch_act
+
+        y = self._convt(f"conv_transpose_bias_act:{activation}", x, w, b, output_padding, kw, False)
+        return _like_layout(torch_act(y, (activation, alpha)), x)
+
     def conv_transpose_bias_relu(self, x, w, b, *, output_padding=0, **kw):
         return self._convt("conv_transpose_bias_relu", x, w, b, output_padding, kw, True)
 
@@ -169,6 +175,11 @@ class FakeOps:
 
     def linear_bias(self, x, w, b):
         return self._linear("linear_bias", x, w, b, False)
+
+    def linear_bias_act(self, x, w, b, *, activation="relu", alpha=0.0):
+        from fusekit.pipeline.ir import torch_act
+
+        return torch_act(self._linear(f"linear_bias_act:{activation}", x, w, b, False), (activation, alpha))
 
     def linear_bias_relu(self, x, w, b):
         return self._linear("linear_bias_relu", x, w, b, True)
@@ -248,6 +259,13 @@ class FakeOps:
         _channel(beta, "beta")
         y = x.double() * gamma.double().view(1, -1, 1, 1) + beta.double().view(1, -1, 1, 1)
         return _like_layout(_act(y, relu, upper_clip).to(x.dtype), x)
+
+    def channel_scale_shift_act(self, x, gamma, beta, *, activation="relu", alpha=0.0):
+        from fusekit.pipeline.ir import torch_act
+
+        y = self.channel_scale_shift(x, gamma, beta)
+        self.calls[-1] = f"channel_scale_shift_act:{activation}"
+        return _like_layout(torch_act(y, (activation, alpha)), x)
 
     def channel_scale_shift_backward(self, dy, x, gamma=None, *, y=None, needs=(True, True, True), upper_clip=INF):
         self.calls.append("scale_shift_backward")
@@ -422,10 +440,10 @@ def test_constructors_take_torch_arguments():
     "make, operand",
     [
         (lambda: ft.Conv2d(3, 4, 3, activation="swish"), "activation"),
-        (lambda: ft.Linear(3, 4, activation="tanh"), "activation"),
-        (lambda: ft.Linear(3, 4, activation="relu6"), "activation"),  # no clipped-ReLU matmul graph
-        (lambda: ft.ConvTranspose2d(3, 4, 3, activation="relu6"), "activation"),
-        (lambda: ft.BatchNorm2d(3, activation="sigmoid"), "activation"),
+        (lambda: ft.Linear(3, 4, activation="mish"), "activation"),
+        (lambda: ft.Linear(3, 4, activation=("relu6", 3.0)), "activation"),
+        (lambda: ft.ConvTranspose2d(3, 4, 3, activation=("elu", "x")), "activation"),
+        (lambda: ft.BatchNorm2d(3, activation="softplus"), "activation"),
     ],
 )
 def test_unsupported_arguments_are_operand_errors(make, operand):
@@ -718,6 +736,73 @@ def test_conv2d_takes_every_activation_of_the_fused_graphs(fake, act):
     (yr * yr.detach()).sum().backward()
     assert rel(xf.grad, xr.grad) < 1e-12 and rel(conv.weight.grad, ref.weight.grad) < 1e-12
     assert "activation=" in repr(conv)
+
+
+ACTS = [("silu", F.silu), ("hardswish", F.hardswish), (("leaky_relu", 0.2), lambda t: F.leaky_relu(t, 0.2)), ("relu6", F.relu6)]
+
+
+def _layers(name):
+    """(fusekit layer with ``name``'s activation, the torch layer, an input, the fused graph's call name)."""
+    act = "clip" if name == "relu6" else name if isinstance(name, str) else name[0]  # ReLU6 as cuDNN's clip where no ReLU6 graph
+    return [
+        (ft.Linear(6, 5, activation=name), torch.nn.Linear(6, 5), torch.randn(4, 6), f"linear_bias_act:{act}"),
+        (ft.Linear(6, 5, bias=False, activation=name), torch.nn.Linear(6, 5, bias=False), torch.randn(2, 3, 6), f"linear_bias_act:{act}"),
+        (ft.ConvTranspose2d(3, 4, 3, stride=2, activation=name), torch.nn.ConvTranspose2d(3, 4, 3, stride=2), torch.randn(2, 3, 5, 5),
+         f"conv_transpose_bias_act:{act}"),
+        (ft.BatchNorm2d(3, activation=name).eval(), torch.nn.BatchNorm2d(3).eval(), torch.randn(2, 3, 5, 5),
+         "scale_shift_relu6" if act == "clip" else f"channel_scale_shift_act:{act}"),
+    ]
+
+
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: str(a[0]))
+def test_linear_conv_transpose_and_batchnorm_take_every_activation(fake, act):
+    """Linear, ConvTranspose2d and BatchNorm2d(activation=...) beyond their ReLU graphs, as Conv2d:
+    without autograd one graph with the activation fused; with autograd the layer's graph then
+    PyTorch's activation; both as the torch layer then the activation, gradients too. A training
+    BatchNorm2d runs the BN graph then the activation."""
+    name, f = act
+    torch.manual_seed(4)
+    for fk, ref, x, fused in _layers(name):
+        ref = ref.double()
+        if isinstance(ref, torch.nn.BatchNorm2d):
+            with torch.no_grad():
+                ref.running_mean.uniform_(-1, 1), ref.running_var.uniform_(0.5, 2), ref.weight.uniform_(0.5, 2), ref.bias.uniform_(-1, 1)
+        fk = clone_as(fk.double(), ref)
+        x, tol = 3 * x.double(), 1e-6 if isinstance(ref, torch.nn.BatchNorm2d) else 1e-12  # (BN's scale and shift are float32)
+        fake.clear()
+        with torch.no_grad():
+            assert rel(fk(x), f(ref(x))) < tol, type(fk)
+        assert fake == [fused], fake
+        compare(fk, torch.nn.Sequential(ref, _Fn(f)), x, tol=tol)
+        assert not any(":" in str(c) for c in fake[1:]) and "activation=" in repr(fk)
+    bn, ref = ft.BatchNorm2d(3, activation=name).double(), torch.nn.BatchNorm2d(3).double()
+    compare(bn, torch.nn.Sequential(ref, _Fn(f)), torch.randn(4, 3, 5, 5, dtype=torch.float64), tol=1e-6)
+    assert torch.allclose(bn.running_var, ref.running_var)
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def test_a_folded_batchnorm_brings_its_activation_into_the_conv_graph(fake):
+    """convert links a Conv2d to the BatchNorm2d(activation="silu") after it: in eval without
+    autograd the BN folds into the conv and its SiLU is the conv graph's epilogue (one graph)."""
+    torch.manual_seed(5)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), ft.BatchNorm2d(4, activation="silu")).double().eval()
+    with torch.no_grad():
+        m[1].running_var.uniform_(0.5, 2), m[1].running_mean.uniform_(-1, 1)
+    ref = torch.nn.Sequential(copy.deepcopy(m[0]), clone_as(torch.nn.BatchNorm2d(4).double().eval(), m[1]), torch.nn.SiLU())
+    fk, report = ft.convert(m, route="modules")
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    fake.clear()
+    with torch.no_grad():
+        assert rel(fk(x), ref(x)) < 1e-6  # (the fold is computed in float32)
+    assert fake == ["conv_bias_act:silu"], (fake, report)
 
 
 def test_conv2d_activation_is_checked_and_blocks_a_bn_link():

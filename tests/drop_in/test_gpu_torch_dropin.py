@@ -138,6 +138,29 @@ def test_conv2d_activation_epilogues_match_torch(act, dtype):
     _check_module(fk, torch.nn.Sequential(ref, _Lambda(EPILOGUES[act])), x, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act", ["silu", "hardswish", ("leaky_relu", 0.2), "relu6"], ids=str)
+@pytest.mark.parametrize("layer", ["Linear", "ConvTranspose2d", "BatchNorm2d"])
+def test_layer_activation_epilogues_match_torch(layer, act, dtype):
+    """Linear, ConvTranspose2d and BatchNorm2d (eval) with an activation their ReLU graphs lack:
+    without autograd one graph with the activation fused, with autograd the layer's graph then
+    PyTorch's activation; against the torch layer + activation in float64, gradients too."""
+    torch.manual_seed(4)
+    f = F.relu6 if act == "relu6" else EPILOGUES[act]
+    make = {"Linear": lambda m: m(64, 48), "ConvTranspose2d": lambda m: m(32, 24, 3, stride=2, padding=1, output_padding=1),
+            "BatchNorm2d": lambda m: m(32)}[layer]
+    fk, ref = _pair(make(lambda *a, **k: getattr(ft(), layer)(*a, activation=act, **k)), make(getattr(torch.nn, layer)), dtype)
+    if layer == "BatchNorm2d":
+        with torch.no_grad():
+            for m in (fk, ref):
+                m.running_mean.copy_(torch.linspace(-1, 1, 32)), m.running_var.copy_(torch.linspace(0.5, 2, 32))
+        fk.eval(), ref.eval()
+    x = cl(torch.randn(*((16, 64) if layer == "Linear" else (4, 32, 14, 14)), device="cuda").to(getattr(torch, dtype)))
+    with torch.no_grad():
+        assert rel(fk(x), f(ref(x.double()))) < TOL[dtype]
+    _check_module(fk, torch.nn.Sequential(ref, _Lambda(f)), x, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias, groups, act", [(False, 1, None), (True, 2, None), (False, 4, "relu")])
 def test_conv_transpose2d_arguments_match_torch(bias, groups, act, dtype):
