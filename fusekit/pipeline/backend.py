@@ -11,6 +11,10 @@ another, sharing the weights), run through the custom op ``torch.ops.fusekit.run
 - ``min_fused``: the fraction of stages that must lower to fusekit graphs or kernels for the graph to
   run on fusekit (default 0.5); below it, and for training, graphs go to Inductor.
 
+``mode`` (``torch.compile(..., mode=...)``) is what Inductor compiles the graphs fusekit does not run
+with ("reduce-overhead": in CUDA graphs; "max-autotune"); the pipelines replay as CUDA graphs of their
+own in every mode.
+
 Inference is a graph compiled under ``torch.no_grad()`` / ``inference_mode()``; graphs that take
 gradients (training) go to Inductor (``torch._inductor.compile_fx``): fusekit's fused backward
 graphs are reached through ``fusekit.torch`` (``convert``). Calls a pipeline does not take (inputs
@@ -29,6 +33,7 @@ from .ir import Program
 __all__ = ["backend", "FusekitGraph", "bind_constants_of", "run_pipeline"]
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def bind_constants_of(gm: Any, example_inputs: list) -> tuple[Any, list[int]]:
@@ -145,14 +150,17 @@ def _options(options: dict | None) -> tuple[str, bool, float]:
     return dtype, autotune, float(min_fused)
 
 
-def inductor(gm: Any, example_inputs: list, why: str) -> Callable:
-    """The graph compiled by Inductor (what fusekit does not run), with the reason said once per reason."""
+def inductor(gm: Any, example_inputs: list, why: str, mode: str | None = None) -> Callable:
+    """The graph compiled by Inductor in torch.compile's ``mode`` (what fusekit does not run), with the
+    reason said once per reason."""
+    import torch
     from torch._inductor.compile_fx import compile_fx
 
     from ..errors import warn_once
 
     warn_once(("backend", why), f"fusekit backend: {why}; Inductor compiles this graph", UserWarning, stacklevel=3)
-    return compile_fx(gm, example_inputs)
+    patches = torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def _lowered(gm: Any, example_inputs: list) -> tuple[Any, list[int], Program] | str:
@@ -177,17 +185,19 @@ def _lowered(gm: Any, example_inputs: list) -> tuple[Any, list[int], Program] | 
     return bound, inputs, prog
 
 
-def backend(gm: Any, example_inputs: list, options: dict | None = None, **_: Any) -> Callable:
+def backend(gm: Any, example_inputs: list, options: dict | None = None, mode: str | None = None) -> Callable:
     """The ``torch.compile`` backend: a dynamo graph and its example inputs -> a callable."""
     import torch
 
     dtype, autotune, min_fused = _options(options)
+    if mode not in MODES:
+        raise OperandError("fusekit backend", "mode", f"must be one of {MODES[1:]}, got {mode!r}", what="argument")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
-        return inductor(gm, example_inputs, "training graphs (gradients) are not lowered to fusekit pipelines")
+        return inductor(gm, example_inputs, "training graphs (gradients) are not lowered to fusekit pipelines", mode)
     got = _lowered(gm, example_inputs)
     if isinstance(got, str):
-        return inductor(gm, example_inputs, got)
+        return inductor(gm, example_inputs, got, mode)
     bound, inputs, prog = got
     if fused_fraction(prog) < min_fused:
-        return inductor(gm, example_inputs, f"{fused_fraction(prog):.0%} of its stages lower to fusekit (min_fused {min_fused:.0%})")
+        return inductor(gm, example_inputs, f"{fused_fraction(prog):.0%} of its stages lower to fusekit (min_fused {min_fused:.0%})", mode)
     return FusekitGraph(gm, bound, inputs, prog, dtype, autotune)

@@ -64,7 +64,7 @@ def test_bound_graph_holds_the_parameters_as_constants():
 def test_what_fusekit_does_not_run_goes_to_inductor_with_the_reason(monkeypatch):
     tv = _tv()
     sent = []
-    monkeypatch.setattr(fb, "inductor", lambda gm, ex, why: sent.append(why) or gm.forward)
+    monkeypatch.setattr(fb, "inductor", lambda gm, ex, why, mode=None: sent.append(why) or gm.forward)
     model = tv.models.resnet18().train()
     gm, ex = dynamo_graph(model, torch.randn(2, 3, 32, 32), grad=True)
     with torch.enable_grad():
@@ -97,6 +97,24 @@ def test_bad_options_are_named(options, words):
     with pytest.raises(OperandError, match="options") as e, torch.no_grad():
         fb.backend(gm, ex, options=options)
     assert words in str(e.value)
+
+
+def test_mode_is_checked_and_reaches_inductor(monkeypatch):
+    """torch.compile's ``mode`` arrives as the backend's keyword: checked, and Inductor compiles the
+    graphs fusekit does not run with that mode's options (reduce-overhead: its CUDA graphs)."""
+    import torch._inductor.compile_fx as cfx
+
+    got = []
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, ex, config_patches=None: got.append(config_patches) or gm.forward)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).train()
+    gm, ex = dynamo_graph(model, torch.randn(1, 3, 8, 8), grad=True)
+    with torch.enable_grad():
+        fb.backend(gm, ex, mode="reduce-overhead")
+        fb.backend(gm, ex)
+    assert got[0].get("triton.cudagraphs") is True and got[1] == {}
+    with pytest.raises(OperandError, match="mode") as e:
+        fb.backend(gm, ex, mode="fastest")
+    assert "reduce-overhead" in str(e.value)
 
 
 def test_the_backend_is_registered_by_entry_point_and_compiles_end_to_end():
