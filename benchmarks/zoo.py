@@ -99,10 +99,10 @@ def bench_model(name: str, batch: int, iters: int, trials: int, max_autotune: bo
         rec["traceback"] = traceback.format_exc(limit=4)
         return rec
     rec.update(compiled=True, fusekit_compile_s=time.perf_counter() - t0, graph_captured=pipe.graph_captured, stages=len(pipe.stages),
-               fused_stages=sum(s.pattern != "torch" for s in pipe.stages), choices=len(pipe.choices), build_fallbacks=pipe.build_fallbacks)
+               fused_stages=pipe.program.fused_stages, choices=len(pipe.choices), build_fallbacks=pipe.build_fallbacks)
     split = pipe.time_split()
     rec.update(fused_time_fraction=split["fused_time_fraction"], torch_by_op={k: round(v, 4) for k, v in split["torch_by_op"].items()})
-    rec["fused_stage_fraction"] = rec["fused_stages"] / max(rec["stages"], 1)
+    rec["fused_stage_fraction"] = pipe.program.fused_fraction
     xin = pipe.input_buffer
     rec["fusekit_ms"] = cuda_time_ms(lambda: pipe.run(xin, clone=False), iters=iters, trials=trials, before_trial=lambda: xin.normal_())
     accuracy(rec, pipe, m, half, shape)

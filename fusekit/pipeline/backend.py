@@ -59,11 +59,6 @@ def bind_constants_of(gm: Any, example_inputs: list) -> tuple[Any, list[int]]:
     return torch.fx.GraphModule(root, graph), inputs
 
 
-def fused_fraction(prog: Program) -> float:
-    """The share of a program's stages that run as fusekit graphs, kernels or views (not PyTorch fallbacks)."""
-    return sum(s.pattern != "torch" for s in prog.stages) / max(len(prog.stages), 1)
-
-
 def _graphs() -> dict[int, "FusekitGraph"]:
     """The session's compiled graphs by key (what ``torch.ops.fusekit.run_pipeline`` runs)."""
     return session.current().table("compiled_graphs")
@@ -198,6 +193,6 @@ def backend(gm: Any, example_inputs: list, options: dict | None = None, mode: st
     if isinstance(got, str):
         return inductor(gm, example_inputs, got, mode)
     bound, inputs, prog = got
-    if fused_fraction(prog) < min_fused:
-        return inductor(gm, example_inputs, f"{fused_fraction(prog):.0%} of its stages lower to fusekit (min_fused {min_fused:.0%})", mode)
+    if prog.fused_fraction < min_fused:
+        return inductor(gm, example_inputs, f"{prog.fused_fraction:.0%} of its stages lower to fusekit (min_fused {min_fused:.0%})", mode)
     return FusekitGraph(gm, bound, inputs, prog, dtype, autotune)

@@ -85,6 +85,16 @@ class Program:
     def fallbacks(self) -> list[str]:
         return [f"{s.name}: {s.reason}" for s in self.stages if s.fallback]
 
+    @property
+    def fused_stages(self) -> int:
+        """The stages that run as fusekit graphs, kernels or views (not PyTorch fallbacks)."""
+        return sum(not s.fallback for s in self.stages)
+
+    @property
+    def fused_fraction(self) -> float:
+        """The share of the stages that run as fusekit graphs, kernels or views."""
+        return self.fused_stages / max(len(self.stages), 1)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         out = {self.input: tuple(self.input_shape)}
         for s in self.stages:

@@ -44,7 +44,7 @@ def test_dynamo_graphs_lower_with_the_pipeline_rules_and_match_in_float64(name):
         compiled = fb.backend(gm, ex)
     assert isinstance(compiled, fb.FusekitGraph)
     prog = compiled.program
-    assert not prog.fallbacks and fb.fused_fraction(prog) == 1.0, prog.fallbacks
+    assert not prog.fallbacks and prog.fused_fraction == 1.0, prog.fallbacks
     want = copy.deepcopy(model).double()(x.double()).detach().numpy()
     got = fp.Pipeline(prog).reference(x.double().numpy())
     assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-12
