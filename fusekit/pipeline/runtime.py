@@ -225,7 +225,8 @@ class Pipeline:
         try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
             fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
         except FusekitError as e:
-            self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {e})")
+            first = str(e).splitlines()[0] if str(e) else ""  # (cuDNN's engine log follows; the report keeps a line)
+            self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {first[:300]})")
             self.engines[i], self.sources[i] = "torch (refused)", "-"
             return self.torch_runner(s, w)
         self.sources[i] = "pending"
