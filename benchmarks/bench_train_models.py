@@ -217,7 +217,7 @@ def bench_case(name: str, precision: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     initial = getattr(torchvision.models, name)(weights=None).to(memory_format=torch.channels_last)  # CPU copy of the start
     fused, report = ft.convert(initial, fuse_residual=args.fuse_residual)
-    rec["fuse_residual"] = args.fuse_residual
+    rec["fuse_residual"], rec["route"] = args.fuse_residual, report.route
     rec["replaced"], rec["fused_groups"] = len(report.replaced), len(report.fused)
     rec["left_alone"] = sorted({t for _, t, _ in report.left_alone})
     data = Data(args.batch, args.size)
@@ -277,6 +277,9 @@ def markdown(gpu: str, recs: list[dict], meta: dict) -> str:
         f"- date: {meta['date']}; torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN backend {meta['cudnn']}, fusekit {meta['fusekit']}",
         (f"- batch {meta['batch']}, {meta['size']}x{meta['size']}, channels-last, random weights and labels, SGD momentum 0.9; "
         "amp-fp16 = autocast float16 + GradScaler, bf16 = autocast bfloat16, fp32 = float32 (parameters float32 in all)"),
+        ("- fusekit = the model convert(model) returns, trained as it is (its default route: "
+         f"{', '.join(sorted({str(r.get('route')) for r in recs}))}); "
+         "fk replayed, fk graphed and fk captured wrap a converted model as named below"),
         (f"- median of {meta['trials']} trials of {meta['iters']} steps (CUDA events) after {meta['warmup']} warm-up steps, "
         "a fresh random batch before each trial, the same batches on every side; ratio = PyTorch time / fusekit time (> 1: fusekit faster)"),
         ("- replayed = fusekit.torch.replayed(model): the training forward and backward replayed from a tape (no CUDA graph); "
