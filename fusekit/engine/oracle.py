@@ -367,3 +367,22 @@ def channel_shuffle_reference(x: np.ndarray, groups: int) -> np.ndarray:
     """ShuffleNet's channel shuffle of an (N, C, H, W) image: (N, g, C/g, H, W), swap g and C/g, back."""
     n, c, h, w = np.shape(x)
     return np.asarray(x).reshape(n, groups, c // groups, h, w).transpose(0, 2, 1, 3, 4).reshape(n, c, h, w)
+
+
+def depthwise_conv2d_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, padding=(0, 0), stride=(1, 1), dilation=(1, 1),
+                               act: str = "identity", alpha: float = 0.0) -> np.ndarray:
+    """float64 ``act(conv2d(x, w, b, groups=C))``: x (N, C, H, W), one filter per channel w (C, 1, R, S)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    n, c, h, wd = x.shape
+    _, _, r, s = w.shape
+    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
+    ho = (h + 2 * ph - (r - 1) * dh - 1) // sh + 1
+    wo = (wd + 2 * pw - (s - 1) * dw - 1) // sw + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    out = np.zeros((n, c, ho, wo))
+    for i in range(r):
+        for j in range(s):
+            out += xp[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh, j * dw : j * dw + (wo - 1) * sw + 1 : sw] * w[:, 0, i, j].reshape(1, c, 1, 1)
+    if b is not None:
+        out += np.asarray(b, np.float64).reshape(1, c, 1, 1)
+    return activation(out, act, alpha)

@@ -1,4 +1,5 @@
-"""Pooling, softmax, a layer norm over channels and the channel shuffle as CuPy kernels.
+"""Pooling, softmax, a layer norm over channels and the channel shuffle as CuPy kernels (depthwise
+convolution: ``depthwise.py``, on this module's operand layer and launcher).
 
 The cuDNN frontend's graph API has no pooling or softmax node, so these run as ``cupy.RawModule``
 kernels (the layer norm is an alternative to cuDNN's layer-norm graph where that measures slower). Images are in logical (N, C, H, W) dim order with NCHW or NHWC (channels-last) memory; the
@@ -87,7 +88,7 @@ def pool_kernel(dtype: str, name: str) -> Any:
 # Operands
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Operand:
+class Operand:
     """A checked array: its library, logical shape, canonical element strides and layout."""
 
     array: Any
@@ -105,7 +106,7 @@ def _layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return nchw_strides(shape) if layout == "NCHW" else row_strides(shape)
 
 
-def operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tuple[str, ...]) -> _Operand:
+def operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tuple[str, ...]) -> Operand:
     """Check one array (device, rank, dtype, dense NCHW/NHWC or row-major strides); no GPU work."""
     a = as_device_array(a, pattern, name)
     ad = adapter_for(a, pattern, name)
@@ -134,10 +135,10 @@ def operand(pattern: str, name: str, a: Any, ranks: tuple[int, ...], dtypes: tup
         layout = "ROW"
     else:
         raise OperandError(pattern, name, f"expected a dense row-major array, got strides {strides}; pass a contiguous copy")
-    return _Operand(a, ad.name, shape, _layout_strides(shape, layout), layout, dtype, int(device))
+    return Operand(a, ad.name, shape, _layout_strides(shape, layout), layout, dtype, int(device))
 
 
-def same_place(pattern: str, first: tuple[str, _Operand], other: tuple[str, _Operand], dtype: bool = True) -> None:
+def same_place(pattern: str, first: tuple[str, Operand], other: tuple[str, Operand], dtype: bool = True) -> None:
     (fname, f), (oname, o) = first, other
     if o.device != f.device:
         raise OperandError(pattern, oname, f"is on cuda:{o.device} but '{fname}' is on cuda:{f.device}; put all operands on one device")
@@ -145,7 +146,7 @@ def same_place(pattern: str, first: tuple[str, _Operand], other: tuple[str, _Ope
         raise OperandError(pattern, oname, f"expected dtype {f.dtype} like '{fname}', got {o.dtype}")
 
 
-def _input_shape(pattern: str, input_shape: Any, dy: _Operand) -> tuple[int, int, int, int]:
+def _input_shape(pattern: str, input_shape: Any, dy: Operand) -> tuple[int, int, int, int]:
     try:
         shape = tuple(int(s) for s in input_shape)
     except (TypeError, ValueError):
@@ -162,11 +163,11 @@ def _check_plane(pattern: str, name: str, h: int, w: int) -> None:
         raise OperandError(pattern, name, f"plane {h}x{w} has 2**31 or more elements; int32 argmax cannot index it")
 
 
-def _i32(*v: int) -> list[np.int32]:
+def i32(*v: int) -> list[np.int32]:
     return [np.int32(x) for x in v]
 
 
-def _i64(*v: int) -> list[np.int64]:
+def i64(*v: int) -> list[np.int64]:
     return [np.int64(x) for x in v]
 
 
@@ -188,7 +189,7 @@ class Launch:
     their device addresses (uint64: what a ``T*`` parameter takes), the tensors kept alive by the
     caller until the launch is queued on their stream (DLPack views cost ~40 us of host each)."""
 
-    def __init__(self, pattern: str, first: _Operand) -> None:
+    def __init__(self, pattern: str, first: Operand) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -210,11 +211,11 @@ class Launch:
         self._stack.__exit__(*exc)
         self._keep.clear()
 
-    def view(self, op: _Operand) -> Any:
+    def view(self, op: Operand) -> Any:
         """``op`` as a kernel argument (zero-copy)."""
         return op.array if op.lib == "cupy" else np.uint64(op.array.data_ptr())
 
-    def empty(self, like: _Operand, shape: tuple[int, ...], layout: str, dtype: str | None = None, zero: bool = False) -> tuple[Any, Any]:
+    def empty(self, like: Operand, shape: tuple[int, ...], layout: str, dtype: str | None = None, zero: bool = False) -> tuple[Any, Any]:
         """(result of the caller's type, its kernel argument): dense in ``layout``, uninitialised or
         (``zero``) zero-filled."""
         name = dtype or like.dtype
@@ -238,7 +239,7 @@ class Launch:
             a.fill(0)
         return a, a
 
-    def empty_as(self, op: _Operand, dtype: str) -> tuple[Any, Any]:
+    def empty_as(self, op: Operand, dtype: str) -> tuple[Any, Any]:
         """(result of the caller's type, its kernel argument): uninitialised, ``op``'s shape and very
         strides in ``dtype``. A 1x1 or one-input-channel filter is dense in NCHW and channels-last
         alike; its raw strides, which fused-or-split decisions are keyed on, stay as they came."""
@@ -303,24 +304,24 @@ def max_pool2d(
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
     with Launch(P, xo) as L:
-        y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
+        y, yv, ystr, ylayout = result_of(P, L, xo, out, yshape)
         vec = 16 // ITEMSIZE[xo.dtype]
         xv = L.view(xo)
         if (not indices and xo.layout == ylayout == "NHWC" and c % vec == 0 and total // vec < 2**31
                 and L.address(xv) % 16 == 0 and L.address(yv) % 16 == 0):  # inference, channels-last: 16-byte lanes
             L.run(xo.dtype, "max_pool_fwd_nhwc_vec", total // vec, [
-                xv, yv, *_i32(total // vec, c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)])
+                xv, yv, *i32(total // vec, c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)])
             return y, None
         am, amv = L.empty(xo, yshape if indices else (1, 1, 1, 1), ylayout, "int32")  # without indices: never written
         am = am if indices else None
         L.run(xo.dtype, "max_pool_fwd", total, [
-            L.view(xo), yv, amv, *_i64(total), *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw),
-            *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC", bool(indices)),
+            L.view(xo), yv, amv, *i64(total), *i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw),
+            *i64(*xo.strides), *i64(*ystr), *i32(ylayout == "NHWC", bool(indices)),
         ])
     return y, am
 
 
-def _result(P: str, L: "Launch", like: _Operand, out: Any, shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...], str]:
+def result_of(P: str, L: "Launch", like: Operand, out: Any, shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...], str]:
     """(result, its CuPy view, its strides, its layout): a new array dense in ``like``'s layout, or
     the caller's ``out`` checked against the expected shape, dtype, device and array type."""
     if out is None:
@@ -357,11 +358,11 @@ def max_pool2d_backward(dy: Any, argmax: Any, input_shape: Sequence[int]) -> Any
         # float32: dy scatter-added into dx itself; else into float32 scratch with dx's strides (both dense in d.layout)
         acc = dxv if d.dtype == "float32" else L.zeros_f32(total_in)
         L.run(d.dtype, f"max_pool_bwd_i{a.dtype[3:]}", total_out, [
-            L.view(d), L.view(a), acc, *_i64(total_out), *_i32(c, d.shape[2], d.shape[3], h, w),
-            *_i64(*d.strides), *_i64(*a.strides), *_i64(*xs), *_i32(d.layout == "NHWC"),
+            L.view(d), L.view(a), acc, *i64(total_out), *i32(c, d.shape[2], d.shape[3], h, w),
+            *i64(*d.strides), *i64(*a.strides), *i64(*xs), *i32(d.layout == "NHWC"),
         ])
         if d.dtype != "float32":
-            L.run(d.dtype, "cast_f32", total_in, [acc, dxv, *_i64(total_in)])
+            L.run(d.dtype, "cast_f32", total_in, [acc, dxv, *i64(total_in)])
     return dx
 
 
@@ -390,11 +391,11 @@ def avg_pool2d(
     yshape = (n, c, g.ho, g.wo)
     total = n * c * g.ho * g.wo
     with Launch(P, xo) as L:
-        y, yv, ystr, ylayout = _result(P, L, xo, out, yshape)
+        y, yv, ystr, ylayout = result_of(P, L, xo, out, yshape)
         L.run(xo.dtype, "avg_pool_fwd", total, [
-            L.view(xo), yv, *_i64(total),
-            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad), div),
-            *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC"),
+            L.view(xo), yv, *i64(total),
+            *i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad), div),
+            *i64(*xo.strides), *i64(*ystr), *i32(ylayout == "NHWC"),
         ])
     return y
 
@@ -420,9 +421,9 @@ def avg_pool2d_backward(
     with Launch(P, d) as L:
         dx, dxv = L.empty(d, (n, c, h, w), d.layout)
         L.run(d.dtype, "avg_pool_bwd", total, [
-            L.view(d), dxv, *_i64(total),
-            *_i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad), div),
-            *_i64(*d.strides), *_i64(*_layout_strides((n, c, h, w), d.layout)), *_i32(d.layout == "NHWC"),
+            L.view(d), dxv, *i64(total),
+            *i32(c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, bool(count_include_pad), div),
+            *i64(*d.strides), *i64(*_layout_strides((n, c, h, w), d.layout)), *i32(d.layout == "NHWC"),
         ])
     return dx
 
@@ -430,7 +431,7 @@ def avg_pool2d_backward(
 # ----------------------------------------------------------------------------------------------
 # Softmax
 # ----------------------------------------------------------------------------------------------
-def _row_args(ops: Sequence[_Operand], axis: int) -> tuple[int, int, int, int, list[np.int64]]:
+def _row_args(ops: Sequence[Operand], axis: int) -> tuple[int, int, int, int, list[np.int64]]:
     """(rows, L, o1, o2, strides): the non-axis dims ordered by the first operand's stride, largest
     first (so adjacent rows are adjacent in its memory), padded to three."""
     shape = ops[0].shape
@@ -439,7 +440,7 @@ def _row_args(ops: Sequence[_Operand], axis: int) -> tuple[int, int, int, int, l
     sizes = [1 if d is None else shape[d] for d in others]
     strides: list[np.int64] = []
     for op in ops:
-        strides += _i64(*(0 if d is None else op.strides[d] for d in others), op.strides[axis])
+        strides += i64(*(0 if d is None else op.strides[d] for d in others), op.strides[axis])
     return sizes[0] * sizes[1] * sizes[2], shape[axis], sizes[1], sizes[2], strides
 
 
@@ -463,7 +464,7 @@ def _softmax_call(P: str, mode: int, a_name: str, a: Any, dy: Any, axis: int) ->
         bv = av if D is None else L.view(D)
         name = "softmax_rows_warp" if A.strides[ax] == 1 and length >= 32 else "softmax_rows"
         threads = rows * 32 if name in WARP_KERNELS else rows
-        L.run(A.dtype, name, threads, [av, bv, outv, *_i64(rows), *_i32(length, o1, o2), *a_str, *b_str, *q_str, *_i32(mode)])
+        L.run(A.dtype, name, threads, [av, bv, outv, *i64(rows), *i32(length, o1, o2), *a_str, *b_str, *q_str, *i32(mode)])
     return out
 
 
@@ -497,7 +498,7 @@ def log_softmax_backward(dy: Any, y: Any, axis: int = 1) -> Any:
 # ----------------------------------------------------------------------------------------------
 # Layer norm over channels
 # ----------------------------------------------------------------------------------------------
-def _channel_vector(P: str, name: str, v: Any, x: _Operand) -> _Operand:
+def channel_vector(P: str, name: str, v: Any, x: Operand) -> Operand:
     o = operand(P, name, v, (1,), ("float32",))
     same_place(P, ("x", x), (name, o), dtype=False)
     if o.shape != (x.shape[1],) or o.lib != x.lib:
@@ -517,14 +518,14 @@ def channel_layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float 
         raise OperandError(P, "weight" if weight is None else "bias", "pass weight and bias together, or neither")
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise OperandError(P, "eps", f"expected a positive number, got {eps!r}")
-    vecs = [_channel_vector(P, k, v, xo) for k, v in (("weight", weight), ("bias", bias)) if v is not None]
+    vecs = [channel_vector(P, k, v, xo) for k, v in (("weight", weight), ("bias", bias)) if v is not None]
     n, c, h, w = xo.shape
     with Launch(P, xo) as L:
-        y, yv, ystr, _ = _result(P, L, xo, out, xo.shape)
+        y, yv, ystr, _ = result_of(P, L, xo, out, xo.shape)
         gb = [L.view(v) for v in vecs] or [L.zeros_f32(1)] * 2  # unread without weight and bias
         L.run(xo.dtype, "layer_norm_channels", n * h * w * 32, [
-            L.view(xo), *gb, yv, *_i64(n * h * w), *_i32(c, h, w), *_i64(*xo.strides), *_i64(*ystr),
-            np.float32(eps), *_i32(bool(vecs))])
+            L.view(xo), *gb, yv, *i64(n * h * w), *i32(c, h, w), *i64(*xo.strides), *i64(*ystr),
+            np.float32(eps), *i32(bool(vecs))])
     return y
 
 
@@ -543,7 +544,8 @@ def channel_shuffle(x: Any, groups: int, *, out: Any = None) -> Any:
         raise OperandError(P, "groups", f"expected a positive int dividing x's {c} channels, got {groups!r}")
     total = n * c * h * w
     with Launch(P, xo) as L:
-        y, yv, ystr, ylayout = _result(P, L, xo, out, xo.shape)
+        y, yv, ystr, ylayout = result_of(P, L, xo, out, xo.shape)
         L.run(xo.dtype, "channel_shuffle", total, [
-            L.view(xo), yv, *_i64(total), *_i32(c, h, w, int(groups)), *_i64(*xo.strides), *_i64(*ystr), *_i32(ylayout == "NHWC")])
+            L.view(xo), yv, *i64(total), *i32(c, h, w, int(groups)), *i64(*xo.strides), *i64(*ystr), *i32(ylayout == "NHWC")])
     return y
+

@@ -237,12 +237,33 @@ class Pipeline:
                 fusekit.call(s.pattern, *operands, out=out, **attrs)
 
             return run
+        dw = self._depthwise(s, x, y) if s.kind == "conv" and not s.attrs.get("add") else None
+        if dw is not None:  # a depthwise conv: fusekit's kernel timed against the graph and PyTorch's
+            self._kernels[i] = dw
         if s.pattern == "layernorm":  # the graph itself, on the rows (ops.layernorm would copy channels-last x)
             g, b, eps = w["gamma"], w["beta"], float(s.attrs["eps"])
             self._kernels[i] = lambda: pool.channel_layer_norm(x, g, b, eps, out=y)
             return lambda: fusekit.call("layernorm", *operands, out=out, **attrs)
         f = getattr(ops, s.pattern)
         return lambda: f(*operands, out=y, **attrs)
+
+    def _depthwise(self, s: Stage, x: Any, y: Any) -> Callable[[], None] | None:
+        """A depthwise conv stage (one filter per channel) as fusekit's CuPy kernel, its filter as
+        float32 taps from the float64 weights; None for another conv."""
+        import torch
+
+        from ..ops import depthwise
+
+        w64, c = s.weights["w"], int(x.shape[1])
+        if int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
+            return None
+        if not all(t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) for t in (x, y)):
+            return None  # (a channel slice of a concatenation: the kernel takes dense images)
+        taps = depthwise.depthwise_taps(torch.as_tensor(w64, dtype=torch.float32, device=self.device))
+        b = None if s.weights.get("b") is None else torch.as_tensor(s.weights["b"], dtype=torch.float32, device=self.device)
+        act, alpha = s.attrs.get("act") or ("identity", 0.0)
+        conv = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
+        return lambda: depthwise.depthwise_conv2d(x, taps, b, activation=act, alpha=float(alpha), out=y, **conv)
 
     def _concat_runner(self, i: int, s: Stage, parts: list[str]) -> Callable[[], None]:
         """A channel concatenation: the parts not already written in place are copied into their
@@ -414,7 +435,7 @@ class Pipeline:
     def _choose(self) -> None:
         """Per stage, the fastest of fusekit's kernel (the fused cuDNN graph, or the CuPy pooling
         kernel), a fusekit CuPy kernel for the same stage where there is one (a layer norm over
-        channels), and PyTorch's, each timed on the stage's own buffers as CUDA-graph replays. cuDNN's
+        channels, a depthwise convolution), and PyTorch's, each timed on the stage's own buffers as CUDA-graph replays. cuDNN's
         engines for some fusions are far slower than PyTorch's separate kernels (on the H200:
         depthwise 3x3 about 20x, a 1x1 conv with the ReLU6 clip fused up to 100x). A switch needs
         the other faster by 3% (timing noise); each is listed in ``choices``."""

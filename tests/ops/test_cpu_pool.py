@@ -582,7 +582,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels", "channel_shuffle",
+        "layer_norm_channels", "channel_shuffle", "depthwise_conv",
     }
     return libs
 
@@ -846,6 +846,69 @@ def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
     out, _ = host_array(np.zeros(shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
     assert pool.channel_shuffle(x, groups, out=out) is out
     np.testing.assert_array_equal(out.values(), want)
+
+
+DEPTHWISE = [  # (shape, R x S, stride, padding, dilation)
+    ((2, 5, 7, 6), (3, 3), 1, 1, 1), ((1, 4, 9, 9), (7, 7), 1, 3, 1), ((2, 3, 8, 7), (5, 5), 2, 2, 1), ((1, 6, 9, 10), (3, 3), 1, 2, 2),
+    ((2, 4, 5, 6), (3, 1), (2, 1), (1, 0), 1), ((1, 2, 4, 4), (1, 1), 1, 0, 1)]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", DEPTHWISE, ids=str)
+@pytest.mark.parametrize("act", [("identity", 0.0), ("relu", 0.0), ("clip", 6.0), ("silu", 0.0), ("gelu", 0.0), ("gelu_tanh", 0.0),
+                                 ("sigmoid", 0.0), ("tanh", 0.0), ("hardswish", 0.0), ("hardsigmoid", 0.0), ("leaky_relu", 0.2),
+                                 ("elu", 0.7)], ids=str)
+def test_host_compiled_depthwise_conv(case, act, layout, dtype, rng):
+    """The depthwise kernel against float64 (every activation, stride, padding, dilation, with and
+    without bias), its filter as given (C, 1, R, S) and as depthwise_taps' (R, S, C) view, into a new
+    array of x's layout or ``out`` of the other."""
+    from fusekit.ops import depthwise
+
+    shape, (r, s), stride, padding, dilation = case
+    c = shape[1]
+    x, xv = host_array(3 * rng.standard_normal(shape), dtype, layout)
+    w64, b64 = rng.standard_normal((c, 1, r, s)) / (r * s) ** 0.5, rng.standard_normal(c)
+    w, b = HostArray(w64.astype(np.float32), "float32"), HostArray(b64.astype(np.float32), "float32")
+    want = oracle.depthwise_conv2d_reference(xv, w.values(), b.values(), pair(padding), pair(stride), pair(dilation), *act)
+    taps = HostArray(depthwise.depthwise_taps(w.a), "float32")
+    y = depthwise.depthwise_conv2d(x, taps, b, stride=stride, padding=padding, dilation=dilation, activation=act[0], alpha=act[1])
+    assert y.values().shape == want.shape and rel(y.values(), want) < HOST_TOL[dtype]
+    assert dense_in(y, layout)
+    other = "NCHW" if layout == "NHWC" else "NHWC"
+    out, _ = host_array(np.zeros(want.shape), dtype, other)
+    got = depthwise.depthwise_conv2d(x, w, stride=stride, padding=padding, dilation=dilation, activation=act[0], alpha=act[1], out=out)
+    nob = oracle.depthwise_conv2d_reference(xv, w.values(), None, pair(padding), pair(stride), pair(dilation), *act)
+    assert got is out and rel(out.values(), nob) < HOST_TOL[dtype]
+
+
+def test_depthwise_kernel_codes_are_the_fused_graphs_activations():
+    from fusekit.ops import depthwise
+
+    from fusekit.engine.patterns import ACTIVATIONS
+
+    assert set(depthwise.ACT_CODES) == set(ACTIVATIONS)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("bad, words", [
+    ({"w": "f16"}, "w.*float32 host filter of shape \\(4, 1, R, S\\)"), ({"w": (3, 1, 3, 3)}, "w.*shape"),
+    ({"stride": 0}, "stride.*int >= 1"), ({"padding": (1, -1)}, "padding.*int >= 0"), ({"activation": "mish"}, "activation"),
+    ({"activation": "clip", "alpha": 0.0}, "alpha"), ({"alpha": float("nan")}, "alpha"), ({"w": (4, 1, 9, 9)}, "does not fit"),
+    ({"b": 3}, "b.*float32 host vector of x's 4 channels"),
+])
+def test_depthwise_conv_bad_operands_are_named(bad, words, rng):
+    from fusekit.ops import depthwise
+
+    x, _ = host_array(rng.standard_normal((1, 4, 5, 5)), "float32", "NHWC")
+    wshape = bad.get("w") if isinstance(bad.get("w"), tuple) else (4, 1, 3, 3)
+    w = HostArray(rng.standard_normal(wshape).astype(np.float16 if bad.get("w") == "f16" else np.float32),
+                  "float16" if bad.get("w") == "f16" else "float32")
+    b = HostArray(rng.standard_normal(bad["b"]).astype(np.float32), "float32") if "b" in bad else None
+    kw = {k: v for k, v in bad.items() if k not in ("w", "b")}
+    with pytest.raises(OperandError, match=words):
+        depthwise.depthwise_conv2d(x, w, b, **kw)
 
 
 @pytest.mark.usefixtures("host_launch")

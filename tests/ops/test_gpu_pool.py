@@ -376,6 +376,41 @@ def test_channel_shuffle_is_torchs_exactly(lib, layout, shape, groups):
     assert np.array_equal(host64(y), oracle.channel_shuffle_reference(host64(x), groups))
 
 
+DW_CASES = [((4, 96, 28, 28), 7, 1, 3, 1), ((2, 144, 28, 28), 3, 2, 1, 1), ((2, 40, 14, 15), 5, 1, 2, 1), ((2, 32, 13, 13), 3, 1, 2, 2),
+            ((1, 257, 9, 9), 9, 1, 4, 1)]
+DW_ACTS = [("identity", 0.0), ("relu", 0.0), ("clip", 6.0), ("silu", 0.0), ("gelu", 0.0), ("hardswish", 0.0), ("leaky_relu", 0.1)]
+
+
+@pytest.mark.parametrize("act", DW_ACTS, ids=str)
+@pytest.mark.parametrize("case", DW_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lib", LIBS)
+def test_depthwise_conv_against_float64_and_torch(lib, layout, dtype, case, act):
+    """fusekit's depthwise kernel (bias and each activation) against float64, within PyTorch's own
+    depthwise Conv2d error in the same dtype; the filter as given and as depthwise_taps' view."""
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16")
+    from fusekit.ops import depthwise
+
+    shape, k, stride, pad, dil = case
+    c = shape[1]
+    x = make(lib, shape, dtype, layout)
+    w = torch.randn(c, 1, k, k, device="cuda") / k
+    b = torch.randn(c, device="cuda")
+    if lib == "cupy":
+        w, b = cp.from_dlpack(w), cp.from_dlpack(b)
+    want = oracle.depthwise_conv2d_reference(host64(x), host64(w), host64(b), (pad, pad), (stride, stride), (dil, dil), *act)
+    for filt in (w, depthwise.depthwise_taps(w)):
+        y = depthwise.depthwise_conv2d(x, filt, b, stride=stride, padding=pad, dilation=dil, activation=act[0], alpha=act[1])
+        check_result(y, lib, dtype, want.shape, layout)
+        assert rel(host64(y), want) < TOL[dtype], rel(host64(y), want)
+    xt = as_torch(x)  # and PyTorch's depthwise Conv2d agrees in the same dtype (identity: no activation's rounding)
+    if act[0] == "identity":
+        ref = F.conv2d(xt, as_torch(w).to(xt.dtype), as_torch(b).to(xt.dtype), stride, pad, dil, c)
+        assert rel(as_torch(y), ref) < 2 * TOL[dtype]
+
+
 # ----------------------------------------------------------------------------------------------
 # streams, autograd-tracked inputs, errors
 # ----------------------------------------------------------------------------------------------

@@ -296,3 +296,52 @@ extern "C" __global__ void channel_shuffle(
         y[n * yn + k * yc + h * yh + w * yw] = x[n * xn + c * xc + h * xh + w * xw];
     }
 }
+
+// The activations of the fused graphs (fusekit.patterns.ACTIVATIONS) by code, as PyTorch defines
+// them: 0 identity, 1 relu, 2 clip (alpha: upper bound), 3 silu, 4 gelu (erf), 5 gelu_tanh,
+// 6 sigmoid, 7 tanh, 8 hardswish, 9 hardsigmoid, 10 leaky_relu (alpha: slope), 11 elu (alpha). NaN stays NaN.
+__device__ __forceinline__ float activate(float v, int act, float alpha) {
+    switch (act) {
+        case 1: return v < 0.f ? 0.f : v;
+        case 2: return v < 0.f ? 0.f : (v > alpha ? alpha : v);
+        case 3: return v / (1.f + expf(-v));
+        case 4: return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+        case 5: return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+        case 6: return 1.f / (1.f + expf(-v));
+        case 7: return tanhf(v);
+        case 8: return v * fminf(fmaxf(v + 3.f, 0.f), 6.f) * (1.f / 6.f);
+        case 9: return fminf(fmaxf(v * (1.f / 6.f) + 0.5f, 0.f), 1.f);
+        case 10: return v > 0.f ? v : alpha * v;
+        case 11: return v > 0.f ? v : alpha * expm1f(v);
+        default: return v;
+    }
+}
+
+// Depthwise convolution (one filter per channel, PyTorch's groups = C) + bias + activation: one
+// thread per output in y's memory order (channels fastest when y is channels-last, so a warp reads
+// 32 channels of one input pixel at once). Filter taps float32 at any strides (wc, wh, ww): a view
+// of an (R, S, C) buffer gives a warp 32 adjacent taps. Accumulated in float32.
+extern "C" __global__ void depthwise_conv(
+    const T* x, const float* w, const float* b, T* y, long long total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw,
+    long long xn, long long xc, long long xh, long long xw, long long wc, long long wh, long long ww,
+    long long yn, long long yc, long long yh, long long yw, int cl, int has_bias, int act, float alpha) {
+    GRID_LOOP(i, total) {
+        int n, c, ho, wo;
+        decode(i, C, Ho, Wo, cl, n, c, ho, wo);
+        const int h0 = ho * sh - ph, w0 = wo * sw - pw;
+        const T* xp = x + (n * xn + c * xc);
+        const float* wp = w + c * wc;
+        float acc = has_bias ? b[c] : 0.f;
+        for (int r = 0; r < kh; ++r) {
+            const int h = h0 + r * dh;
+            if (h < 0 || h >= H) continue;
+            for (int s = 0; s < kw; ++s) {
+                const int col = w0 + s * dw;
+                if (col < 0 || col >= W) continue;
+                acc = fmaf(ld(xp, h * xh + col * xw), wp[r * wh + s * ww], acc);
+            }
+        }
+        st(y, n * yn + c * yc + ho * yh + wo * yw, activate(acc, act, alpha));
+    }
+}

@@ -1,0 +1,85 @@
+"""Depthwise convolution (+ bias + activation) as a CuPy kernel (``kernels/pool.cu`` ``depthwise_conv``),
+on fusekit.ops.pool's operand checks and launcher: cuDNN's depthwise graphs and PyTorch's kernel
+measure slower than one pass over memory on some shapes, which the pipeline times per stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..adapters import adapter_for, as_device_array
+from ..dispatch import recorded_whole
+from ..errors import OperandError
+from . import pool
+from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, result_of
+
+__all__ = ["ACT_CODES", "depthwise_conv2d", "depthwise_taps"]
+
+
+#: The activations of the depthwise kernel, in the order of its codes (pool.cu ``activate``).
+ACT_CODES = ("identity", "relu", "clip", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "elu")
+
+
+def _pair_arg(P: str, name: str, v: Any, low: int) -> tuple[int, int]:
+    t = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else tuple(v) if isinstance(v, (tuple, list)) else ()
+    if len(t) != 2 or any(isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < low for e in t):
+        raise OperandError(P, name, f"expected an int >= {low} or a pair of them, got {v!r}", what="argument")
+    return int(t[0]), int(t[1])
+
+
+def _taps_operand(P: str, w: Any, x: Operand) -> Operand:
+    """The filter: float32 (C, 1, R, S) at any strides (the kernel indexes through them)."""
+    a = as_device_array(w, P, "w")
+    ad = adapter_for(a, P, "w")
+    shape, strides, dtype, device = ad.describe(a)
+    shape, strides = tuple(int(e) for e in shape), tuple(int(e) for e in strides)
+    if device is None:
+        raise OperandError(P, "w", "expected a CUDA device array, got an array in host (CPU) memory")
+    if len(shape) != 4 or shape[:2] != (x.shape[1], 1) or min(shape) < 1 or dtype != "float32" or ad.name != x.lib:
+        raise OperandError(P, "w", f"expected a float32 {x.lib} filter of shape ({x.shape[1]}, 1, R, S) (one per channel of x), "
+                           f"got a {dtype} {ad.name} array of shape {shape}")
+    if int(device) != x.device:
+        raise OperandError(P, "w", f"expected an array on x's device cuda:{x.device}, got one on cuda:{device}")
+    return Operand(a, ad.name, shape, strides, "ANY", dtype, int(device))
+
+
+def depthwise_taps(w: Any) -> Any:
+    """A depthwise filter (C, 1, R, S) as the kernel reads it fastest: a float32 (C, 1, R, S) view of a
+    dense (R, S, C) copy (a warp's 32 channels read 32 adjacent taps). Same array type as ``w``."""
+    if hasattr(w, "permute"):  # torch
+        return w.float().permute(2, 3, 0, 1).contiguous().permute(2, 3, 0, 1)
+    return w.astype("float32").transpose(2, 3, 0, 1).copy().transpose(2, 3, 0, 1)
+
+
+@recorded_whole
+def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+                     activation: str = "identity", alpha: float = 0.0, out: Any = None) -> Any:
+    """``act(conv2d(x, w, b, groups=C))`` of an (N, C, H, W) image with one R x S filter per channel,
+    as PyTorch's depthwise Conv2d then the activation (``activation``: one of fusekit.patterns.ACTIVATIONS,
+    ``alpha`` its parameter), accumulated in float32 in one pass. ``w``: float32 (C, 1, R, S) at any
+    strides (:func:`depthwise_taps` gives the fastest); ``b``: float32 (C,) or None. y has x's dtype and
+    layout, or is ``out`` (dense NCHW or NHWC)."""
+    P = "depthwise_conv2d"
+    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
+    wo = _taps_operand(P, w, xo)
+    bo = None if b is None else channel_vector(P, "b", b, xo)
+    (sh, sw), (ph, pw), (dh, dw) = _pair_arg(P, "stride", stride, 1), _pair_arg(P, "padding", padding, 0), _pair_arg(P, "dilation", dilation, 1)
+    if activation not in ACT_CODES:
+        raise OperandError(P, "activation", f"expected one of {ACT_CODES}, got {activation!r}", what="argument")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha) or (activation == "clip" and not alpha > 0):
+        raise OperandError(P, "alpha", f"expected a finite number (> 0 for clip), got {alpha!r}", what="argument")
+    n, c, h, wd = xo.shape
+    r, s = wo.shape[2:]
+    ho, wout = (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (wd + 2 * pw - dw * (s - 1) - 1) // sw + 1
+    if ho < 1 or wout < 1:
+        raise OperandError(P, "w", f"a {r}x{s} filter (dilation {dh}, {dw}) does not fit x's {h}x{wd} with padding {ph}, {pw}")
+    shape = (n, c, ho, wout)
+    with pool.Launch(P, xo) as L:  # (looked up at each call: tests run the kernels on the host through it)
+        y, yv, ystr, ylayout = result_of(P, L, xo, out, shape)
+        bias = L.view(bo) if bo is not None else L.zeros_f32(1)
+        L.run(xo.dtype, "depthwise_conv", n * c * ho * wout, [
+            L.view(xo), L.view(wo), bias, yv, *i64(n * c * ho * wout), *i32(c, h, wd, ho, wout, r, s, sh, sw, ph, pw, dh, dw),
+            *i64(*xo.strides), *i64(wo.strides[0], wo.strides[2], wo.strides[3]), *i64(*ystr),
+            *i32(ylayout == "NHWC", bo is not None, ACT_CODES.index(activation)), np.float32(alpha)])
+    return y
