@@ -147,8 +147,6 @@ def check_pipeline(nb, text, cpu):
     assert "module Mish has no fusekit rule" in text  # what a fallback looks like
     m = re.search(r"staged float64 reference vs PyTorch float64 \(CPU\): relative error ([0-9.e+-]+)", text)
     assert m and float(m.group(1)) < 1e-12
-    m = re.search(r"torch.compile\(backend=.*\) on (the GPU|the CPU).*: output \(8, 1000\), relative difference to the model's own output ([0-9.e+-]+)", text)
-    assert m and float(m.group(2)) < (5e-2 if m.group(1) == "the GPU" else 1e-6), m and m.group(0)  # (GPU: float16 pipeline vs float16 eager)
     if cpu:
         assert _pngs(nb) >= 2  # the stages and the committed speed-ups
     else:
