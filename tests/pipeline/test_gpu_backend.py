@@ -56,3 +56,27 @@ def test_calls_wanting_gradients_run_the_captured_graph():
     y = compiled(x)
     y.sum().backward()
     assert x.grad is not None and torch.allclose(y, model(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_a_mode_keeps_inference_on_fusekit_and_training_graphs_compile_in_it(mode):
+    """Under torch.compile's modes an inference graph still runs as a fusekit pipeline (its own CUDA
+    graph), and a training graph goes to Inductor compiled in that mode; both match eager."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 8, 1)).cuda().half().to(memory_format=torch.channels_last).eval()
+    x = torch.randn(4, 8, 16, 16, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    made = []
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fb.backend(gm, ex, **kw)) or made[-1], mode=mode)
+    with torch.no_grad():
+        y, want = compiled(x), model(x)
+    assert isinstance(made[-1], fb.FusekitGraph) and _rel(y, want) < 5e-3
+    model.train()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fb.backend, mode=mode)
+    xt = x.clone().requires_grad_(True)
+    with pytest.warns(UserWarning, match="training graphs"):
+        y = compiled(xt)
+    y.float().sum().backward()
+    assert xt.grad is not None and _rel(y, model(x)) < 5e-3
