@@ -80,6 +80,12 @@ class FusekitActModule(FusekitModule):
     def extra_repr(self) -> str:
         return self._fk_repr(super().extra_repr())
 
+    def _fk_fuses(self, ep: tuple[str, float] | None, *tensors: Any) -> bool:
+        """Whether epilogue ``ep`` runs inside the layer's forward graph: where autograd records nothing,
+        and not hardswish, whose scalar constants cuDNN 9.19 refuses or miscomputes in matmul and
+        scale-shift graphs (Conv2d has a graph with them as channel operands)."""
+        return ep is not None and not _needs_grad(*tensors) and (ep[0] != "hardswish" or isinstance(self, torch.nn.Conv2d))
+
     def _fk_set_activation(self, activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "relu6")) -> None:
         """Check and set ``activation``; one the module's own ReLU ``graphs`` lack becomes its epilogue."""
         self._fk_epilogue = _epilogue(activation, who, graphs)
@@ -199,7 +205,7 @@ class ConvTranspose2d(FusekitActModule, torch.nn.ConvTranspose2d):
         if self._fk_relu is not None:
             relu, done = True, (self._fk_relu,)
         w, b = _cast(self.weight, amp), _cast(self.bias, amp)
-        if ep is not None and not _needs_grad(x, w, b):  # inference: one graph with the activation
+        if self._fk_fuses(ep, x, w, b):  # inference: one graph with the activation
             bias = b if b is not None else _zero_bias(int(w.shape[1]) * self.groups, x)
             return common.ops.conv_transpose_bias_act(x, _like(w, x), bias, activation=ep[0], alpha=ep[1], padding=self.padding, stride=self.stride,
                                                       dilation=self.dilation, output_padding=tuple(op), groups=self.groups)
@@ -231,7 +237,7 @@ class Linear(FusekitActModule, torch.nn.Linear):
         if self._fk_relu is not None:
             relu, done = True, (self._fk_relu,)
         w, b = _cast(self.weight, amp), _cast(self.bias, amp)
-        if ep is not None and not _needs_grad(x2, w, b):  # inference: one graph with the activation
+        if self._fk_fuses(ep, x2, w, b):  # inference: one graph with the activation
             bias = b if b is not None else _zero_bias(self.out_features, x2)
             y = common.ops.linear_bias_act(x2, w.contiguous(), bias, activation=ep[0], alpha=ep[1])
         else:
@@ -309,7 +315,7 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
             )
         else:
             scale, shift = self._scale_shift()
-            if residual is None and self._fk_epilogue is not None and not _needs_grad(x, scale, shift):
+            if residual is None and self._fk_fuses(self._fk_epilogue, x, scale, shift):
                 ep = self._fk_epilogue  # inference: one scale-shift graph with the activation
                 return common.ops.channel_scale_shift_act(x, scale, shift, activation=ep[0], alpha=ep[1])
             if residual is None:

@@ -772,7 +772,10 @@ def test_linear_conv_transpose_and_batchnorm_take_every_activation(fake, act):
         fake.clear()
         with torch.no_grad():
             assert rel(fk(x), f(ref(x))) < tol, type(fk)
-        assert fake == [fused], fake
+        if name == "hardswish":  # its scalar constants: cuDNN's matmul / scale-shift graphs refuse or miscompute them
+            assert not any("hardswish" in str(c) for c in fake), fake
+        else:
+            assert fake == [fused], fake
         compare(fk, torch.nn.Sequential(ref, _Fn(f)), x, tol=tol)
         assert not any(":" in str(c) for c in fake[1:]) and "activation=" in repr(fk)
     bn, ref = ft.BatchNorm2d(3, activation=name).double(), torch.nn.BatchNorm2d(3).double()
