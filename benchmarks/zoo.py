@@ -9,6 +9,7 @@ the best PyTorch variant measured).
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime as _dt
 import gc
@@ -103,6 +104,7 @@ def bench_model(name: str, batch: int, iters: int, trials: int, max_autotune: bo
     split = pipe.time_split()
     rec.update(fused_time_fraction=split["fused_time_fraction"], torch_by_op={k: round(v, 4) for k, v in split["torch_by_op"].items()})
     rec["fused_stage_fraction"] = pipe.program.fused_fraction
+    rec["engines"] = dict(collections.Counter(f"{s.pattern}: {e.split(' (')[0]}" for s, e in zip(pipe.stages, pipe.engines)))  # what ran each stage
     xin = pipe.input_buffer
     rec["fusekit_ms"] = cuda_time_ms(lambda: pipe.run(xin, clone=False), iters=iters, trials=trials, before_trial=lambda: xin.normal_())
     accuracy(rec, pipe, m, half, shape)
