@@ -12,6 +12,7 @@ from ..adapters import adapter_for, as_device_array
 from ..dispatch import recorded_whole
 from ..errors import OperandError
 from . import pool
+from ..tensors import ITEMSIZE
 from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, result_of
 
 __all__ = ["ACT_CODES", "depthwise_conv2d", "depthwise_taps"]
@@ -78,8 +79,15 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
     with pool.Launch(P, xo) as L:  # (looked up at each call: tests run the kernels on the host through it)
         y, yv, ystr, ylayout = result_of(P, L, xo, out, shape)
         bias = L.view(bo) if bo is not None else L.zeros_f32(1)
-        L.run(xo.dtype, "depthwise_conv", n * c * ho * wout, [
+        total, vec, code = n * c * ho * wout, 16 // ITEMSIZE[xo.dtype], ACT_CODES.index(activation)
+        xv, wv = L.view(xo), L.view(wo)
+        if (xo.layout == ylayout == "NHWC" and c % vec == 0 and wo.strides[0] == 1 and wo.strides[2:] == (s * c, c)
+                and total // vec < 2**31 and all(L.address(v) % 16 == 0 for v in (xv, wv, yv))):  # 16-byte lanes of channels
+            L.run(xo.dtype, "depthwise_conv_nhwc_vec", total // vec, [
+                xv, wv, bias, yv, *i32(total // vec, c, h, wd, ho, wout, r, s, sh, sw, ph, pw, dh, dw, bo is not None, code), np.float32(alpha)])
+            return y
+        L.run(xo.dtype, "depthwise_conv", total, [
             L.view(xo), L.view(wo), bias, yv, *i64(n * c * ho * wout), *i32(c, h, wd, ho, wout, r, s, sh, sw, ph, pw, dh, dw),
             *i64(*xo.strides), *i64(wo.strides[0], wo.strides[2], wo.strides[3]), *i64(*ystr),
-            *i32(ylayout == "NHWC", bo is not None, ACT_CODES.index(activation)), np.float32(alpha)])
+            *i32(ylayout == "NHWC", bo is not None, code), np.float32(alpha)])
     return y

@@ -505,6 +505,7 @@ SHIM = r"""
 #define __forceinline__ inline
 struct u3 { unsigned int x, y, z; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
 static thread_local u3 threadIdx, blockIdx;
 static u3 blockDim, gridDim;
 extern "C" void set_dims(unsigned g, unsigned b) { gridDim = {g, 1, 1}; blockDim = {b, 1, 1}; }
@@ -582,7 +583,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels", "channel_shuffle", "depthwise_conv",
+        "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec",
     }
     return libs
 
@@ -850,7 +851,8 @@ def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
 
 DEPTHWISE = [  # (shape, R x S, stride, padding, dilation)
     ((2, 5, 7, 6), (3, 3), 1, 1, 1), ((1, 4, 9, 9), (7, 7), 1, 3, 1), ((2, 3, 8, 7), (5, 5), 2, 2, 1), ((1, 6, 9, 10), (3, 3), 1, 2, 2),
-    ((2, 4, 5, 6), (3, 1), (2, 1), (1, 0), 1), ((1, 2, 4, 4), (1, 1), 1, 0, 1)]
+    ((2, 4, 5, 6), (3, 1), (2, 1), (1, 0), 1), ((1, 2, 4, 4), (1, 1), 1, 0, 1),
+    ((2, 16, 7, 6), (7, 7), 1, 3, 1), ((1, 24, 9, 8), (3, 3), 2, 1, 1), ((1, 8, 6, 6), (5, 5), 1, 4, 2)]  # channels-last: 16-byte lanes
 
 
 @pytest.mark.usefixtures("host_launch")
@@ -873,9 +875,13 @@ def test_host_compiled_depthwise_conv(case, act, layout, dtype, rng):
     w, b = HostArray(w64.astype(np.float32), "float32"), HostArray(b64.astype(np.float32), "float32")
     want = oracle.depthwise_conv2d_reference(xv, w.values(), b.values(), pair(padding), pair(stride), pair(dilation), *act)
     taps = HostArray(depthwise.depthwise_taps(w.a), "float32")
+    launched = pool.Launch.launched
+    launched.clear()
     y = depthwise.depthwise_conv2d(x, taps, b, stride=stride, padding=padding, dilation=dilation, activation=act[0], alpha=act[1])
     assert y.values().shape == want.shape and rel(y.values(), want) < HOST_TOL[dtype]
     assert dense_in(y, layout)
+    vec = layout == "NHWC" and c % (4 if dtype == "float32" else 8) == 0  # dense channels-last, whole 16-byte lanes
+    assert launched == ["depthwise_conv_nhwc_vec" if vec else "depthwise_conv"], launched
     other = "NCHW" if layout == "NHWC" else "NHWC"
     out, _ = host_array(np.zeros(want.shape), dtype, other)
     got = depthwise.depthwise_conv2d(x, w, stride=stride, padding=padding, dilation=dilation, activation=act[0], alpha=act[1], out=out)

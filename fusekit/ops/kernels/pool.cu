@@ -345,3 +345,49 @@ extern "C" __global__ void depthwise_conv(
         st(y, n * yn + c * yc + ho * yh + wo * yw, activate(acc, act, alpha));
     }
 }
+
+// depthwise_conv for dense channels-last x and y and dense (R, S, C) float32 taps: one thread per
+// (n, ho, wo, 16-byte channel group), 16-byte loads of x and stores of y, the taps as float4s, 32-bit
+// thread index (the host checks N*Ho*Wo*C/VEC fits an int, C a multiple of VEC, every pointer
+// 16-byte aligned). Same values as depthwise_conv.
+extern "C" __global__ void depthwise_conv_nhwc_vec(
+    const T* x, const float* w, const float* b, T* y, int total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw, int has_bias, int act, float alpha) {
+    const int groups = C / VEC;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const int g = i % groups;
+        int t = i / groups;
+        const int wo = t % Wo; t /= Wo;
+        const int ho = t % Ho;
+        const int n = t / Ho;
+        const int c0 = g * VEC;
+        float acc[VEC];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = has_bias ? b[c0 + j] : 0.f;
+        const T* xn = x + (long long)n * H * W * C + c0;
+        const int h0 = ho * sh - ph, w0 = wo * sw - pw;
+        for (int r = 0; r < kh; ++r) {
+            const int h = h0 + r * dh;
+            if (h < 0 || h >= H) continue;
+            for (int s = 0; s < kw; ++s) {
+                const int col = w0 + s * dw;
+                if (col < 0 || col >= W) continue;
+                Pack v;
+                v.u = *reinterpret_cast<const uint4*>(xn + ((long long)h * W + col) * C);
+                const float4* wp = reinterpret_cast<const float4*>(w + ((long long)r * kw + s) * C + c0);
+                #pragma unroll
+                for (int q = 0; q < VEC / 4; ++q) {
+                    const float4 f = wp[q];
+                    acc[4 * q + 0] = fmaf(ld(v.e, 4 * q + 0), f.x, acc[4 * q + 0]);
+                    acc[4 * q + 1] = fmaf(ld(v.e, 4 * q + 1), f.y, acc[4 * q + 1]);
+                    acc[4 * q + 2] = fmaf(ld(v.e, 4 * q + 2), f.z, acc[4 * q + 2]);
+                    acc[4 * q + 3] = fmaf(ld(v.e, 4 * q + 3), f.w, acc[4 * q + 3]);
+                }
+            }
+        }
+        Pack o;
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) st(o.e, j, activate(acc[j], act, alpha));
+        *reinterpret_cast<uint4*>(y + (((long long)n * Ho + ho) * Wo + wo) * C + c0) = o.u;
+    }
+}
