@@ -81,10 +81,14 @@ class FusekitActModule(FusekitModule):
         return self._fk_repr(super().extra_repr())
 
     def _fk_fuses(self, ep: tuple[str, float] | None, *tensors: Any) -> bool:
-        """Whether epilogue ``ep`` runs inside the layer's forward graph: where autograd records nothing,
-        and not hardswish, whose scalar constants cuDNN 9.19 refuses or miscomputes in matmul and
-        scale-shift graphs (Conv2d has a graph with them as channel operands)."""
-        return ep is not None and not _needs_grad(*tensors) and (ep[0] != "hardswish" or isinstance(self, torch.nn.Conv2d))
+        """Whether epilogue ``ep`` runs inside the layer's forward graph: where autograd records nothing;
+        not in Linear's matmul graph (cuDNN 9.19 gave non-finite values there for hardswish, and a SiLU
+        case failed once on an H100: until that is understood, the activation runs after the graph),
+        and not hardswish in a scale-shift graph (cuDNN refuses its scalar constants; Conv2d has a graph
+        with them as channel operands)."""
+        if ep is None or _needs_grad(*tensors) or isinstance(self, torch.nn.Linear):
+            return False
+        return ep[0] != "hardswish" or isinstance(self, torch.nn.Conv2d)
 
     def _fk_set_activation(self, activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "relu6")) -> None:
         """Check and set ``activation``; one the module's own ReLU ``graphs`` lack becomes its epilogue."""

@@ -772,8 +772,8 @@ def test_linear_conv_transpose_and_batchnorm_take_every_activation(fake, act):
         fake.clear()
         with torch.no_grad():
             assert rel(fk(x), f(ref(x))) < tol, type(fk)
-        if name == "hardswish":  # its scalar constants: cuDNN's matmul / scale-shift graphs refuse or miscompute them
-            assert not any("hardswish" in str(c) for c in fake), fake
+        if name == "hardswish" or isinstance(ref, torch.nn.Linear):  # the activation after the layer's graph (why: fusekit.torch.modules)
+            assert not any(":" in str(c) for c in fake), fake
         else:
             assert fake == [fused], fake
         compare(fk, torch.nn.Sequential(ref, _Fn(f)), x, tol=tol)
