@@ -1,7 +1,6 @@
 """The CNN zoo on the GPU: each activation fused into cuDNN graphs against the float64 oracle and
 against running it split; modern torchvision CNNs compiled into float16 pipelines against float32 eager."""
 
-import numpy as np
 import pytest
 
 from fusekit.engine import oracle
@@ -149,6 +148,29 @@ def test_zoo_model_compiles_and_matches_float32_eager(name):
         rel, fp16_rel = float((y - want).norm() / want.norm()), float((h - want).norm() / want.norm())
         print(f"{name}: pipeline rel {rel:.2e}, PyTorch float16 rel {fp16_rel:.2e}")
         assert rel < max(5e-3, 4 * fp16_rel), (rel, fp16_rel)
+
+
+@pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0"])
+def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float32_eager(name):
+    """timm's split-attention (sums over the radix as channel slices, the radix softmax one stage),
+    selective-kernel and NFNet (weight-standardized F.conv2d of constant weights) blocks: compiled,
+    mostly fused, within PyTorch float16's own error of float32 eager."""
+    import copy
+
+    import fusekit.pipeline as fp
+
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    m = timm.create_model(name, pretrained=False).cuda().eval()
+    pipe = fp.compile(m, torch.zeros(2, 3, 128, 128), dtype="float16")
+    assert pipe.graph_captured, pipe.capture_error
+    assert pipe.program.fused_fraction >= 0.9, pipe.program.fallbacks
+    half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    with torch.no_grad():
+        want, h = m(x).float(), half(x.half().contiguous(memory_format=torch.channels_last)).float()
+    err, fp16_err = rel(pipe(x).float(), want), rel(h, want)
+    assert err < max(5e-3, 4 * fp16_err), (err, fp16_err)
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v3_large", "shufflenet_v2_x1_0"])
