@@ -70,8 +70,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def bench_model(name: str, batch: int, iters: int, trials: int, max_autotune: bool) -> dict[str, Any]:
-    """One record: the pipeline and the PyTorch peers on the same model and batch."""
+def _best(rec: dict[str, Any]) -> None:
+    best = min(v for v in (rec.get("torch_eager_ms"), rec.get("torch_graph_ms"), rec.get("torch_compile_max_autotune_ms")) if v)
+    rec["best_torch_ms"], rec["speedup_vs_best"] = best, best / rec["fusekit_ms"]
+
+
+def bench_model(name: str, batch: int, iters: int, trials: int, max_autotune: bool, save: Any = None) -> dict[str, Any]:
+    """One record: the pipeline and the PyTorch peers on the same model and batch. ``save(rec)`` is
+    called before the max-autotune compile (minutes), so a run stopped during it keeps the rest."""
     rec: dict[str, Any] = {"model": name, "batch": batch, "compiled": False, "error": None}
     shape = (batch, 3, *image_size(name))
     try:
@@ -108,10 +114,12 @@ def bench_model(name: str, batch: int, iters: int, trials: int, max_autotune: bo
     xin = pipe.input_buffer
     rec["fusekit_ms"] = cuda_time_ms(lambda: pipe.run(xin, clone=False), iters=iters, trials=trials, before_trial=lambda: xin.normal_())
     accuracy(rec, pipe, m, half, shape)
+    _best(rec)
     if max_autotune:
+        if save is not None:
+            save(dict(rec, torch_compile_error="the max-autotune compile did not finish in this run"))
         compiled_peer(rec, half, x, iters, trials, fresh)
-    best = min(v for v in (rec.get("torch_eager_ms"), rec.get("torch_graph_ms"), rec.get("torch_compile_max_autotune_ms")) if v)
-    rec["best_torch_ms"], rec["speedup_vs_best"] = best, best / rec["fusekit_ms"]
+        _best(rec)
     del pipe, half, m
     gc.collect()
     torch.cuda.empty_cache()
@@ -223,14 +231,18 @@ def run(out: str, models: list[str], batches: list[int], iters: int, trials: int
     for i, name in enumerate(models):
         for batch in batches:
             log(f"[{i + 1}/{len(models)}] {name} batch {batch} ...")
-            rec = bench_model(name, batch, iters, trials, name in max_autotune and batch >= 32)
-            rec.update(gpu=gpu, date=meta["date"], torch=meta["torch"], cudnn=meta["cudnn"])
-            recs = [r for r in recs if (r["model"], r["batch"]) != (name, batch)] + [rec]
+            def save(rec: dict) -> None:
+                nonlocal recs
+                rec.update(gpu=gpu, date=meta["date"], torch=meta["torch"], cudnn=meta["cudnn"])
+                recs = [r for r in recs if (r["model"], r["batch"]) != (rec["model"], rec["batch"])] + [rec]
+                with open(stem + ".json", "w") as fh:
+                    json.dump(recs, fh, indent=1, default=str)
+                with open(stem + ".md", "w") as fh:
+                    fh.write(markdown(recs, meta))
+
+            rec = bench_model(name, batch, iters, trials, name in max_autotune and batch >= 32, save)
+            save(rec)
             log(f"  fusekit {rec.get('fusekit_ms')} ms, eager graph {rec.get('torch_graph_ms')}, "
                 f"max-autotune {rec.get('torch_compile_max_autotune_ms')}, error {rec.get('error')}")
-            with open(stem + ".json", "w") as fh:
-                json.dump(recs, fh, indent=1, default=str)
-            with open(stem + ".md", "w") as fh:
-                fh.write(markdown(recs, meta))
     plot(recs, meta, stem + ".png")
     print(markdown(recs, meta))
