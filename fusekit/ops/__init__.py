@@ -6,7 +6,7 @@ requested). ``pool`` holds pooling and softmax (CuPy kernels: cuDNN's graph API 
 """
 
 from ..dispatch import call, plan_for
-from . import depthwise, pool
+from . import depthwise, pool, reduce
 from .act import act, add_act, channel_gate, channel_scale_shift_act, conv_bias_act, conv_bias_add_act, conv_bias_hardswish, linear_bias_act
 from .conv import (
     conv2d,
@@ -44,7 +44,7 @@ from .norm import (
 )
 
 __all__ = [
-    "call", "plan_for", "depthwise", "pool",
+    "call", "plan_for", "depthwise", "pool", "reduce",
     "act", "add_act", "channel_gate", "channel_scale_shift_act", "conv_bias_act", "conv_bias_add_act", "conv_bias_hardswish", "linear_bias_act",
     "conv2d", "conv2d_backward", "conv_bias", "conv_bias_add", "conv_bias_add_relu", "conv_bias_backward", "conv_bias_relu",
     "conv_bias_relu6", "conv_bias_relu_backward", "conv_genstats", "conv_transpose_bias", "conv_transpose_bias_act", "conv_transpose_bias_relu",

@@ -583,7 +583,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec",
+        "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec", "channel_sums", "scaled_store",
     }
     return libs
 
@@ -887,6 +887,25 @@ def test_host_compiled_depthwise_conv(case, act, layout, dtype, rng):
     got = depthwise.depthwise_conv2d(x, w, stride=stride, padding=padding, dilation=dilation, activation=act[0], alpha=act[1], out=out)
     nob = oracle.depthwise_conv2d_reference(xv, w.values(), None, pair(padding), pair(stride), pair(dilation), *act)
     assert got is out and rel(out.values(), nob) < HOST_TOL[dtype]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape", [(2, 5, 7, 6), (3, 40, 1, 1), (1, 3, 9, 11), (2, 24, 2, 3)], ids=str)
+@pytest.mark.parametrize("target", [1, 7, 1 << 18])
+def test_host_compiled_global_avg_pool(shape, layout, dtype, target, rng, monkeypatch):
+    """Partial sums over every split of the planes (one split, several, one per position), then the
+    scaled store: x.mean((2, 3)) within one rounding, into a new array or ``out`` of the other layout."""
+    from fusekit.ops import reduce
+
+    monkeypatch.setattr(reduce, "TARGET_THREADS", target)
+    x, xv = host_array(2 * rng.standard_normal(shape) + 1, dtype, layout)
+    want = xv.mean(axis=(2, 3), keepdims=True)
+    y = reduce.global_avg_pool(x)
+    assert y.values().shape == want.shape and rel(y.values(), want) < HOST_TOL[dtype]
+    out, _ = host_array(np.zeros(want.shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
+    assert reduce.global_avg_pool(x, out=out) is out and rel(out.values(), want) < HOST_TOL[dtype]
 
 
 def test_depthwise_kernel_codes_are_the_fused_graphs_activations():

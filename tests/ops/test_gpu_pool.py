@@ -376,6 +376,25 @@ def test_channel_shuffle_is_torchs_exactly(lib, layout, shape, groups):
     assert np.array_equal(host64(y), oracle.channel_shuffle_reference(host64(x), groups))
 
 
+@pytest.mark.parametrize("shape", [(32, 96, 56, 56), (32, 1152, 7, 7), (2, 3, 9, 11), (8, 40, 1, 1)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lib", LIBS)
+def test_global_avg_pool_against_float64_and_torch(lib, layout, dtype, shape):
+    """fusekit's two-pass global mean against float64 and within rounding of PyTorch's mean."""
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16")
+    from fusekit.ops import reduce
+
+    x = make(lib, shape, dtype, layout, scale=2.0)
+    want = host64(x).mean(axis=(2, 3), keepdims=True)
+    y = reduce.global_avg_pool(x)
+    check_result(y, lib, dtype, want.shape, layout)
+    assert rel(host64(y), want) < TOL[dtype], rel(host64(y), want)
+    xt = as_torch(x)
+    assert rel(as_torch(y), xt.float().mean((2, 3), keepdim=True)) < TOL[dtype]
+
+
 DW_CASES = [((4, 96, 28, 28), 7, 1, 3, 1), ((2, 144, 28, 28), 3, 2, 1, 1), ((2, 40, 14, 15), 5, 1, 2, 1), ((2, 32, 13, 13), 3, 1, 2, 2),
             ((1, 257, 9, 9), 9, 1, 4, 1)]
 DW_ACTS = [("identity", 0.0), ("relu", 0.0), ("clip", 6.0), ("silu", 0.0), ("gelu", 0.0), ("hardswish", 0.0), ("leaky_relu", 0.1)]

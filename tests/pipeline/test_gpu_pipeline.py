@@ -320,7 +320,8 @@ def test_batch_sizes_share_weights_and_pad_smaller_batches():
 
 def test_global_average_pools_run_as_a_reduction():
     """AdaptiveAvgPool2d(1), mean over (H, W) and an AvgPool2d whose window is the whole plane run as
-    one mean reduction (not a pooling window per output), matching eager."""
+    a reduction (fusekit's two-pass mean or PyTorch's, whichever times faster; not a pooling window
+    per output), matching eager."""
     import fusekit.pipeline as fp
 
     nn = torch.nn
@@ -341,7 +342,8 @@ def test_global_average_pools_run_as_a_reduction():
     m = Net().eval().cuda()
     pipe = fp.compile(m, torch.zeros(4, 16, 28, 28), dtype="float16")
     pools = [e for s, e in zip(pipe.stages, pipe.engines) if s.pattern == "avg_pool2d"]
-    assert pools == ["torch mean"] * 3, list(zip([s.pattern for s in pipe.stages], pipe.engines))
+    # fusekit's two-pass mean, or PyTorch's where it timed faster: never a one-thread-per-output pool
+    assert len(pools) == 3 and all(e.startswith(("cupy kernel (global mean)", "torch (faster")) for e in pools), pools
     x = torch.randn(4, 16, 28, 28, device="cuda")
     y, want = pipe(x).double(), m.double()(x.double())
     assert float((y - want).norm() / want.norm()) < 1e-2

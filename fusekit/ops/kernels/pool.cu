@@ -391,3 +391,28 @@ extern "C" __global__ void depthwise_conv_nhwc_vec(
         *reinterpret_cast<uint4*>(y + (((long long)n * Ho + ho) * Wo + wo) * C + c0) = o.u;
     }
 }
+
+// Global average pooling, pass 1: thread i sums the positions split, split + splits, ... of channel c of
+// image n (c fastest: a warp reads 32 adjacent channels of one position in channels-last memory) and
+// adds its float32 partial sum into sums[n * C + c] (zeroed by the host).
+extern "C" __global__ void channel_sums(
+    const T* x, float* sums, long long total, int N, int C, int HW, int W, int splits,
+    long long xn, long long xc, long long xh, long long xw) {
+    GRID_LOOP(i, total) {
+        const int c = (int)(i % C);
+        const long long t = i / C;
+        const int n = (int)(t % N);
+        const int split = (int)(t / N);
+        const T* xp = x + (n * xn + c * xc);
+        float acc = 0.f;
+        for (int p = split; p < HW; p += splits) acc += ld(xp, (p / W) * xh + (p % W) * xw);
+        atomicAdd(sums + (long long)n * C + c, acc);
+    }
+}
+
+// Pass 2: y[n, c] = sums[n * C + c] * scale, stored in y's dtype (y: (N, C, 1, 1) at strides yn, yc).
+extern "C" __global__ void scaled_store(const float* sums, T* y, long long total, int C, long long yn, long long yc, float scale) {
+    GRID_LOOP(i, total) {
+        st(y, (i / C) * yn + (i % C) * yc, sums[i] * scale);
+    }
+}
