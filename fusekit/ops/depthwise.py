@@ -17,6 +17,8 @@ from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, resu
 
 __all__ = ["ACT_CODES", "depthwise_conv2d", "depthwise_taps"]
 
+TILE_Q, TILE_MAX_S = 4, 9  # pool.cu's DW_TQ and DW_MAXS: outputs per thread and widest filter of the tiled kernel
+
 
 #: The activations of the depthwise kernel, in the order of its codes (pool.cu ``activate``).
 ACT_CODES = ("identity", "relu", "clip", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "elu")
@@ -83,6 +85,11 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
         xv, wv = L.view(xo), L.view(wo)
         if (xo.layout == ylayout == "NHWC" and c % vec == 0 and wo.strides[0] == 1 and wo.strides[2:] == (s * c, c)
                 and total // vec < 2**31 and all(L.address(v) % 16 == 0 for v in (xv, wv, yv))):  # 16-byte lanes of channels
+            if sw == dw == 1 and s <= TILE_MAX_S:  # and TILE_Q adjacent outputs per thread from one window of loads
+                threads = n * ho * -(-wout // TILE_Q) * (c // vec)
+                L.run(xo.dtype, "depthwise_conv_nhwc_tile", threads, [
+                    xv, wv, bias, yv, *i32(threads, c, h, wd, ho, wout, r, s, sh, ph, pw, dh, bo is not None, code), np.float32(alpha)])
+                return y
             L.run(xo.dtype, "depthwise_conv_nhwc_vec", total // vec, [
                 xv, wv, bias, yv, *i32(total // vec, c, h, wd, ho, wout, r, s, sh, sw, ph, pw, dh, dw, bo is not None, code), np.float32(alpha)])
             return y

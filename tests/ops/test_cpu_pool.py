@@ -583,7 +583,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec", "channel_sums", "scaled_store",
+        "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec", "depthwise_conv_nhwc_tile", "channel_sums", "scaled_store",
     }
     return libs
 
@@ -852,7 +852,8 @@ def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
 DEPTHWISE = [  # (shape, R x S, stride, padding, dilation)
     ((2, 5, 7, 6), (3, 3), 1, 1, 1), ((1, 4, 9, 9), (7, 7), 1, 3, 1), ((2, 3, 8, 7), (5, 5), 2, 2, 1), ((1, 6, 9, 10), (3, 3), 1, 2, 2),
     ((2, 4, 5, 6), (3, 1), (2, 1), (1, 0), 1), ((1, 2, 4, 4), (1, 1), 1, 0, 1),
-    ((2, 16, 7, 6), (7, 7), 1, 3, 1), ((1, 24, 9, 8), (3, 3), 2, 1, 1), ((1, 8, 6, 6), (5, 5), 1, 4, 2)]  # channels-last: 16-byte lanes
+    ((2, 16, 7, 6), (7, 7), 1, 3, 1), ((1, 24, 9, 8), (3, 3), 2, 1, 1), ((1, 8, 6, 6), (5, 5), 1, 4, 2),  # channels-last: 16-byte lanes
+    ((1, 8, 5, 13), (3, 9), 1, (1, 4), 1), ((2, 16, 6, 5), (5, 3), (2, 1), (2, 1), (2, 1)), ((1, 8, 4, 4), (11, 11), 1, 5, 1)]
 
 
 @pytest.mark.usefixtures("host_launch")
@@ -881,7 +882,8 @@ def test_host_compiled_depthwise_conv(case, act, layout, dtype, rng):
     assert y.values().shape == want.shape and rel(y.values(), want) < HOST_TOL[dtype]
     assert dense_in(y, layout)
     vec = layout == "NHWC" and c % (4 if dtype == "float32" else 8) == 0  # dense channels-last, whole 16-byte lanes
-    assert launched == ["depthwise_conv_nhwc_vec" if vec else "depthwise_conv"], launched
+    tile = vec and pair(stride)[1] == pair(dilation)[1] == 1 and s <= 9  # unit steps along W: a window of loads
+    assert launched == ["depthwise_conv_nhwc_tile" if tile else "depthwise_conv_nhwc_vec" if vec else "depthwise_conv"], launched
     other = "NCHW" if layout == "NHWC" else "NHWC"
     out, _ = host_array(np.zeros(want.shape), dtype, other)
     got = depthwise.depthwise_conv2d(x, w, stride=stride, padding=padding, dilation=dilation, activation=act[0], alpha=act[1], out=out)

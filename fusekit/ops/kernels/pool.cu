@@ -416,3 +416,66 @@ extern "C" __global__ void scaled_store(const float* sums, T* y, long long total
         st(y, (i / C) * yn + (i % C) * yc, sums[i] * scale);
     }
 }
+
+// depthwise_conv_nhwc_vec for stride 1 and dilation 1 along W and filters at most DW_MAXS wide: each
+// thread computes DW_TQ adjacent outputs of its 16-byte channel group, loading each input vector of a
+// filter row once into a register window (S + DW_TQ - 1 loads per row instead of S per output).
+#define DW_TQ 4
+#define DW_MAXS 9
+extern "C" __global__ void depthwise_conv_nhwc_tile(
+    const T* x, const float* w, const float* b, T* y, int total, int C, int H, int W, int Ho, int Wo,
+    int kh, int kw, int sh, int ph, int pw, int dh, int has_bias, int act, float alpha) {
+    const int groups = C / VEC;
+    const int tiles = (Wo + DW_TQ - 1) / DW_TQ;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const int g = i % groups;
+        int t = i / groups;
+        const int tile = t % tiles; t /= tiles;
+        const int ho = t % Ho;
+        const int n = t / Ho;
+        const int c0 = g * VEC, wo0 = tile * DW_TQ;
+        float acc[DW_TQ][VEC];
+        #pragma unroll
+        for (int q = 0; q < DW_TQ; ++q) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[q][j] = has_bias ? b[c0 + j] : 0.f;
+        }
+        const T* xn = x + (long long)n * H * W * C + c0;
+        const int h0 = ho * sh - ph, w0 = wo0 - pw;
+        for (int r = 0; r < kh; ++r) {
+            const int h = h0 + r * dh;
+            if (h < 0 || h >= H) continue;
+            Pack win[DW_MAXS + DW_TQ - 1];
+            #pragma unroll
+            for (int j = 0; j < DW_MAXS + DW_TQ - 1; ++j) {
+                const int col = w0 + j;
+                if (j < kw + DW_TQ - 1 && col >= 0 && col < W) win[j].u = *reinterpret_cast<const uint4*>(xn + ((long long)h * W + col) * C);
+                else win[j].u = uint4{0u, 0u, 0u, 0u};
+            }
+            #pragma unroll
+            for (int k = 0; k < DW_MAXS; ++k) {
+                if (k >= kw) break;
+                float wv[VEC];
+                const float4* wp = reinterpret_cast<const float4*>(w + ((long long)r * kw + k) * C + c0);
+                #pragma unroll
+                for (int q = 0; q < VEC / 4; ++q) {
+                    const float4 f = wp[q];
+                    wv[4 * q] = f.x; wv[4 * q + 1] = f.y; wv[4 * q + 2] = f.z; wv[4 * q + 3] = f.w;
+                }
+                #pragma unroll
+                for (int q = 0; q < DW_TQ; ++q) {
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[q][j] = fmaf(ld(win[q + k].e, j), wv[j], acc[q][j]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int q = 0; q < DW_TQ; ++q) {
+            if (wo0 + q >= Wo) break;
+            Pack o;
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) st(o.e, j, activate(acc[q][j], act, alpha));
+            *reinterpret_cast<uint4*>(y + (((long long)n * Ho + ho) * Wo + wo0 + q) * C + c0) = o.u;
+        }
+    }
+}
