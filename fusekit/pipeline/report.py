@@ -54,3 +54,30 @@ def report(pipe: Any) -> str:
     ] + [f"  - {f}" for f in pipe.fallbacks] + (
         ["run by another kernel because it measured faster:"] + [f"  - {c}" for c in pipe.choices] if pipe.choices else [])
     return buf.getvalue() + "\n".join(lines) + "\n"
+
+
+def time_split(pipe: Any) -> dict[str, Any]:
+    """Where a built pipeline's profiled GPU time goes: ``cudnn_ms`` (fused cuDNN graphs), ``kernel_ms``
+    (fusekit's CuPy kernels and copies), ``torch_ms`` (stages PyTorch runs: fallbacks, refusals, and
+    stages whose PyTorch kernel measured faster), ``fused_time_fraction`` (the first two over the
+    total) and ``torch_by_op``: PyTorch's time by op, largest first."""
+    from ..errors import FusekitError
+
+    if not pipe.built:
+        raise FusekitError("pipeline: time_split needs a built pipeline (fusekit.pipeline.compile)")
+    cudnn = kernel = 0.0
+    by_op: dict[str, float] = {}
+    for s, ms, engine in zip(pipe.stages, pipe.times_ms, pipe.engines):
+        ms = ms or 0.0
+        if s.pattern == "torch" or engine.startswith("torch"):
+            op = s.attrs.get("op", s.kind) if s.pattern == "torch" else f"{s.pattern} (PyTorch's kernel)"
+            by_op[op] = by_op.get(op, 0.0) + ms
+        elif s.pattern in FUSEKIT_PATTERNS and not engine.startswith("cupy"):
+            cudnn += ms
+        else:
+            kernel += ms
+    torch_ms = sum(by_op.values())
+    total = cudnn + kernel + torch_ms
+    return {"cudnn_ms": cudnn, "kernel_ms": kernel, "torch_ms": torch_ms,
+            "fused_time_fraction": (cudnn + kernel) / total if total else 0.0,
+            "torch_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}

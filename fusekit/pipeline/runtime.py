@@ -432,7 +432,19 @@ class Pipeline:
         return statistics.median(times)
 
     def _profile(self) -> None:
-        self.times_ms = [0.0 if i in self._noop else self._stage_ms(r) for i, r in enumerate(self._runners)]
+        self.times_ms = [0.0 if i in self._noop else self._timed_or_torch(i) for i in range(len(self._runners))]
+
+    def _timed_or_torch(self, i: int) -> float:
+        """Stage i's time; a fusekit CuPy kernel that cannot run is replaced by PyTorch's, said in the report."""
+        try:
+            return self._stage_ms(self._runners[i])
+        except Exception as e:  # noqa: BLE001
+            s = self.stages[i]
+            if not self.engines[i].startswith("cupy"):
+                raise
+            self.build_fallbacks.append(f"{s.name}: fusekit's kernel for {s.pattern} could not run ({type(e).__name__}: {str(e)[:200]}); run by PyTorch")
+            self._runners[i], self.engines[i] = self.torch_runner(s, self._stage_weights[i]), "torch (fusekit's kernel failed)"
+            return self._stage_ms(self._runners[i])
 
     def _choose(self) -> None:
         """Per stage, the fastest of fusekit's kernel (the fused cuDNN graph, or the CuPy pooling
@@ -448,7 +460,13 @@ class Pipeline:
             t_own = self._stage_ms(self._runners[i])
             alts = [("cupy kernel", "fusekit's CuPy kernel", self._kernels[i])] if i in self._kernels else []
             alts.append(("torch", "PyTorch", self.torch_runner(s, self._stage_weights[i])))
-            t, engine, name, alt = min(((self._stage_ms(r), e, n, r) for e, n, r in alts), key=lambda c: c[0])
+            timed = []
+            for e, n, r in alts:
+                try:
+                    timed.append((self._stage_ms(r), e, n, r))
+                except Exception as err:  # noqa: BLE001 - a candidate that cannot run is not chosen; said in the report
+                    self.build_fallbacks.append(f"{s.name}: {n} for {s.pattern} could not run ({type(err).__name__}: {str(err)[:200]})")
+            t, engine, name, alt = min(timed, key=lambda c: c[0])
             if t < 0.97 * t_own:
                 self._runners[i] = alt
                 self.engines[i], self.sources[i] = f"{engine} (faster: {t:.3f} vs {t_own:.3f} ms)", "-"
@@ -550,28 +568,10 @@ class Pipeline:
         return rows
 
     def time_split(self) -> dict[str, Any]:
-        """Where the profiled GPU time goes: ``cudnn_ms`` (fused cuDNN graphs), ``kernel_ms`` (fusekit's
-        pooling kernels and copies), ``torch_ms`` (stages PyTorch runs: fallbacks, refusals, and stages
-        whose PyTorch kernel measured faster), ``fused_time_fraction`` (the first two over the total) and
-        ``torch_by_op``: PyTorch's time by op, largest first. Needs a built pipeline."""
-        if not self.built:
-            raise FusekitError("pipeline: time_split needs a built pipeline (fusekit.pipeline.compile)")
-        cudnn = kernel = 0.0
-        by_op: dict[str, float] = {}
-        for i, s in enumerate(self.stages):
-            ms = self.times_ms[i] or 0.0
-            if s.pattern == "torch" or self.engines[i].startswith("torch"):
-                op = s.attrs.get("op", s.kind) if s.pattern == "torch" else f"{s.pattern} (PyTorch's kernel)"
-                by_op[op] = by_op.get(op, 0.0) + ms
-            elif s.pattern in FUSEKIT_PATTERNS and not self.engines[i].startswith("cupy"):
-                cudnn += ms
-            else:
-                kernel += ms
-        torch_ms = sum(by_op.values())
-        total = cudnn + kernel + torch_ms
-        return {"cudnn_ms": cudnn, "kernel_ms": kernel, "torch_ms": torch_ms,
-                "fused_time_fraction": (cudnn + kernel) / total if total else 0.0,
-                "torch_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+        """Where the profiled GPU time goes (:func:`fusekit.pipeline.report.time_split`)."""
+        from .report import time_split
+
+        return time_split(self)
 
     def peaks_text(self) -> str:
         """The matmul and copy peaks measured on this GPU, as the report states them."""
