@@ -4,7 +4,9 @@ Registered through the ``torch_dynamo_backends`` entry point, so no import of fu
 Each graph dynamo hands over is read as the pipeline reads a model (its parameters and buffers bound
 as constants, ``torch.export``'s ATen graph, the same lowering rules) and, in inference, runs as
 fusekit pipelines: one per input shape, built on the GPU at its first call (a new batch size builds
-another, sharing the weights), run through the custom op ``torch.ops.fusekit.run_pipeline``. Options (``torch.compile(..., options={...})``):
+another, sharing the weights), run through the custom op ``torch.ops.fusekit.run_pipeline``. A graph
+dynamo makes dynamic after a second shape (its sizes as int inputs) is taken too: each size is read
+from the input's dims. Options (``torch.compile(..., options={...})``):
 
 - ``dtype``: "auto" (the input's), "float16", "bfloat16" or "float32": what the pipeline computes in;
 - ``autotune``: autotune each stage's plan at build (default False: cuDNN's heuristics);
@@ -38,8 +40,10 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 def bind_constants_of(gm: Any, example_inputs: list) -> tuple[Any, list[int]]:
     """(a GraphModule of ``gm``'s graph with its parameter and buffer placeholders turned into
-    constants of its own, the positions of the placeholders left: the activation inputs). Dynamo
-    passes a module's parameters and buffers as graph inputs (``l_self_modules_..._parameters_...``)."""
+    constants of its own and its size placeholders into sizes of the tensor inputs, the positions of
+    the placeholders left: the activation inputs). Dynamo passes a module's parameters and buffers as
+    graph inputs (``l_self_modules_..._parameters_...``) and, for dynamic shapes, each symbolic size as
+    an int input (``s0``: a dim of an input tensor). A size no input dim gives stays an input."""
     import torch
 
     graph = copy.deepcopy(gm.graph)
@@ -54,9 +58,30 @@ def bind_constants_of(gm: Any, example_inputs: list) -> tuple[Any, list[int]]:
                 got = graph.get_attr(name)
             node.replace_all_uses_with(got)
             graph.erase_node(node)
+        elif (found := None if isinstance(value, torch.Tensor) else _size_of(node, placeholders)) is not None:
+            src, dim = found
+            with graph.inserting_after(src):
+                got = graph.call_method("size", (src, dim))
+            node.replace_all_uses_with(got)
+            graph.erase_node(node)
         else:
             inputs.append(i)
     return torch.fx.GraphModule(root, graph), inputs
+
+
+def _size_of(node: Any, placeholders: list) -> tuple[Any, int] | None:
+    """(tensor placeholder, dim) whose symbolic size is size placeholder ``node``'s, from dynamo's
+    example values; None if none is."""
+    sym = node.meta.get("example_value")
+    expr = getattr(getattr(sym, "node", None), "expr", None)
+    if expr is None:
+        return None
+    for p in placeholders:
+        fake = p.meta.get("example_value")
+        for d, size in enumerate(getattr(fake, "shape", ()) if p is not node else ()):
+            if getattr(getattr(size, "node", None), "expr", None) == expr:
+                return p, d
+    return None
 
 
 def _graphs() -> dict[int, "FusekitGraph"]:
@@ -164,13 +189,13 @@ def _lowered(gm: Any, example_inputs: list) -> tuple[Any, list[int], Program] | 
 
     from . import lower_model
 
-    if any(not isinstance(t, torch.Tensor) for t in example_inputs):
-        return "dynamic shapes (sizes as graph inputs); torch.compile(..., dynamic=False) gives a fusekit pipeline per shape"
     outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if not isinstance(outs, (tuple, list)) or len(outs) != 1:
         return "a graph with several outputs"
     bound, inputs = bind_constants_of(gm, example_inputs)
-    if len(inputs) != 1 or not isinstance(example_inputs[inputs[0]], torch.Tensor):
+    if any(not isinstance(example_inputs[i], torch.Tensor) for i in inputs):
+        return "dynamic shapes with a size no input dim gives; torch.compile(..., dynamic=False) gives a fusekit pipeline per shape"
+    if len(inputs) != 1:
         return f"a graph of {len(inputs)} activation inputs (fusekit pipelines take one tensor)"
     x = example_inputs[inputs[0]]
     try:

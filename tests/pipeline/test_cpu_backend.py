@@ -117,6 +117,26 @@ def test_mode_is_checked_and_reaches_inductor(monkeypatch):
     assert "reduce-overhead" in str(e.value)
 
 
+def test_a_graph_dynamo_makes_dynamic_stays_on_fusekit():
+    """After a second batch size dynamo hands over a graph with the batch as an int input: its sizes
+    are read from the input's dims, so the backend still returns fusekit's graph (a pipeline per
+    shape), and calls give eager's output."""
+    made = []
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(8, 4)).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append((gm, ex, fb.backend(gm, ex, **kw))) or made[-1][2])
+    with torch.no_grad():
+        for batch in (2, 5, 3):
+            x = torch.randn(batch, 3, 8, 8)
+            assert torch.allclose(compiled(x), model(x), atol=1e-6)
+    assert len(made) == 2 and any(not isinstance(e, torch.Tensor) for e in made[1][1])  # the second: dynamic
+    assert all(isinstance(g, fb.FusekitGraph) for _, _, g in made)
+    dyn = made[1][2]
+    assert [n.op for n in dyn.bound.graph.nodes].count("placeholder") == 1
+    assert dyn.out_shape(torch.empty(7, 3, 8, 8)) == (7, 4)
+
+
 def test_the_backend_is_registered_by_entry_point_and_compiles_end_to_end():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
     assert any(ep.name == "fusekit" and ep.value == "fusekit.pipeline.backend:backend" for ep in eps), list(eps)

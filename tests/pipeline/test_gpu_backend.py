@@ -80,3 +80,21 @@ def test_a_mode_keeps_inference_on_fusekit_and_training_graphs_compile_in_it(mod
     y.float().sum().backward()
     assert not isinstance(made[-1], fb.FusekitGraph)  # Inductor's
     assert xt.grad is not None and _rel(y, model(x)) < 5e-3
+
+
+def test_dynamic_batch_graphs_run_fusekit_pipelines():
+    """With torch.compile's default dynamic=None, dynamo hands over a graph with a symbolic batch after
+    the second batch size: it still runs as fusekit pipelines (one per batch size), within float16's error."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(16, 10)).cuda().half().eval()
+    torch._dynamo.reset()
+    made = []
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fb.backend(gm, ex, **kw)) or made[-1])
+    for batch in (4, 6, 3, 6):
+        x = torch.randn(batch, 8, 12, 12, device="cuda").half().contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            y, want = compiled(x), model(x)
+        assert y.shape == want.shape and _rel(y, want) < 5e-3
+    assert len(made) == 2 and all(isinstance(g, fb.FusekitGraph) for g in made)
+    assert {k[0][0] for k in made[1].pipelines} == {6, 3}  # the dynamic graph's pipelines, one per batch size
