@@ -1,13 +1,15 @@
 """torch.compile(backend="fusekit") against Inductor's default mode and max-autotune, in one process.
 
-Inference only (the backend sends training graphs to Inductor): ResNet-50, EfficientNet-B0,
-MobileNetV3-Large and ConvNeXt-Tiny at batch 1 and 32, float16 channels-last, eval under
-``torch.no_grad()``, random weights with BN statistics of random images (benchmarks/zoo.py's
-models), ``dynamic=False``. Each variant is compiled, called three times (the compile time is
-until then), then timed: CUDA events, median of --trials trials of --iters calls, a fresh input
-before each trial. Relative error of each against float32 eager.
+Inference: ResNet-50, EfficientNet-B0, MobileNetV3-Large and ConvNeXt-Tiny at batch 1 and 32, float16
+channels-last, eval under ``torch.no_grad()``, random weights with BN statistics of random images
+(benchmarks/zoo.py's models), ``dynamic=False``; ``--reduce-overhead`` adds both backends in that mode.
+``--training``: AMP float16 training steps (autocast, GradScaler, SGD) at ``--train-batch`` (the
+backend sends training graphs to Inductor, so its step is Inductor's in the backend's route). Each
+variant is compiled, called three times (the compile time is until then), then timed: CUDA events,
+median of --trials trials of --iters calls, a fresh input before each trial. Relative error of each
+inference variant against float32 eager. Each record is written as soon as it is measured.
 
-    python benchmarks/bench_compile.py --models resnet50 efficientnet_b0 --batches 32 [--max-autotune]
+    python benchmarks/bench_compile.py --models resnet50 efficientnet_b0 --batches 32 [--max-autotune] [--training]
 
 Writes <out>/<GPU>-compile.json (a list of records: model, mode, phase, batch, fusekit_ms,
 inductor_ms, inductor_max_autotune_ms, fusekit_compile_s, inductor_compile_s, ...), -compile.md
@@ -35,6 +37,16 @@ from fusekit.pipeline.bench import cuda_time_ms  # noqa: E402
 MODELS = ["resnet50", "efficientnet_b0", "mobilenet_v3_large", "convnext_tiny"]
 
 
+def fusekit_backend() -> Any:
+    """``"fusekit"`` where the package's entry point registered it, else the backend callable (fusekit
+    run from a source tree, as on the device)."""
+    import torch._dynamo
+
+    from fusekit.pipeline.backend import backend
+
+    return "fusekit" if "fusekit" in torch._dynamo.list_backends() else backend
+
+
 def compiled_ms(model: torch.nn.Module, x: torch.Tensor, iters: int, trials: int, **kw: Any) -> tuple[float | None, float | None, str | None]:
     """(median ms per call, compile s, error) of torch.compile(model, **kw) on x."""
     import torch._dynamo
@@ -54,15 +66,67 @@ def compiled_ms(model: torch.nn.Module, x: torch.Tensor, iters: int, trials: int
         return None, None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool) -> dict[str, Any]:
+def variants(max_autotune: bool, reduce_overhead: bool) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = [("fusekit", {"backend": fusekit_backend()}), ("inductor", {})]
+    if max_autotune:
+        out.append(("inductor_max_autotune", {"mode": "max-autotune"}))
+    if reduce_overhead:
+        out += [("fusekit_reduce_overhead", {"backend": fusekit_backend(), "mode": "reduce-overhead"}),
+                ("inductor_reduce_overhead", {"mode": "reduce-overhead"})]
+    return out
+
+
+def train_ms(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, iters: int, trials: int,
+             **kw: Any) -> tuple[float | None, float | None, str | None]:
+    """(median ms per AMP float16 training step, compile s, error) of torch.compile(model, **kw)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    t0 = time.perf_counter()
+    try:
+        c = torch.compile(m, dynamic=False, **kw)
+
+        def step() -> None:
+            with torch.autocast("cuda", torch.float16):
+                loss = torch.nn.functional.cross_entropy(c(x), labels)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        return cuda_time_ms(step, iters=iters, trials=trials, before_trial=lambda: x.normal_()), compile_s, None
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        return None, None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def train_record(name: str, batch: int, iters: int, trials: int, max_autotune: bool) -> dict[str, Any]:
+    rec: dict[str, Any] = {"model": name, "mode": "training", "phase": "training", "batch": batch, "precision": "amp-fp16"}
+    m = build_model(name).to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, *image_size(name), device="cuda").contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, 1000, (batch,), device="cuda")
+    for key, kw in variants(max_autotune, False):
+        log(f"{name} b{batch} training: {key}")
+        ms, s, err = train_ms(m, x, labels, iters, trials, **kw)
+        rec[f"{key}_ms"], rec[f"{key}_compile_s"] = ms, s
+        if err:
+            rec[f"{key}_error"] = err
+    return rec
+
+
+def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, reduce_overhead: bool = False) -> dict[str, Any]:
     rec: dict[str, Any] = {"model": name, "mode": "inference", "phase": "inference", "batch": batch}
     m = build_model(name)
     half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, *image_size(name), device="cuda").half().contiguous(memory_format=torch.channels_last)
-    variants: list[tuple[str, dict[str, Any]]] = [("fusekit", {"backend": "fusekit"}), ("inductor", {})]
-    if max_autotune:
-        variants.append(("inductor_max_autotune", {"mode": "max-autotune"}))
-    for key, kw in variants:
+    variants_ = variants(max_autotune, reduce_overhead)
+    for key, kw in variants_:
         log(f"{name} b{batch}: {key}")
         ms, s, err = compiled_ms(half, x, iters, trials, **kw)
         rec[f"{key}_ms"], rec[f"{key}_compile_s"] = ms, s
@@ -70,7 +134,7 @@ def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool) -
             rec[f"{key}_error"] = err
     with torch.no_grad():
         want = m(x.float())
-        for key, kw in variants[:1]:
+        for key, kw in variants_[:1]:
             torch._dynamo.reset()
             rec[f"{key}_rel_err"] = _rel(torch.compile(half, dynamic=False, **kw)(x), want)
         rec["torch_fp16_rel_err"] = _rel(half(x), want)
@@ -83,15 +147,21 @@ def markdown(recs: list[dict], meta: dict) -> str:
              f"Run {meta['date']}, torch {meta['torch']}, float16 channels-last, eval under no_grad, dynamic=False. Milliseconds per "
              f"forward, median of {meta['trials']} trials of {meta['iters']} calls (CUDA events, a fresh input before each trial); "
              "compile seconds until the third call.\n",
-             "| model | batch | fusekit | Inductor | max-autotune | x Inductor | x max-autotune | compile s (fusekit / Inductor / max-autotune) | rel err (fp16 eager) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| model | batch | phase | fusekit | Inductor | max-autotune | x Inductor | x max-autotune | compile s (fusekit / Inductor / max-autotune) | rel err (fp16 eager) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in recs:
         fk = r.get("fusekit_ms")
         ratio = lambda k: None if fk is None or r.get(k) is None else r[k] / fk  # noqa: E731
-        lines.append(f"| {r['model']} | {r['batch']} | {f(fk)} | {f(r.get('inductor_ms'))} | {f(r.get('inductor_max_autotune_ms'))} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r.get('phase', 'inference')} | {f(fk)} | {f(r.get('inductor_ms'))} | {f(r.get('inductor_max_autotune_ms'))} | "
                      f"{f(ratio('inductor_ms'), '.2f')}x | {f(ratio('inductor_max_autotune_ms'), '.2f')}x | "
                      f"{f(r.get('fusekit_compile_s'), '.0f')} / {f(r.get('inductor_compile_s'), '.0f')} / "
                      f"{f(r.get('inductor_max_autotune_compile_s'), '.0f')} | {f(r.get('fusekit_rel_err'), '.1e')} ({f(r.get('torch_fp16_rel_err'), '.1e')}) |")
+    ro = [r for r in recs if r.get("fusekit_reduce_overhead_ms") or r.get("inductor_reduce_overhead_ms")]
+    if ro:
+        lines += ["", "mode=\"reduce-overhead\" (both backends):", "", "| model | batch | fusekit | Inductor | x Inductor |", "|---|---:|---:|---:|---:|"]
+        for r in ro:
+            a, b = r.get("fusekit_reduce_overhead_ms"), r.get("inductor_reduce_overhead_ms")
+            lines.append(f"| {r['model']} | {r['batch']} | {f(a)} | {f(b)} | {f(None if not a or b is None else b / a, '.2f')}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,25 +190,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--max-autotune", action="store_true", help="also Inductor's max-autotune (minutes of compile per model)")
+    ap.add_argument("--reduce-overhead", action="store_true", help="also both backends under mode='reduce-overhead' (inference)")
+    ap.add_argument("--training", action="store_true", help="also AMP float16 training steps at --train-batch")
+    ap.add_argument("--inference", action=argparse.BooleanOptionalAction, default=True, help="the inference records (--no-inference: training only)")
+    ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    recs = []
-    for name in args.models:
-        for b in args.batches:
-            recs.append(record(name, b, args.iters, args.trials, args.max_autotune))
-            log(json.dumps({k: v for k, v in recs[-1].items() if not k.endswith("_error")}))
     gpu = torch.cuda.get_device_name()
     meta = {"gpu": gpu, "torch": torch.__version__, "date": _dt.datetime.now().isoformat(timespec="seconds"), "iters": args.iters, "trials": args.trials}
-    for r in recs:
-        r.update(gpu=gpu, date=meta["date"], torch=meta["torch"])
     stem = os.path.join(args.out, f"{gpu.replace(' ', '-')}-compile")
-    with open(stem + ".json", "w") as fh:
-        json.dump(recs, fh, indent=1)
-    with open(stem + ".md", "w") as fh:
-        fh.write(markdown(recs, meta))
-    plot(recs, stem + ".png")
+    os.makedirs(args.out, exist_ok=True)
+    recs: list[dict] = []
+
+    def save(rec: dict) -> None:
+        rec.update(gpu=gpu, date=meta["date"], torch=meta["torch"])
+        recs.append(rec)
+        log(json.dumps({k: v for k, v in rec.items() if not k.endswith("_error")}))
+        with open(stem + ".json", "w") as fh:
+            json.dump(recs, fh, indent=1)
+        with open(stem + ".md", "w") as fh:
+            fh.write(markdown(recs, meta))
+
+    for name in args.models:
+        for b in args.batches if args.inference else []:
+            save(record(name, b, args.iters, args.trials, args.max_autotune, args.reduce_overhead))
+        if args.training:
+            save(train_record(name, args.train_batch, args.iters, args.trials, args.max_autotune))
+    plot([r for r in recs if r["phase"] == "inference"], stem + ".png")
     print(markdown(recs, meta))
 
 

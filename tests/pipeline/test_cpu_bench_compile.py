@@ -20,3 +20,23 @@ def test_table_rows_give_speedups_over_each_inductor_mode_and_mark_what_did_not_
     rows = [ln for ln in text.splitlines() if ln.startswith("| resnet50") or ln.startswith("| convnext")]
     assert "| 2.00x | 1.50x | 20 / 60 / 240 | 3.0e-03 (2.9e-03) |" in rows[0]
     assert "| - |" in rows[1] and "-x" in rows[1]
+
+
+def test_training_rows_name_their_phase_and_reduce_overhead_gets_its_own_table():
+    recs = [{"model": "resnet50", "batch": 64, "phase": "training", "fusekit_ms": 20.0, "inductor_ms": 21.0},
+            {"model": "resnet50", "batch": 32, "phase": "inference", "fusekit_ms": 1.0, "inductor_ms": 2.0,
+             "fusekit_reduce_overhead_ms": 1.0, "inductor_reduce_overhead_ms": 1.6}]
+    text = bench_compile.markdown(recs, {"gpu": "Test GPU", "date": "2026-12-07T13:00:00", "torch": "2.11", "iters": 10, "trials": 5})
+    assert "| resnet50 | 64 | training | 20.000 | 21.000 |" in text
+    assert 'mode="reduce-overhead"' in text and "| resnet50 | 32 | 1.000 | 1.600 | 1.60x |" in text
+
+
+def test_the_backend_is_named_where_registered_else_passed_as_the_callable(monkeypatch):
+    import torch._dynamo
+
+    from fusekit.pipeline.backend import backend
+
+    monkeypatch.setattr(torch._dynamo, "list_backends", lambda *a, **k: ["inductor"])
+    assert bench_compile.fusekit_backend() is backend
+    monkeypatch.setattr(torch._dynamo, "list_backends", lambda *a, **k: ["inductor", "fusekit"])
+    assert bench_compile.fusekit_backend() == "fusekit"
