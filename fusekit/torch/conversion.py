@@ -14,7 +14,7 @@ import torch
 
 from ..errors import OperandError
 from ..ops.common import ACTIVATIONS
-from .modules import AvgPool2d, BatchNorm2d, Conv2d, ConvTranspose2d, Linear, LogSoftmax, MaxPool2d, ReLU, ReLU6, Softmax, FusekitModule
+from .modules import AvgPool2d, BatchNorm2d, Conv2d, ConvTranspose2d, Linear, LogSoftmax, MaxPool2d, PASSING_ON, ReLU, ReLU6, Softmax, FusekitModule
 
 F = torch.nn.functional
 
@@ -161,8 +161,12 @@ def _sequential_consumers(model: torch.nn.Module) -> dict[int, int]:
 
 def _link(producer: Any, consumer: Any) -> bool:
     """Make ``producer`` do ``consumer``'s work too, where fusekit has the fused graph."""
-    if producer.activation is not None or producer._fk_bn is not None or producer._fk_relu is not None:
+    if producer.activation is not None or producer._fk_bn is not None or producer._fk_relu is not None or producer._fk_after is not None:
         return False
+    if isinstance(producer, (Conv2d, ConvTranspose2d, Linear, BatchNorm2d)) and type(consumer) in PASSING_ON:  # SiLU, Hardswish, ...
+        consumer.__class__ = PASSING_ON[type(consumer)]
+        producer.__dict__["_fk_after"] = consumer
+        return True
     if isinstance(producer, Conv2d) and isinstance(consumer, BatchNorm2d):
         if consumer.num_features != producer.out_channels:
             return False
@@ -184,9 +188,13 @@ def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tupl
     for m in mods:
         bn = m._fk_bn
         if bn is not None:
-            after = bn._fk_relu
+            after = bn._fk_relu or bn._fk_after
             in_chain.add(id(bn))
-            if after is not None:
+            if after is not None and bn._fk_after is not None:
+                a = type(after).__name__
+                groups.append(((names[id(m)], names[id(bn)], names[id(after)]),
+                               f"training: conv, then BN, then PyTorch's {a}; eval: one conv+bias+{a} graph (BN folded into the conv)"))
+            elif after is not None:
                 a = type(after).__name__
                 groups.append(((names[id(m)], names[id(bn)], names[id(after)]),
                                f"training: conv, then BN+{a} as one graph; eval: one conv+bias+{a} graph (BN folded into the conv)"))
@@ -194,6 +202,10 @@ def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tupl
                 groups.append(((names[id(m)], names[id(bn)]), "training: conv, then BN; eval: one conv+bias graph (BN folded into the conv)"))
     for m in mods:
         r = m._fk_relu
+        if m._fk_after is not None and id(m) not in in_chain:
+            a = type(m._fk_after).__name__
+            groups.append(((names[id(m)], names[id(m._fk_after)]), f"{type(m).__name__} then {a}: {a} in the layer's graph without "
+                           "autograd (eval; not in Linear's matmul graph, nor hardswish outside Conv2d), else PyTorch's after it"))
         if r is None or id(m) in in_chain:
             continue
         a = type(r).__name__
@@ -349,7 +361,10 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
     ``torch.fx`` trace in training and eval mode, else from nn.Sequential order) run together:
     conv -> BN [-> ReLU or ReLU6] (training: conv, then the fused BN+ReLU graph; eval: BN folded into
     one conv+bias[+ReLU] graph), BN -> ReLU / ReLU6, conv -> ReLU / ReLU6, transposed conv / Linear ->
-    ReLU. The producer then computes its followers' work and they pass its output on: calling a fused
+    ReLU, and any of those layers -> an ``nn.SiLU``, ``GELU``, ``Hardswish``, ``Hardsigmoid``,
+    ``Sigmoid``, ``Tanh``, ``LeakyReLU`` or ``ELU`` module (its epilogue in the layer's graph where
+    autograd records nothing, else PyTorch's after the graph; the module is re-classed so that it
+    passes that output on). The producer then computes its followers' work and they pass its output on: calling a fused
     producer on its own returns the fused result (as torch.ao.quantization.fuse_modules does). A conv
     whose input is a ReLU or ReLU6 module's output that nothing else uses runs that ReLU's backward in
     its dgrad (training).
@@ -393,9 +408,12 @@ def convert(module: torch.nn.Module, *, inplace: bool = False, fuse: bool = True
             report.analysis = f"call order from nn.Sequential containers only (torch.fx could not trace: {type(e).__name__}: {str(e)[:120]})"
 
     converted = _reclass(model, report)
+    activations = {id(m): m for m in model.modules() if type(m) in PASSING_ON}  # left alone unless the layer before fuses them
     for p, c in links.items():
-        if p in converted and c in converted:
-            _link(converted[p], converted[c])
+        if p in converted and (c in converted or c in activations):
+            _link(converted[p], converted.get(c) or activations[c])
+    fused_acts = {names[i] for i, m in activations.items() if isinstance(m, FusekitModule)}
+    report.left_alone = [e for e in report.left_alone if e[0] not in fused_acts]
     report.fused = _describe_groups(model, names)
     if fuse and fuse_residual:
         _fuse_residual_ends(model, names, report)

@@ -14,7 +14,7 @@ from ..engine.patterns import conv_out_size
 from ..errors import OperandError
 from ..ops.common import ACTIVATIONS
 from . import common
-from .common import ADDED, _act_of, already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version, _zero_bias
+from .common import ADDED, _act_of, already_done, _apply_epilogue, epilogue_of, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version, _zero_bias
 from .functions import BatchNormAct, ConvBiasAct, ConvTransposeBiasAct, LinearBiasAct, ScaleShiftAct, _AddReLU, _AvgPool, _MaxPool, _ReLUFn, _Softmax
 
 F = torch.nn.functional
@@ -27,6 +27,7 @@ class FusekitModule:
     _fk_relu: Any = None
     _fk_drelu = False  # (convolutions) every call's input is a ReLU output used only by this module
     _fk_epilogue: tuple[str, float] | None = None  # an activation the module's own ReLU graphs do not compute
+    _fk_after: Any = None  # (set by convert) the activation module (SiLU, Hardswish, ...) whose work this one does too
     activation: Any = None
 
     def _fk_setup(self) -> None:
@@ -58,7 +59,9 @@ class FusekitModule:
         return value
 
     def _fk_followers(self) -> str:
-        chain = [m for m in (self._fk_bn, self._fk_bn._fk_relu if self._fk_bn is not None else None, self._fk_relu) if m is not None]
+        bn = self._fk_bn
+        chain = [m for m in (bn, bn._fk_relu if bn is not None else None, bn._fk_after if bn is not None else None, self._fk_relu, self._fk_after)
+                 if m is not None]
         return ", fused with " + " -> ".join(type(m).__name__ for m in chain) if chain else ""
 
     def _fk_repr(self, base: str) -> str:
@@ -89,6 +92,11 @@ class FusekitActModule(FusekitModule):
         if ep is None or _needs_grad(*tensors) or isinstance(self, torch.nn.Linear):
             return False
         return ep[0] != "hardswish" or isinstance(self, torch.nn.Conv2d)
+
+    def _fk_ep(self) -> tuple[str, float] | None:
+        """The activation beyond the ReLU graphs this layer ends with: its own, or that of the activation
+        module it does the work of (set by convert)."""
+        return self._fk_epilogue if self._fk_after is None else epilogue_of(self._fk_after)
 
     def _fk_set_activation(self, activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "relu6")) -> None:
         """Check and set ``activation``; one the module's own ReLU ``graphs`` lack becomes its epilogue."""
@@ -160,17 +168,16 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
             return self._torch_forward(x)
         amp = common.amp_dtype()
         x = _cast(_dense(x, "Conv2d"), amp)
-        act, done, ep = self._fk_act(), (), self._fk_epilogue
+        act, ep = self._fk_act(), self._fk_ep()
         bn = self._fk_bn
         folded = bn is not None and not bn.training and bn.running_mean is not None and bn.running_var is not None
         if folded:
             w, b = self._folded(bn, x.dtype)  # eval: BN folded into this conv's weights and bias
-            act, ep = bn._fk_act(), bn._fk_epilogue
-            done = (bn,) + ((bn._fk_relu,) if bn._fk_relu is not None else ())
+            act, ep = bn._fk_act(), bn._fk_ep()
+            done = tuple(m for m in (bn, bn._fk_relu, bn._fk_after) if m is not None)
         else:
             w, b = _cast(self.weight, amp), _cast(self.bias, amp)
-            if self._fk_relu is not None:
-                done = (self._fk_relu,)
+            done = tuple(m for m in (self._fk_relu, self._fk_after) if m is not None)
         if self._fk_extra is not None:
             x = padded_for_conv(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
         if (folded and act is None and ep is None and residual is not None and common.on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x)
@@ -205,14 +212,16 @@ class ConvTranspose2d(FusekitActModule, torch.nn.ConvTranspose2d):
         amp = common.amp_dtype()
         x = _cast(_dense(x, "ConvTranspose2d"), amp)
         op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)  # type: ignore[arg-type]
-        relu, done, ep = self.activation == "relu", (), self._fk_epilogue
+        relu, done, ep = self.activation == "relu", (), self._fk_ep()
         if self._fk_relu is not None:
             relu, done = True, (self._fk_relu,)
+        if self._fk_after is not None:
+            done = (self._fk_after,)
         w, b = _cast(self.weight, amp), _cast(self.bias, amp)
         if self._fk_fuses(ep, x, w, b):  # inference: one graph with the activation
             bias = b if b is not None else _zero_bias(int(w.shape[1]) * self.groups, x)
-            return common.ops.conv_transpose_bias_act(x, _like(w, x), bias, activation=ep[0], alpha=ep[1], padding=self.padding, stride=self.stride,
-                                                      dilation=self.dilation, output_padding=tuple(op), groups=self.groups)
+            return hand_on(common.ops.conv_transpose_bias_act(x, _like(w, x), bias, activation=ep[0], alpha=ep[1], padding=self.padding, stride=self.stride,
+                                                      dilation=self.dilation, output_padding=tuple(op), groups=self.groups), done)
         y = ConvTransposeBiasAct.apply(x, w, b, self.padding, self.stride, self.dilation, tuple(op), self.groups, "relu" if relu else None)
         return hand_on(y if ep is None else _apply_epilogue(y, ep), done)
 
@@ -237,9 +246,11 @@ class Linear(FusekitActModule, torch.nn.Linear):
         x2 = _cast(_dense(x, "Linear", rows=True), amp)
         if x2.dim() != 2:
             x2 = x2.reshape(-1, self.in_features)
-        relu, done, ep = self.activation == "relu", (), self._fk_epilogue
+        relu, done, ep = self.activation == "relu", (), self._fk_ep()
         if self._fk_relu is not None:
             relu, done = True, (self._fk_relu,)
+        if self._fk_after is not None:
+            done = (self._fk_after,)
         w, b = _cast(self.weight, amp), _cast(self.bias, amp)
         if self._fk_fuses(ep, x2, w, b):  # inference: one graph with the activation
             bias = b if b is not None else _zero_bias(self.out_features, x2)
@@ -319,18 +330,20 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
             )
         else:
             scale, shift = self._scale_shift()
-            if residual is None and self._fk_fuses(self._fk_epilogue, x, scale, shift):
-                ep = self._fk_epilogue  # inference: one scale-shift graph with the activation
-                return common.ops.channel_scale_shift_act(x, scale, shift, activation=ep[0], alpha=ep[1])
+            ep = self._fk_ep()
+            if residual is None and self._fk_fuses(ep, x, scale, shift):  # inference: one scale-shift graph with the activation
+                y = common.ops.channel_scale_shift_act(x, scale, shift, activation=ep[0], alpha=ep[1])
+                return hand_on(y, (self._fk_after,) if self._fk_after is not None else ())
             if residual is None:
                 y = ScaleShiftAct.apply(x, scale, shift, act)
             else:
                 y = _AddReLU.apply(ScaleShiftAct.apply(x, scale, shift, None), residual)
         if act is not None and (batch_stats or residual is not None):
             _mark_relu_output(y, ACTIVATIONS[act])
-        if self._fk_epilogue is not None:
-            y = _apply_epilogue(y, self._fk_epilogue)
-        return hand_on(y, (after,) if after is not None else ())
+        ep = self._fk_ep()
+        if ep is not None:
+            y = _apply_epilogue(y, ep)
+        return hand_on(y, tuple(m for m in (after, self._fk_after) if m is not None))
 
 
 def _relu_forward(m: Any, x: Any, clip: float, who: str, torch_forward: Any) -> Any:
@@ -350,6 +363,22 @@ class ReLU(FusekitModule, torch.nn.ReLU):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return _relu_forward(self, x, math.inf, "ReLU", torch.nn.ReLU.forward)
+
+
+def _passing_on(base: type) -> type:
+    """``base`` (a torch.nn activation) as a fusekit module that passes on a layer's output already
+    holding its work (:func:`convert` links it to that layer), and is ``base`` on anything else."""
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return x if already_done(x, self) else base.forward(self, x)
+
+    doc = f"torch.nn.{base.__name__}; passes on the output of the layer before it where that layer did its work (set by convert)."
+    return type(base.__name__, (FusekitModule, base), {"forward": forward, "__doc__": doc, "__module__": __name__})
+
+
+#: torch.nn activation -> the fusekit module convert re-classes it as when the layer before it fuses it.
+PASSING_ON: dict[type, type] = {t: _passing_on(t) for t in (torch.nn.SiLU, torch.nn.GELU, torch.nn.Hardswish, torch.nn.Hardsigmoid,
+                                                         torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.LeakyReLU, torch.nn.ELU)}
 
 
 class ReLU6(FusekitModule, torch.nn.ReLU6):

@@ -808,6 +808,42 @@ def test_a_folded_batchnorm_brings_its_activation_into_the_conv_graph(fake):
     assert fake == ["conv_bias_act:silu"], (fake, report)
 
 
+def test_convert_fuses_activation_modules_into_the_layer_before(fake):
+    """convert links a SiLU / GELU / Hardswish / ... module used only by the layer before it: in eval
+    without autograd conv -> BN -> SiLU is one conv_bias_act graph (BN folded, SiLU the epilogue) and
+    the SiLU module passes the output on; in training the BN graph then PyTorch's SiLU; both as the
+    original, gradients too. Linear runs the activation after its graph. The report lists each group
+    and no longer calls the activation left alone. A SiLU called twice passes on only the output of the
+    layer it is linked to (its other call, on another tensor, runs it)."""
+    torch.manual_seed(6)
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.act = torch.nn.Conv2d(4, 4, 1), torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.act(self.conv(self.act(x)))
+
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.SiLU(), torch.nn.Conv2d(4, 4, 1),
+                              torch.nn.Hardswish(), Twice(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5), torch.nn.GELU()).double()
+    _randomize_bn(ref)
+    fk, report = ft.convert(copy.deepcopy(ref), route="modules")
+    assert fk[1]._fk_after is fk[2] and fk[3]._fk_after is fk[4] and fk[7]._fk_after is fk[8] and fk[5].conv._fk_after is fk[5].act
+    groups = {names: what for names, what in report.fused}
+    assert "eval: one conv+bias+SiLU graph" in groups[("0", "1", "2")] and ("3", "4") in groups and ("7", "8") in groups
+    assert {t for _, t, _ in report.left_alone} == {"Flatten"}, report.left_alone
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    compare(fk, ref, x, tol=1e-6)  # training: BN statistics of the batch, the activations PyTorch's after the graphs
+    fk.eval(), ref.eval()
+    fake.clear()
+    with torch.no_grad():
+        assert rel(fk(x), ref(x)) < 1e-6
+    graphs = [c for c in fake if isinstance(c, str) and c.startswith(("conv_bias_act", "linear"))]
+    assert graphs[:2] == ["conv_bias_act:silu", "conv_bias_act:hardswish"] and graphs[-1].startswith("linear_bias"), fake
+    compare(fk, ref, x, tol=1e-6)  # eval with autograd: the conv graphs, then PyTorch's activations
+
+
 def test_conv2d_activation_is_checked_and_blocks_a_bn_link():
     """An unknown activation or alpha is an OperandError naming the argument; convert links no BN or
     ReLU to a conv that has an activation of its own (it runs before them); on a CPU tensor the
