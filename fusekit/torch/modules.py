@@ -297,7 +297,7 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
         """bn(x) [+ the fused ReLU]; with ``residual`` (how :func:`convert` rewrites a residual block's
         end), relu(bn(x) + residual): training runs BN + add + ReLU as one graph."""
         if residual is not None:
-            if self.activation is not None:
+            if self._fk_act() is not None or self._fk_ep() is not None:
                 raise OperandError("fusekit.torch.BatchNorm2d", "residual", "is added before a ReLU of its own: this module's activation must be None",
                                    what="argument")
             if tagged(x, ADDED) == id(residual) and already_done(x, self):  # eval: the conv before did BN, add and ReLU
