@@ -53,16 +53,23 @@ extern "C" __global__ void max_pool_fwd(
 #define VEC (16 / (int)sizeof(T))
 union Pack { uint4 u; T e[VEC]; };
 
+// Thread i of a channels-last walk in 16-byte channel groups: (group g, column q, row ho, image n), the
+// group fastest; q counts output columns, or tiles of them.
+__device__ __forceinline__ void decode_vec(int i, int groups, int Q, int Ho, int& g, int& q, int& ho, int& n) {
+    g = i % groups;
+    int t = i / groups;
+    q = t % Q; t /= Q;
+    ho = t % Ho;
+    n = t / Ho;
+}
+
 extern "C" __global__ void max_pool_fwd_nhwc_vec(
     const T* x, T* y, int total, int C, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, int ph, int pw,
     int dh, int dw) {
     const int groups = C / VEC;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
-        const int g = i % groups;
-        int t = i / groups;
-        const int wo = t % Wo; t /= Wo;
-        const int ho = t % Ho;
-        const int n = t / Ho;
+        int g, wo, ho, n;
+        decode_vec(i, groups, Wo, Ho, g, wo, ho, n);
         int hs, he, ws, we;
         taps(ho, sh, ph, kh, dh, H, hs, he);
         taps(wo, sw, pw, kw, dw, W, ws, we);
@@ -355,11 +362,8 @@ extern "C" __global__ void depthwise_conv_nhwc_vec(
     int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw, int has_bias, int act, float alpha) {
     const int groups = C / VEC;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
-        const int g = i % groups;
-        int t = i / groups;
-        const int wo = t % Wo; t /= Wo;
-        const int ho = t % Ho;
-        const int n = t / Ho;
+        int g, wo, ho, n;
+        decode_vec(i, groups, Wo, Ho, g, wo, ho, n);
         const int c0 = g * VEC;
         float acc[VEC];
         #pragma unroll
@@ -428,11 +432,8 @@ extern "C" __global__ void depthwise_conv_nhwc_tile(
     const int groups = C / VEC;
     const int tiles = (Wo + DW_TQ - 1) / DW_TQ;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
-        const int g = i % groups;
-        int t = i / groups;
-        const int tile = t % tiles; t /= tiles;
-        const int ho = t % Ho;
-        const int n = t / Ho;
+        int g, tile, ho, n;
+        decode_vec(i, groups, tiles, Ho, g, tile, ho, n);
         const int c0 = g * VEC, wo0 = tile * DW_TQ;
         float acc[DW_TQ][VEC];
         #pragma unroll
