@@ -25,17 +25,18 @@ class PoolGeometry(NamedTuple):
     dw: int = 1
 
 
-def _pair(pattern: str, name: str, v: Any, minimum: int) -> tuple[int, int]:
+def checked_pair(pattern: str, name: str, v: Any, minimum: int, what: str = "operand") -> tuple[int, int]:
+    """(h, w) of a window / stride / padding / dilation given as an int or a pair of ints, each >= ``minimum``."""
     vals = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
     try:
         a, b = vals
     except (TypeError, ValueError):
-        raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}") from None
+        raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}", what) from None
     for e in (a, b):
         if isinstance(e, bool) or not isinstance(e, (int, np.integer)):
-            raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}")
+            raise OperandError(pattern, name, f"expected an int or a pair of ints, got {v!r}", what)
         if e < minimum:
-            raise OperandError(pattern, name, f"expected values >= {minimum}, got {v!r}")
+            raise OperandError(pattern, name, f"expected values >= {minimum}, got {v!r}", what)
     return int(a), int(b)
 
 
@@ -56,10 +57,10 @@ def pool2d_geometry(
         raise OperandError(pattern, "x", f"expected a 4-D image (N, C, H, W), got rank {len(shape)} shape {shape}")
     if min(shape) < 1:
         raise OperandError(pattern, "x", f"expected every dim >= 1, got shape {shape}")
-    kh, kw = _pair(pattern, "kernel_size", kernel_size, 1)
-    sh, sw = _pair(pattern, "stride", kernel_size if stride is None else stride, 1)
-    ph, pw = _pair(pattern, "padding", padding, 0)
-    dh, dw = _pair(pattern, "dilation", dilation, 1)
+    kh, kw = checked_pair(pattern, "kernel_size", kernel_size, 1)
+    sh, sw = checked_pair(pattern, "stride", kernel_size if stride is None else stride, 1)
+    ph, pw = checked_pair(pattern, "padding", padding, 0)
+    dh, dw = checked_pair(pattern, "dilation", dilation, 1)
     _, _, h, w = shape
     for axis, k, p, d, size in (("height", kh, ph, dh, h), ("width", kw, pw, dw, w)):
         if 2 * p > k:

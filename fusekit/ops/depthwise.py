@@ -13,7 +13,9 @@ from ..dispatch import recorded_whole
 from ..errors import OperandError
 from . import pool
 from ..tensors import ITEMSIZE
-from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, result_of
+from ..engine.patterns import conv_out_size
+from ..engine.pooling import checked_pair
+from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, result_of, same_place
 
 __all__ = ["ACT_CODES", "depthwise_conv2d", "depthwise_taps"]
 
@@ -22,13 +24,6 @@ TILE_Q, TILE_MAX_S = 4, 9  # pool.cu's DW_TQ and DW_MAXS: outputs per thread and
 
 #: The activations of the depthwise kernel, in the order of its codes (pool.cu ``activate``).
 ACT_CODES = ("identity", "relu", "clip", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "elu")
-
-
-def _pair_arg(P: str, name: str, v: Any, low: int) -> tuple[int, int]:
-    t = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else tuple(v) if isinstance(v, (tuple, list)) else ()
-    if len(t) != 2 or any(isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < low for e in t):
-        raise OperandError(P, name, f"expected an int >= {low} or a pair of them, got {v!r}", what="argument")
-    return int(t[0]), int(t[1])
 
 
 def _taps_operand(P: str, w: Any, x: Operand) -> Operand:
@@ -42,9 +37,9 @@ def _taps_operand(P: str, w: Any, x: Operand) -> Operand:
     if len(shape) != 4 or shape[:2] != (x.shape[1], 1) or min(shape) < 1 or dtype != "float32" or ad.name != x.lib:
         raise OperandError(P, "w", f"expected a float32 {x.lib} filter of shape ({x.shape[1]}, 1, R, S) (one per channel of x), "
                            f"got a {dtype} {ad.name} array of shape {shape}")
-    if int(device) != x.device:
-        raise OperandError(P, "w", f"expected an array on x's device cuda:{x.device}, got one on cuda:{device}")
-    return Operand(a, ad.name, shape, strides, "ANY", dtype, int(device))
+    op = Operand(a, ad.name, shape, strides, "ANY", dtype, int(device))
+    same_place(P, ("x", x), ("w", op), dtype=False)
+    return op
 
 
 def depthwise_taps(w: Any) -> Any:
@@ -67,14 +62,15 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
     xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
     wo = _taps_operand(P, w, xo)
     bo = None if b is None else channel_vector(P, "b", b, xo)
-    (sh, sw), (ph, pw), (dh, dw) = _pair_arg(P, "stride", stride, 1), _pair_arg(P, "padding", padding, 0), _pair_arg(P, "dilation", dilation, 1)
+    (sh, sw), (ph, pw), (dh, dw) = (checked_pair(P, name, v, low, "argument") for name, v, low in
+                                    (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)))
     if activation not in ACT_CODES:
         raise OperandError(P, "activation", f"expected one of {ACT_CODES}, got {activation!r}", what="argument")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha) or (activation == "clip" and not alpha > 0):
         raise OperandError(P, "alpha", f"expected a finite number (> 0 for clip), got {alpha!r}", what="argument")
     n, c, h, wd = xo.shape
     r, s = wo.shape[2:]
-    ho, wout = (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (wd + 2 * pw - dw * (s - 1) - 1) // sw + 1
+    ho, wout = conv_out_size(h, r, ph, sh, dh), conv_out_size(wd, s, pw, sw, dw)
     if ho < 1 or wout < 1:
         raise OperandError(P, "w", f"a {r}x{s} filter (dilation {dh}, {dw}) does not fit x's {h}x{wd} with padding {ph}, {pw}")
     shape = (n, c, ho, wout)
