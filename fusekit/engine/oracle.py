@@ -373,16 +373,8 @@ def depthwise_conv2d_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | Non
                                act: str = "identity", alpha: float = 0.0) -> np.ndarray:
     """float64 ``act(conv2d(x, w, b, groups=C))``: x (N, C, H, W), one filter per channel w (C, 1, R, S)."""
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    n, c, h, wd = x.shape
-    _, _, r, s = w.shape
-    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
-    ho = (h + 2 * ph - (r - 1) * dh - 1) // sh + 1
-    wo = (wd + 2 * pw - (s - 1) * dw - 1) // sw + 1
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    out = np.zeros((n, c, ho, wo))
-    for i in range(r):
-        for j in range(s):
-            out += xp[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh, j * dw : j * dw + (wo - 1) * sw + 1 : sw] * w[:, 0, i, j].reshape(1, c, 1, 1)
+    c = x.shape[1]
+    out = _grouped(conv2d_nchw, c, (x, 1), (w, 0), padding, stride, dilation)
     if b is not None:
-        out += np.asarray(b, np.float64).reshape(1, c, 1, 1)
+        out = out + np.asarray(b, np.float64).reshape(1, c, 1, 1)
     return activation(out, act, alpha)
