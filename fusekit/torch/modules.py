@@ -84,12 +84,10 @@ class FusekitActModule(FusekitModule):
         return self._fk_repr(super().extra_repr())
 
     def _fk_fuses(self, ep: tuple[str, float] | None, *tensors: Any) -> bool:
-        """Whether epilogue ``ep`` runs inside the layer's forward graph: where autograd records nothing;
-        not in Linear's matmul graph (cuDNN 9.19 gave non-finite values there for hardswish, and a SiLU
-        case failed once on an H100: until that is understood, the activation runs after the graph),
-        and not hardswish in a scale-shift graph (cuDNN refuses its scalar constants; Conv2d has a graph
-        with them as channel operands)."""
-        if ep is None or _needs_grad(*tensors) or isinstance(self, torch.nn.Linear):
+        """Whether epilogue ``ep`` runs inside the layer's forward graph: where autograd records nothing,
+        and not hardswish outside Conv2d (cuDNN refuses its scalar constants in a scale-shift graph;
+        Conv2d has a graph with them as channel operands)."""
+        if ep is None or _needs_grad(*tensors):
             return False
         return ep[0] != "hardswish" or isinstance(self, torch.nn.Conv2d)
 
@@ -251,13 +249,10 @@ class Linear(FusekitActModule, torch.nn.Linear):
             relu, done = True, (self._fk_relu,)
         if self._fk_after is not None:
             done = (self._fk_after,)
-        w, b = _cast(self.weight, amp), _cast(self.bias, amp)
-        if self._fk_fuses(ep, x2, w, b):  # inference: one graph with the activation
-            bias = b if b is not None else _zero_bias(self.out_features, x2)
-            y = common.ops.linear_bias_act(x2, w.contiguous(), bias, activation=ep[0], alpha=ep[1])
-        else:
-            y = LinearBiasAct.apply(x2, w, b, "relu" if relu else None)
-            y = y if ep is None else _apply_epilogue(y, ep)
+        # other activations than ReLU run after the matmul graph: cuDNN 9.19's matmul epilogue is not
+        # trusted for them (wrong values for hardswish; benchmarks/NOTES.md, "Wrong results")
+        y = LinearBiasAct.apply(x2, _cast(self.weight, amp), _cast(self.bias, amp), "relu" if relu else None)
+        y = y if ep is None else _apply_epilogue(y, ep)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return hand_on(y, done)

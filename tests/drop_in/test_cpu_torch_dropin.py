@@ -176,11 +176,6 @@ class FakeOps:
     def linear_bias(self, x, w, b):
         return self._linear("linear_bias", x, w, b, False)
 
-    def linear_bias_act(self, x, w, b, *, activation="relu", alpha=0.0):
-        from fusekit.pipeline.ir import torch_act
-
-        return torch_act(self._linear(f"linear_bias_act:{activation}", x, w, b, False), (activation, alpha))
-
     def linear_bias_relu(self, x, w, b):
         return self._linear("linear_bias_relu", x, w, b, True)
 
