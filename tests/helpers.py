@@ -58,3 +58,14 @@ def rel_max(a, ref):
 
     a, ref = np.asarray(a, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-300))
+
+
+def as_module(fn):
+    """A parameter-free torch module around a function (a reference activation after a layer)."""
+    import torch
+
+    class Fn(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    return Fn()

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fusekit.torch")
 
 from fusekit.errors import CaptureError, LayoutWarning, OperandError
-from helpers import rel  # noqa: E402
+from helpers import as_module, rel  # noqa: E402
 from fusekit.errors import forget_warnings  # noqa: E402
 
 F = torch.nn.functional
@@ -771,20 +771,11 @@ def test_linear_conv_transpose_and_batchnorm_take_every_activation(fake, act):
             assert not any(":" in str(c) for c in fake), fake
         else:
             assert fake == [fused], fake
-        compare(fk, torch.nn.Sequential(ref, _Fn(f)), x, tol=tol)
+        compare(fk, torch.nn.Sequential(ref, as_module(f)), x, tol=tol)
         assert not any(":" in str(c) for c in fake[1:]) and "activation=" in repr(fk)
     bn, ref = ft.BatchNorm2d(3, activation=name).double(), torch.nn.BatchNorm2d(3).double()
-    compare(bn, torch.nn.Sequential(ref, _Fn(f)), torch.randn(4, 3, 5, 5, dtype=torch.float64), tol=1e-6)
+    compare(bn, torch.nn.Sequential(ref, as_module(f)), torch.randn(4, 3, 5, 5, dtype=torch.float64), tol=1e-6)
     assert torch.allclose(bn.running_var, ref.running_var)
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
 
 
 def test_a_folded_batchnorm_brings_its_activation_into_the_conv_graph(fake):

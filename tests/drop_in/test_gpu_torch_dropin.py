@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import rel  # noqa: E402
+from helpers import as_module, rel  # noqa: E402
 from fusekit.errors import forget_warnings  # noqa: E402
 from fusekit.dispatch import record
 
@@ -113,17 +113,6 @@ def test_conv2d_arguments_match_torch(case, dtype, layout):
 EPILOGUES = {"silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish, "sigmoid": torch.sigmoid, ("leaky_relu", 0.2): lambda t: F.leaky_relu(t, 0.2)}
 
 
-class _Lambda(torch.nn.Module):
-    """A parameter-free module around a function (the reference activation)."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("act", list(EPILOGUES), ids=str)
 def test_conv2d_activation_epilogues_match_torch(act, dtype):
@@ -135,7 +124,7 @@ def test_conv2d_activation_epilogues_match_torch(act, dtype):
     x = cl(torch.randn(4, 32, 14, 14, device="cuda").to(getattr(torch, dtype)))
     with torch.no_grad():
         assert rel(fk(x), EPILOGUES[act](ref(x.double()))) < TOL[dtype]
-    _check_module(fk, torch.nn.Sequential(ref, _Lambda(EPILOGUES[act])), x, dtype)
+    _check_module(fk, torch.nn.Sequential(ref, as_module(EPILOGUES[act])), x, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -158,7 +147,7 @@ def test_layer_activation_epilogues_match_torch(layer, act, dtype):
     x = cl(torch.randn(*((16, 64) if layer == "Linear" else (4, 32, 14, 14)), device="cuda").to(getattr(torch, dtype)))
     with torch.no_grad():
         assert rel(fk(x), f(ref(x.double()))) < TOL[dtype]
-    _check_module(fk, torch.nn.Sequential(ref, _Lambda(f)), x, dtype)
+    _check_module(fk, torch.nn.Sequential(ref, as_module(f)), x, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
