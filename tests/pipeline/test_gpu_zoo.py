@@ -150,13 +150,22 @@ def test_zoo_model_compiles_and_matches_float32_eager(name):
         assert rel < max(5e-3, 4 * fp16_rel), (rel, fp16_rel)
 
 
+def _assert_within_fp16_error(pipe, m, x):
+    """The float16 pipeline's output for x within max(5e-3, 4x) PyTorch float16's own error of float32 eager."""
+    import copy
+
+    half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want, h = m(x).float(), half(x.half().contiguous(memory_format=torch.channels_last)).float()
+    err, fp16_err = rel(pipe(x).float(), want), rel(h, want)
+    assert err < max(5e-3, 4 * fp16_err), (err, fp16_err)
+
+
 @pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0"])
 def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float32_eager(name):
     """timm's split-attention (sums over the radix as channel slices, the radix softmax one stage),
     selective-kernel and NFNet (weight-standardized F.conv2d of constant weights) blocks: compiled,
     mostly fused, within PyTorch float16's own error of float32 eager."""
-    import copy
-
     import fusekit.pipeline as fp
 
     timm = pytest.importorskip("timm")
@@ -165,31 +174,19 @@ def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float
     pipe = fp.compile(m, torch.zeros(2, 3, 128, 128), dtype="float16")
     assert pipe.graph_captured, pipe.capture_error
     assert pipe.program.fused_fraction >= 0.9, pipe.program.fallbacks
-    half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
-    x = torch.randn(2, 3, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
-    with torch.no_grad():
-        want, h = m(x).float(), half(x.half().contiguous(memory_format=torch.channels_last)).float()
-    err, fp16_err = rel(pipe(x).float(), want), rel(h, want)
-    assert err < max(5e-3, 4 * fp16_err), (err, fp16_err)
+    _assert_within_fp16_error(pipe, m, torch.randn(2, 3, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)))
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v3_large", "shufflenet_v2_x1_0"])
 def test_exported_model_compiles_and_matches_float32_eager(name):
     """importer="export" (torch.export's ATen graph): the same fused pipeline, within PyTorch float16's
     own error of float32 eager."""
-    import copy
-
     import fusekit.pipeline as fp
 
     m = _calibrated(name)
     pipe = fp.compile(m, torch.zeros(4, 3, 224, 224), dtype="float16", importer="export")
     assert pipe.graph_captured and pipe.program.source == "torch.export", pipe.capture_error
-    half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
-    x = torch.randn(4, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
-    with torch.no_grad():
-        want, h = m(x).float(), half(x.half().contiguous(memory_format=torch.channels_last)).float()
-    err, fp16_err = rel(pipe(x).float(), want), rel(h, want)
-    assert err < max(5e-3, 4 * fp16_err), (err, fp16_err)
+    _assert_within_fp16_error(pipe, m, torch.randn(4, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)))
 
 
 @pytest.mark.parametrize("residual", [False, True])
