@@ -46,6 +46,25 @@ def _strides(a: Any) -> tuple:
 ACTIVATIONS = {"relu": math.inf, "relu6": 6.0}
 
 
+def module_activation(mod: Any) -> tuple[str, float] | None:
+    """(activation, alpha) of a torch.nn activation module as the fused graphs name it (ReLU6: clip 6), else None."""
+    import torch.nn as nn
+
+    simple = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid"}
+    for cls, name in simple.items():
+        if isinstance(mod, cls):
+            return name, 0.0
+    if isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
+        return "clip", float(mod.max_val)
+    if isinstance(mod, nn.GELU):
+        return ("gelu_tanh" if mod.approximate == "tanh" else "gelu"), 0.0
+    if isinstance(mod, nn.LeakyReLU):
+        return "leaky_relu", float(mod.negative_slope)
+    if isinstance(mod, nn.ELU):
+        return "elu", float(mod.alpha)
+    return None
+
+
 def clip_attrs(upper_clip: float) -> dict[str, float]:
     """The ``upper_clip`` attribute of the ReLU patterns: none for a plain ReLU (inf, their default),
     so plain calls keep their dispatch keys; ``{"upper_clip": 6.0}`` for ReLU6."""

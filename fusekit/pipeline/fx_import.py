@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedError
-from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _module_activation, _np, _own_forward, _p, _permutation,
+from ..ops.common import module_activation
+from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
                        _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc)
 from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
 
@@ -238,8 +239,8 @@ class _Importer:
         elif isinstance(mod, nn.Linear) and single and mod.in_features == c:
             w = {"w": _np(mod.weight)[:, :, None, None]} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
             st = Stage("conv", [src], out, weights=w, attrs=dict(padding=(0, 0), stride=(1, 1), dilation=(1, 1), groups=1), name=name)
-        elif (mod is not None and single and _module_activation(mod) is not None) or (mod is None and self.function_activation(node)):
-            act = _module_activation(mod) if mod is not None else self.function_activation(node)
+        elif (mod is not None and single and module_activation(mod) is not None) or (mod is None and self.function_activation(node)):
+            act = module_activation(mod) if mod is not None else self.function_activation(node)
             st = Stage("act", [src], out, attrs={"activation": act[0], "alpha": act[1]}, name=name)
         elif (isinstance(mod, (nn.Identity, nn.modules.dropout._DropoutNd)) or type(mod).__name__ in ("StochasticDepth", "DropPath")
               or t in (F.dropout, "contiguous", "clone")):
@@ -308,7 +309,7 @@ class _Importer:
         single = (len(node.args) == 1 and not node.kwargs and self.is_t(x)) or (residual and isinstance(mod, (nn.Conv2d, nn.BatchNorm2d)))
         if not single:
             return None
-        act = _module_activation(mod)
+        act = module_activation(mod)
         if act is not None:
             return Stage("act", [x.name], name, attrs={"activation": act[0], "alpha": act[1]}, name=name)
         if isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):

@@ -119,25 +119,6 @@ class _ModuleItem(__import__("torch").nn.Module):
         return self.module(*args, **kwargs)[self.index]
 
 
-def _module_activation(mod: Any) -> tuple[str, float] | None:
-    """(activation, alpha) of an activation module, else None."""
-    import torch.nn as nn
-
-    simple = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid"}
-    for cls, name in simple.items():
-        if isinstance(mod, cls):
-            return name, 0.0
-    if isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0:  # ReLU6 is a Hardtanh(0, 6)
-        return "clip", float(mod.max_val)
-    if isinstance(mod, nn.GELU):
-        return ("gelu_tanh" if mod.approximate == "tanh" else "gelu"), 0.0
-    if isinstance(mod, nn.LeakyReLU):
-        return "leaky_relu", float(mod.negative_slope)
-    if isinstance(mod, nn.ELU):
-        return "elu", float(mod.alpha)
-    return None
-
-
 def bn_stage(x: str, output: str, mean: Any, var: Any, gamma: Any, beta: Any, eps: float, name: str | None = None) -> Stage:
     """An eval batch norm stage (gamma / beta None: 1 / 0); with mean 0, var 1 and eps 0 it is a
     per-channel scale (a layer scale), which folds into the convolution before it. ``name``: the

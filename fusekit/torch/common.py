@@ -184,16 +184,6 @@ def _epilogue(activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "rel
     return name, float(EPILOGUES[name] if alpha is None else alpha)
 
 
-def epilogue_of(m: torch.nn.Module) -> tuple[str, float] | None:
-    """(name, alpha) of a torch.nn activation module the fused graphs compute (None for another module)."""
-    table = {torch.nn.SiLU: lambda: ("silu", 0.0), torch.nn.Hardswish: lambda: ("hardswish", 0.0),
-             torch.nn.Hardsigmoid: lambda: ("hardsigmoid", 0.0), torch.nn.Sigmoid: lambda: ("sigmoid", 0.0),
-             torch.nn.Tanh: lambda: ("tanh", 0.0), torch.nn.GELU: lambda: ("gelu_tanh" if m.approximate == "tanh" else "gelu", 0.0),
-             torch.nn.LeakyReLU: lambda: ("leaky_relu", float(m.negative_slope)), torch.nn.ELU: lambda: ("elu", float(m.alpha))}
-    base = next((t for t in table if isinstance(m, t)), None)
-    return None if base is None else table[base]()
-
-
 def _apply_epilogue(y: torch.Tensor, act: tuple[str, float]) -> torch.Tensor:
     """PyTorch's activation ``act`` of ``y`` (autograd records it)."""
     name, alpha = act

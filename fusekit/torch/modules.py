@@ -12,9 +12,9 @@ from .. import config
 from ..engine.folding import bn_scale_shift, fold_into_conv
 from ..engine.patterns import conv_out_size
 from ..errors import OperandError
-from ..ops.common import ACTIVATIONS
+from ..ops.common import ACTIVATIONS, module_activation
 from . import common
-from .common import ADDED, _act_of, already_done, _apply_epilogue, epilogue_of, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version, _zero_bias
+from .common import ADDED, _act_of, already_done, _apply_epilogue, _epilogue, _cast, _check_act, _dense, _explicit_padding, _f32, hand_on, is_dense, _like, _mark_relu_output, _needs_grad, padded_for_conv, relu_output_clip, _tag, tagged, _version, _zero_bias
 from .functions import BatchNormAct, ConvBiasAct, ConvTransposeBiasAct, LinearBiasAct, ScaleShiftAct, _AddReLU, _AvgPool, _MaxPool, _ReLUFn, _Softmax
 
 F = torch.nn.functional
@@ -94,7 +94,7 @@ class FusekitActModule(FusekitModule):
     def _fk_ep(self) -> tuple[str, float] | None:
         """The activation beyond the ReLU graphs this layer ends with: its own, or that of the activation
         module it does the work of (set by convert)."""
-        return self._fk_epilogue if self._fk_after is None else epilogue_of(self._fk_after)
+        return self._fk_epilogue if self._fk_after is None else module_activation(self._fk_after)
 
     def _fk_set_activation(self, activation: Any, who: str, graphs: tuple[str, ...] = ("relu", "relu6")) -> None:
         """Check and set ``activation``; one the module's own ReLU ``graphs`` lack becomes its epilogue."""
