@@ -205,7 +205,7 @@ def _describe_groups(model: torch.nn.Module, names: dict[int, str]) -> list[tupl
         if m._fk_after is not None and id(m) not in in_chain:
             a = type(m._fk_after).__name__
             groups.append(((names[id(m)], names[id(m._fk_after)]), f"{type(m).__name__} then {a}: {a} in the layer's graph without "
-                           "autograd (eval; not in Linear's matmul graph, nor hardswish outside Conv2d), else PyTorch's after it"))
+                           "autograd (eval; not in Linear's matmul graph, nor hardsigmoid, nor hardswish outside Conv2d), else PyTorch's after it"))
         if r is None or id(m) in in_chain:
             continue
         a = type(r).__name__

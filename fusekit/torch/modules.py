@@ -85,9 +85,10 @@ class FusekitActModule(FusekitModule):
 
     def _fk_fuses(self, ep: tuple[str, float] | None, *tensors: Any) -> bool:
         """Whether epilogue ``ep`` runs inside the layer's forward graph: where autograd records nothing,
-        and not hardswish outside Conv2d (cuDNN refuses its scalar constants in a scale-shift graph;
-        Conv2d has a graph with them as channel operands)."""
-        if ep is None or _needs_grad(*tensors):
+        not for the activations cuDNN lowers with scalar constants (hardsigmoid, ELU with alpha != 1:
+        wrong values or refused plans; benchmarks/NOTES.md, "Wrong results"), and hardswish only in
+        Conv2d (its graph takes hardswish's constants as channel operands)."""
+        if ep is None or _needs_grad(*tensors) or ep[0] == "hardsigmoid" or (ep[0] == "elu" and ep[1] != 1.0):
             return False
         return ep[0] != "hardswish" or isinstance(self, torch.nn.Conv2d)
 
@@ -185,7 +186,7 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
             return hand_on(_tag(_mark_relu_output(y), ADDED, id(residual)), done)
         input_clip = relu_output_clip(x) if self._fk_drelu else None
         if ep is not None:  # the conv's own or a folded BN's (convert links nothing to a conv with an activation)
-            if not _needs_grad(x, w, b):
+            if self._fk_fuses(ep, x, w, b):
                 y = common.ops.conv_bias_act(x, w, b, activation=ep[0], alpha=ep[1], padding=self._fk_pad, stride=self.stride,
                                              dilation=self.dilation, groups=self.groups)
                 return hand_on(y, done)
