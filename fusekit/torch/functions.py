@@ -13,6 +13,36 @@ from ..ops.common import clip_attrs
 from . import common
 from .common import _clip, _f32, _like, _mark_relu_done, _relu_done, _zero_bias
 
+def conv_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kw: dict, act: str | None) -> torch.Tensor:
+    """act(conv2d(x, w) [+ b]) (act None, "relu" or "relu6") as one fusekit graph; w already in x's
+    layout (a ReLU without ``b`` runs the bias graph with a zero bias: :func:`conv_bias_of`)."""
+    b = conv_bias_of(b, w, x, act)
+    if b is None:
+        return common.ops.conv2d(x, w, **kw)
+    f = common.ops.conv_bias if act is None else common.ops.conv_bias_relu6 if act == "relu6" else common.ops.conv_bias_relu
+    return f(x, w, b, **kw)
+
+
+def conv_bias_of(b: torch.Tensor | None, w: torch.Tensor, x: torch.Tensor, act: str | None) -> torch.Tensor | None:
+    """The bias :func:`conv_forward` takes: ``b``, or a zero bias where a ReLU needs the bias graph."""
+    return b if b is not None or act is None else _zero_bias(int(w.shape[0]), x)
+
+
+def conv_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, kw: dict, clip: float | None,
+                  has_bias: bool, needs: tuple[bool, bool, bool], input_clip: float | None = None) -> tuple[Any, Any, Any]:
+    """(dx, dw, db) of :func:`conv_forward` (None where ``needs`` says no): the ReLU's mask from y
+    (where ``clip`` is not None and ``y`` given) fused into the backward graphs; ``input_clip``: x is
+    the output of a ReLU used only here, whose mask dx then carries too (the dgrad + dReLU graph)."""
+    fed = input_clip is not None
+    needs, kw = (needs[0], needs[1], needs[2] and has_bias), dict(kw, input_relu=fed, input_clip=input_clip if fed else math.inf)
+    if clip is not None and y is not None:
+        return common.ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, upper_clip=clip, **kw)
+    if has_bias:
+        return common.ops.conv_bias_backward(dy, x, w, needs=needs, **kw)
+    dx, dw = common.ops.conv2d_backward(dy, x, w, needs=needs[:2], **kw)
+    return dx, dw, None
+
+
 class ConvBiasAct(torch.autograd.Function):
     """y = act(conv2d(x, w) [+ b]), act in {None, "relu", "relu6"}: one cuDNN graph forward, fused
     graphs backward. ``b`` None: the plain conv graph (a zero bias when the ReLU is fused), no bias
@@ -24,13 +54,8 @@ class ConvBiasAct(torch.autograd.Function):
         w = _like(w, x)
         kw = {"padding": padding, "stride": stride, "dilation": dilation, "groups": groups}
         clip = _clip(act)
-        if b is None and clip is None:
-            f, bias = common.ops.conv2d, None
-        else:
-            bias = b if b is not None else _zero_bias(int(w.shape[0]), x)
-            f = common.ops.conv_bias if clip is None else common.ops.conv_bias_relu6 if act == "relu6" else common.ops.conv_bias_relu
-        args = (x, w) if bias is None else (x, w, bias)
-        y = taped((f, padding, stride, dilation, groups), lambda: f(*args, **kw), args)
+        args = (x, w, conv_bias_of(b, w, x, act))
+        y = taped(("conv_forward", act, b is None, padding, stride, dilation, groups), lambda: conv_forward(*args, kw, act), args)
         ctx.save_for_backward(x, w, y if clip is not None else None)
         ctx.kw, ctx.clip, ctx.has_bias = kw, clip, b is not None
         ctx.input_clip = input_clip
@@ -41,17 +66,11 @@ class ConvBiasAct(torch.autograd.Function):
         x, w, y = ctx.saved_tensors
         relu = ctx.clip is not None and not _relu_done(dy, y)  # a consumer's dgrad may have applied this ReLU's mask
         dy = _like(dy, x)
-        nx, nw, nb = ctx.needs_input_grad[:3]
-        fed = ctx.input_clip is not None
-        needs, kw = (nx, nw, nb and ctx.has_bias), dict(ctx.kw, input_relu=fed, input_clip=ctx.input_clip if fed else math.inf)
-        key = ("conv_backward", relu, ctx.has_bias, needs, ctx.clip, *kw.values())
-        if relu:
-            dx, dw, db = taped(key, lambda: common.ops.conv_bias_relu_backward(dy, x, w, y, needs=needs, upper_clip=ctx.clip, **kw), (dy, x, w, y))
-        elif ctx.has_bias:
-            dx, dw, db = taped(key, lambda: common.ops.conv_bias_backward(dy, x, w, needs=needs, **kw), (dy, x, w))
-        else:
-            (dx, dw), db = taped(key, lambda: common.ops.conv2d_backward(dy, x, w, needs=(nx, nw), **kw), (dy, x, w)), None
-        if dx is not None and fed:
+        needs = tuple(ctx.needs_input_grad[:3])
+        key = ("conv_backward", relu, ctx.has_bias, needs, ctx.clip, ctx.input_clip, *ctx.kw.values())
+        dx, dw, db = taped(key, lambda: conv_backward(dy, x, w, y if relu else None, ctx.kw, ctx.clip, ctx.has_bias, needs, ctx.input_clip),
+                           (dy, x, w, y if relu else None))
+        if dx is not None and ctx.input_clip is not None:
             _mark_relu_done(dx, x)
         return dx, dw, db, None, None, None, None, None, None
 
@@ -110,6 +129,22 @@ class LinearBiasAct(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def bn_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+               eps: float, momentum: float, clip: float | None, residual: torch.Tensor | None = None) -> tuple[Any, ...]:
+    """Training batch norm [+ residual] [+ ReLU clipped at ``clip``] as one fusekit graph (gamma, beta
+    and the running stats float32): (y, mean, inv_std[, new running mean, new running var])."""
+    relu = dict(relu=clip is not None, upper_clip=math.inf if clip is None else clip, residual=residual)
+    if running_mean is None:
+        return common.ops.batchnorm(x, gamma, beta, epsilon=eps, **relu)
+    return common.ops.batchnorm(x, gamma, beta, running_mean, running_var, epsilon=eps, momentum=momentum, **relu)
+
+
+def bn_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, mean: torch.Tensor, inv: torch.Tensor, y: torch.Tensor | None,
+                needs: tuple[bool, bool, bool], clip: float) -> tuple[Any, Any, Any]:
+    """(dx, dgamma, dbeta) of :func:`bn_forward` as one graph, the ReLU's mask from ``y`` in front (y None: no ReLU)."""
+    return common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, upper_clip=clip)
+
+
 class BatchNormAct(torch.autograd.Function):
     """Training batch norm (+ ReLU with ``act`` "relu" or "relu6"): one cuDNN graph forward, the BN
     backward (with the dReLU fused in front) as one graph. gamma and beta are float32; running stats
@@ -118,16 +153,15 @@ class BatchNormAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, gamma, beta, running_mean, running_var, eps, momentum, act, residual=None):  # type: ignore[override]
         clip = _clip(act)
-        relu = dict(relu=clip is not None, upper_clip=math.inf if clip is None else clip, residual=residual)
-        key = ("batchnorm", eps, momentum, relu["relu"], relu["upper_clip"])
+        key = ("batchnorm", eps, momentum, clip)
         if running_mean is not None:
             args = (x, gamma, beta, _f32(running_mean), _f32(running_var), residual)
-            y, mean, inv, rm, rv = taped(key, lambda: common.ops.batchnorm(*args[:5], epsilon=eps, momentum=momentum, **relu), args)
+            y, mean, inv, rm, rv = taped(key, lambda: bn_forward(*args[:5], eps, momentum, clip, residual), args)
             torch._foreach_copy_([running_mean, running_var], [rm, rv])  # one launch for both
         else:
-            y, mean, inv = taped(key, lambda: common.ops.batchnorm(x, gamma, beta, epsilon=eps, **relu), (x, gamma, beta, residual))
+            y, mean, inv = taped(key, lambda: bn_forward(x, gamma, beta, None, None, eps, momentum, clip, residual), (x, gamma, beta, residual))
         ctx.save_for_backward(x, gamma, mean, inv, y if clip is not None else None)
-        ctx.clip, ctx.residual = relu["upper_clip"], residual is not None
+        ctx.clip, ctx.residual = math.inf if clip is None else clip, residual is not None
         return y
 
     @staticmethod
@@ -141,8 +175,7 @@ class BatchNormAct(torch.autograd.Function):
             dx, dg, db, dz = taped(("batchnorm_add_relu_backward", needs),
                                    lambda: common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, residual=True), args)
         else:
-            dx, dg, db = taped(("batchnorm_backward", needs, ctx.clip),
-                               lambda: common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=y, needs=needs, upper_clip=ctx.clip), args)
+            dx, dg, db = taped(("batchnorm_backward", needs, ctx.clip), lambda: bn_backward(*args, needs, ctx.clip), args)
             dz = dy if ctx.residual else None
         return dx, dg, db, None, None, None, None, None, dz
 
