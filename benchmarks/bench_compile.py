@@ -42,7 +42,7 @@ def fusekit_backend() -> Any:
     run from a source tree, as on the device)."""
     import torch._dynamo
 
-    from fusekit.pipeline.backend import backend
+    from fusekit.backend import backend
 
     return "fusekit" if "fusekit" in torch._dynamo.list_backends() else backend
 

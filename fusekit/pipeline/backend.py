@@ -1,6 +1,5 @@
-"""fusekit as a ``torch.compile`` backend: ``torch.compile(model, backend="fusekit")``.
+"""The inference half of fusekit's ``torch.compile`` backend (:mod:`fusekit.backend`).
 
-Registered through the ``torch_dynamo_backends`` entry point, so no import of fusekit is needed.
 Each graph dynamo hands over is read as the pipeline reads a model (its parameters and buffers bound
 as constants, ``torch.export``'s ATen graph, the same lowering rules) and, in inference, runs as
 fusekit pipelines: one per input shape, built on the GPU at its first call (a new batch size builds
@@ -11,16 +10,15 @@ from the input's dims. Options (``torch.compile(..., options={...})``):
 - ``dtype``: "auto" (the input's), "float16", "bfloat16" or "float32": what the pipeline computes in;
 - ``autotune``: autotune each stage's plan at build (default False: cuDNN's heuristics);
 - ``min_fused``: the fraction of stages that must lower to fusekit graphs or kernels for the graph to
-  run on fusekit (default 0.5); below it, and for training, graphs go to Inductor.
+  run on fusekit (default 0.5); below it, graphs go to Inductor.
 
 ``mode`` (``torch.compile(..., mode=...)``) is what Inductor compiles the graphs fusekit does not run
 with ("reduce-overhead": in CUDA graphs; "max-autotune"); the pipelines replay as CUDA graphs of their
 own in every mode.
 
-Inference is a graph compiled under ``torch.no_grad()`` / ``inference_mode()``; graphs that take
-gradients (training) go to Inductor (``torch._inductor.compile_fx``): fusekit's fused backward
-graphs are reached through ``fusekit.torch`` (``convert``). Calls a pipeline does not take (inputs
-not on a CUDA device, or wanting gradients) run the graph as dynamo captured it.
+Inference is a graph compiled under ``torch.no_grad()`` / ``inference_mode()`` (graphs that take
+gradients: :mod:`fusekit.torch.training`). Calls a pipeline does not take (inputs not on a CUDA
+device, or wanting gradients) run the graph as dynamo captured it.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from .. import session
 from ..errors import FusekitError, OperandError
 from .ir import Program
 
-__all__ = ["backend", "FusekitGraph", "bind_constants_of", "run_pipeline"]
+__all__ = ["inference_backend", "FusekitGraph", "bind_constants_of", "check_options", "inductor", "run_pipeline", "MODES"]
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -156,7 +154,7 @@ def _define_op() -> Any:
 run_pipeline = _define_op()
 
 
-def _options(options: dict | None) -> tuple[str, bool, float]:
+def check_options(options: dict | None) -> tuple[str, bool, float]:
     o = dict(options or {})
     dtype, autotune, min_fused = o.pop("dtype", "auto"), o.pop("autotune", False), o.pop("min_fused", 0.5)
     if o:
@@ -170,15 +168,17 @@ def _options(options: dict | None) -> tuple[str, bool, float]:
     return dtype, autotune, float(min_fused)
 
 
-def inductor(gm: Any, example_inputs: list, why: str, mode: str | None = None) -> Callable:
-    """The graph compiled by Inductor in torch.compile's ``mode`` (what fusekit does not run), with the
-    reason said once per reason."""
+def inductor(gm: Any, example_inputs: list, why: str | None, mode: str | None = None) -> Callable:
+    """The graph compiled by Inductor (AOTAutograd first where it takes gradients) in torch.compile's
+    ``mode``; ``why``: the reason fusekit does not run it, said once per reason (None: a graph whose
+    fusekit ops are already in it)."""
     import torch
     from torch._inductor.compile_fx import compile_fx
 
     from ..errors import warn_once
 
-    warn_once(("backend", why), f"fusekit backend: {why}; Inductor compiles this graph", UserWarning, stacklevel=3)
+    if why is not None:
+        warn_once(("backend", why), f"fusekit backend: {why}; Inductor compiles this graph", UserWarning, stacklevel=3)
     patches = torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -205,15 +205,10 @@ def _lowered(gm: Any, example_inputs: list) -> tuple[Any, list[int], Program] | 
     return bound, inputs, prog
 
 
-def backend(gm: Any, example_inputs: list, options: dict | None = None, mode: str | None = None) -> Callable:
-    """The ``torch.compile`` backend: a dynamo graph and its example inputs -> a callable."""
-    import torch
-
-    dtype, autotune, min_fused = _options(options)
-    if mode not in MODES:
-        raise OperandError("fusekit backend", "mode", f"must be one of {MODES[1:]}, got {mode!r}", what="argument")
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
-        return inductor(gm, example_inputs, "training graphs (gradients) are not lowered to fusekit pipelines", mode)
+def inference_backend(gm: Any, example_inputs: list, options: dict | None = None, mode: str | None = None) -> Callable:
+    """A dynamo graph that takes no gradients -> fusekit pipelines (:class:`FusekitGraph`), or Inductor's
+    compile where the graph does not lower well enough (``min_fused``)."""
+    dtype, autotune, min_fused = check_options(options)
     got = _lowered(gm, example_inputs)
     if isinstance(got, str):
         return inductor(gm, example_inputs, got, mode)

@@ -12,12 +12,14 @@ torch = pytest.importorskip("torch")
 
 import fusekit.pipeline as fp  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
+from fusekit import backend as fk_backend  # noqa: E402
 from fusekit.pipeline import backend as fb  # noqa: E402
 
 
 def dynamo_graph(model, x, grad=False):
-    """(the FX graph dynamo hands a backend for ``model(x)``, its example inputs)."""
+    """(the FX graph dynamo hands a backend for ``model(*x)`` (x a tensor or a tuple), its example inputs)."""
     got = {}
+    x = x if isinstance(x, tuple) else (x,)
 
     def capture(gm, example_inputs):
         got["gm"], got["ex"] = gm, example_inputs
@@ -25,7 +27,7 @@ def dynamo_graph(model, x, grad=False):
 
     torch._dynamo.reset()
     with torch.set_grad_enabled(grad):
-        torch.compile(model, backend=capture)(x)
+        torch.compile(model, backend=capture)(*x)
     return got["gm"], got["ex"]
 
 
@@ -41,7 +43,7 @@ def test_dynamo_graphs_lower_with_the_pipeline_rules_and_match_in_float64(name):
     x = torch.randn(2, 3, 64, 64)
     gm, ex = dynamo_graph(model, x)
     with torch.no_grad():  # inference: what dynamo traces under no_grad
-        compiled = fb.backend(gm, ex)
+        compiled = fk_backend.backend(gm, ex)
     assert isinstance(compiled, fb.FusekitGraph)
     prog = compiled.program
     assert not prog.fallbacks and prog.fused_fraction == 1.0, prog.fallbacks
@@ -65,11 +67,11 @@ def test_what_fusekit_does_not_run_goes_to_inductor_with_the_reason(monkeypatch)
     tv = _tv()
     sent = []
     monkeypatch.setattr(fb, "inductor", lambda gm, ex, why, mode=None: sent.append(why) or gm.forward)
-    model = tv.models.resnet18().train()
-    gm, ex = dynamo_graph(model, torch.randn(2, 3, 32, 32), grad=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh()).train()
+    gm, ex = dynamo_graph(model, torch.randn(2, 8), grad=True)
     with torch.enable_grad():
-        fb.backend(gm, ex)
-    assert sent and "training" in sent[-1]
+        fk_backend.backend(gm, ex)
+    assert sent and "without a convolution or training batch norm" in sent[-1]
 
     class TwoOut(torch.nn.Module):
         def forward(self, x):
@@ -77,11 +79,11 @@ def test_what_fusekit_does_not_run_goes_to_inductor_with_the_reason(monkeypatch)
 
     gm, ex = dynamo_graph(TwoOut(), torch.randn(1, 4, 2, 2))
     with torch.no_grad():
-        fb.backend(gm, ex)
+        fk_backend.backend(gm, ex)
     assert "several outputs" in sent[-1]
     gm, ex = dynamo_graph(tv.models.resnet18().eval(), torch.randn(1, 3, 32, 32))
     with torch.no_grad():
-        assert isinstance(fb.backend(gm, ex, options={"min_fused": 1.0}), fb.FusekitGraph)  # resnet18 lowers fully
+        assert isinstance(fk_backend.backend(gm, ex, options={"min_fused": 1.0}), fb.FusekitGraph)  # resnet18 lowers fully
     assert len(sent) == 2
 
 
@@ -95,7 +97,7 @@ def test_bad_options_are_named(options, words):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
     gm, ex = dynamo_graph(model, torch.randn(1, 3, 8, 8))
     with pytest.raises(OperandError, match="options") as e, torch.no_grad():
-        fb.backend(gm, ex, options=options)
+        fk_backend.backend(gm, ex, options=options)
     assert words in str(e.value)
 
 
@@ -109,11 +111,11 @@ def test_mode_is_checked_and_reaches_inductor(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).train()
     gm, ex = dynamo_graph(model, torch.randn(1, 3, 8, 8), grad=True)
     with torch.enable_grad():
-        fb.backend(gm, ex, mode="reduce-overhead")
-        fb.backend(gm, ex)
+        fk_backend.backend(gm, ex, mode="reduce-overhead")
+        fk_backend.backend(gm, ex)
     assert got[0].get("triton.cudagraphs") is True and got[1] == {}
     with pytest.raises(OperandError, match="mode") as e:
-        fb.backend(gm, ex, mode="fastest")
+        fk_backend.backend(gm, ex, mode="fastest")
     assert "reduce-overhead" in str(e.value)
 
 
@@ -125,7 +127,7 @@ def test_a_graph_dynamo_makes_dynamic_stays_on_fusekit():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                                 torch.nn.Linear(8, 4)).eval()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append((gm, ex, fb.backend(gm, ex, **kw))) or made[-1][2])
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append((gm, ex, fk_backend.backend(gm, ex, **kw))) or made[-1][2])
     with torch.no_grad():
         for batch in (2, 5, 3):
             x = torch.randn(batch, 3, 8, 8)
@@ -139,7 +141,7 @@ def test_a_graph_dynamo_makes_dynamic_stays_on_fusekit():
 
 def test_the_backend_is_registered_by_entry_point_and_compiles_end_to_end():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
-    assert any(ep.name == "fusekit" and ep.value == "fusekit.pipeline.backend:backend" for ep in eps), list(eps)
+    assert any(ep.name == "fusekit" and ep.value == "fusekit.backend:backend" for ep in eps), list(eps)
     assert "fusekit" in torch._dynamo.list_backends()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
@@ -160,10 +162,97 @@ def test_compiled_graphs_run_through_a_registered_custom_op_with_a_fake_implemen
                                 torch.nn.Flatten(), torch.nn.Linear(8, 5)).eval()
     gm, ex = dynamo_graph(model, torch.randn(2, 3, 8, 8))
     with torch.no_grad():
-        compiled = fb.backend(gm, ex)
+        compiled = fk_backend.backend(gm, ex)
     assert isinstance(compiled, fb.FusekitGraph) and fresh_session.table("compiled_graphs")[compiled.key] is compiled
     assert "fusekit::run_pipeline(Tensor x, int key) -> Tensor" in str(torch.ops.fusekit.run_pipeline.default._schema)
     with FakeTensorMode() as mode:
         for batch, dtype in ((2, torch.float16), (7, torch.float32)):
             y = torch.ops.fusekit.run_pipeline(mode.from_tensor(torch.empty(batch, 3, 8, 8, dtype=dtype)), compiled.key)
             assert tuple(y.shape) == (batch, 5) and y.dtype == dtype
+
+
+def _train_net():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=4),
+        torch.nn.BatchNorm2d(8), torch.nn.ReLU6(), torch.nn.Conv2d(8, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+
+
+def test_training_graph_puts_fusekit_ops_in_place_of_conv_batch_norm_and_relu():
+    """A dynamo training graph: every conv2d, training batch norm and the ReLU / ReLU6 right after
+    either become fusekit's fused ops; nothing else changes."""
+    from fusekit.torch import training
+
+    gm, ex = dynamo_graph(_train_net().train(), torch.randn(2, 3, 8, 8), grad=True)
+    gm, fused = training.training_graph(gm)
+    assert fused == [f for f in fused if f.split(": ")[1] in ("conv2d", "conv2d + relu", "batch_norm + relu", "batch_norm + relu6", "batch_norm")]
+    kinds = sorted(f.split(": ")[1] for f in fused)
+    assert kinds == ["batch_norm", "batch_norm + relu", "batch_norm + relu6", "conv2d", "conv2d", "conv2d", "conv2d + relu"], kinds
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.conv2d not in targets and torch.nn.functional.conv2d not in targets and torch.nn.functional.batch_norm not in targets
+    assert not any(getattr(n.target, "__name__", "") in ("relu", "relu6", "relu_") for n in gm.graph.nodes)
+
+
+def test_training_graph_leaves_what_it_does_not_fuse():
+    """Eval-mode batch norm (running statistics), a ReLU whose input has a second user, 1-D and 3-D
+    convolutions stay PyTorch's."""
+    from fusekit.torch import training
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c3 = torch.nn.Conv1d(3, 4, 3), torch.nn.Conv3d(1, 2, 3)
+            self.c, self.bn = torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4).eval()
+
+        def forward(self, x, v):
+            y = self.c(self.c1(x).unsqueeze(-1))
+            return self.bn(torch.relu(y)) + y, self.c3(v)
+
+    gm, ex = dynamo_graph(Net(), (torch.randn(2, 3, 8), torch.randn(1, 1, 4, 4, 4)), grad=True)
+    gm, fused = training.training_graph(gm)
+    assert [f.split(": ")[1] for f in fused] == ["conv2d"], fused
+
+
+def test_fused_ops_pass_torch_library_checks():
+    """The custom ops' schemas, fake implementations (shapes, dtypes, strides) and autograd
+    registrations, checked by torch.library.opcheck on CPU tensors."""
+    pytest.importorskip("fusekit.torch.training")  # registers the ops
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 6, 6, generator=g, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    w = torch.randn(6, 2, 3, 3, generator=g, dtype=torch.float64).requires_grad_(True)
+    b = torch.randn(6, generator=g, dtype=torch.float64).requires_grad_(True)
+    for act in ("", "relu", "relu6"):
+        torch.library.opcheck(torch.ops.fusekit.conv_act.default, (x, w, b, [1, 1], [2, 1], [1, 1], 2, act))
+        torch.library.opcheck(torch.ops.fusekit.conv_act.default, (x, w, None, [0, 1], [1, 1], [1, 2], 2, act))
+    gamma, beta = torch.rand(4, dtype=torch.float64).requires_grad_(True), torch.randn(4, dtype=torch.float64).requires_grad_(True)
+    rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
+    for act in ("", "relu", "relu6"):
+        torch.library.opcheck(torch.ops.fusekit.batch_norm_act.default, (x, gamma, beta, rm, rv, 0.1, 1e-5, act))
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["NCHW", "NHWC"])
+def test_training_through_the_backend_matches_eager_in_float64(memory_format):
+    """torch.compile(backend=fusekit) in training (AOTAutograd + Inductor around fusekit's ops; on the
+    CPU the ops run PyTorch's kernels): output, input gradient, every parameter's gradient and the
+    running statistics as eager's, in float64, over two steps."""
+    import copy
+
+    torch.manual_seed(5)
+    model = _train_net().double().to(memory_format=memory_format).train()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    made = []
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fk_backend.backend(gm, ex, **kw)) or made[-1])
+    for step in range(2):
+        x = torch.randn(3, 3, 10, 10, dtype=torch.float64).contiguous(memory_format=memory_format)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y, want = compiled(xa), ref(xb)
+        g = torch.randn_like(want)
+        (y * g).sum().backward()
+        (want * g).sum().backward()
+        assert float((y - want).abs().max()) < 1e-12 and float((xa.grad - xb.grad).abs().max()) < 1e-12, step
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert float((p.grad - q.grad).abs().max()) < 1e-10, n
+    for (n, p), (_, q) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(p, q) or float((p - q).abs().max()) < 1e-12, n

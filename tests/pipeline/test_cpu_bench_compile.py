@@ -34,7 +34,7 @@ def test_training_rows_name_their_phase_and_reduce_overhead_gets_its_own_table()
 def test_the_backend_is_named_where_registered_else_passed_as_the_callable(monkeypatch):
     import torch._dynamo
 
-    from fusekit.pipeline.backend import backend
+    from fusekit.backend import backend
 
     monkeypatch.setattr(torch._dynamo, "list_backends", lambda *a, **k: ["inductor"])
     assert bench_compile.fusekit_backend() is backend

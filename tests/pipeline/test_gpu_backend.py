@@ -9,6 +9,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 tv = pytest.importorskip("torchvision")
 
+from fusekit import backend as fk_backend  # noqa: E402
 from fusekit.pipeline import backend as fb  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def test_compiled_model_runs_fusekit_pipelines_and_matches_float32_eager(name, m
     init = fb.FusekitGraph.__init__
     monkeypatch.setattr(fb.FusekitGraph, "__init__", lambda self, *a, **k: (init(self, *a, **k), made.append(self))[0])
     torch._dynamo.reset()
-    compiled = torch.compile(half, backend=fb.backend, dynamic=False)
+    compiled = torch.compile(half, backend=fk_backend.backend, dynamic=False)
     for batch in (8, 8, 4):
         x = torch.randn(batch, 3, 128, 128, device="cuda")
         with torch.no_grad():
@@ -50,7 +51,7 @@ def test_calls_wanting_gradients_run_the_captured_graph():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).cuda().eval()
     torch._dynamo.reset()
     with torch.no_grad():
-        compiled = torch.compile(model, backend=fb.backend, dynamic=False)
+        compiled = torch.compile(model, backend=fk_backend.backend, dynamic=False)
         compiled(torch.randn(2, 3, 16, 16, device="cuda"))
     x = torch.randn(2, 3, 16, 16, device="cuda", requires_grad=True)
     y = compiled(x)
@@ -68,13 +69,13 @@ def test_a_mode_keeps_inference_on_fusekit_and_training_graphs_compile_in_it(mod
     x = torch.randn(4, 8, 16, 16, device="cuda").half().contiguous(memory_format=torch.channels_last)
     torch._dynamo.reset()
     made = []
-    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fb.backend(gm, ex, **kw)) or made[-1], mode=mode)
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fk_backend.backend(gm, ex, **kw)) or made[-1], mode=mode)
     with torch.no_grad():
         y, want = compiled(x), model(x)
     assert isinstance(made[-1], fb.FusekitGraph) and _rel(y, want) < 5e-3
     model.train()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fb.backend(gm, ex, **kw)) or made[-1], mode=mode)
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fk_backend.backend(gm, ex, **kw)) or made[-1], mode=mode)
     xt = x.clone().requires_grad_(True)
     y = compiled(xt)
     y.float().sum().backward()
@@ -90,7 +91,7 @@ def test_dynamic_batch_graphs_run_fusekit_pipelines():
                                 torch.nn.Flatten(), torch.nn.Linear(16, 10)).cuda().half().eval()
     torch._dynamo.reset()
     made = []
-    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fb.backend(gm, ex, **kw)) or made[-1])
+    compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fk_backend.backend(gm, ex, **kw)) or made[-1])
     for batch in (4, 6, 3, 6):
         x = torch.randn(batch, 8, 12, 12, device="cuda").half().contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
@@ -98,3 +99,44 @@ def test_dynamic_batch_graphs_run_fusekit_pipelines():
         assert y.shape == want.shape and _rel(y, want) < 5e-3
     assert len(made) == 2 and all(isinstance(g, fb.FusekitGraph) for g in made)
     assert {k[0][0] for k in made[1].pipelines} == {6, 3}  # the dynamic graph's pipelines, one per batch size
+
+
+@pytest.mark.parametrize("precision", ["amp-fp16", "fp32"])
+def test_training_runs_fusekit_fused_ops_and_matches_float64(precision, monkeypatch):
+    """ResNet-18 training steps through torch.compile(backend=fusekit): its convolutions, batch norms
+    and ReLUs on fusekit's fused ops (AOTAutograd + Inductor around them), under fp16 autocast or in
+    float32; the output, input gradient and every parameter's gradient within 3x PyTorch eager's own
+    error against float64 (or a floor), the running statistics as eager's."""
+    import copy
+
+    from fusekit.torch import training
+
+    fused = []
+    rewrite = training.training_graph
+    monkeypatch.setattr(training, "training_graph", lambda gm: (lambda r: (fused.extend(r[1]), r)[1])(rewrite(gm)))
+    torch.manual_seed(7)
+    model = tv.models.resnet18(num_classes=10).cuda().to(memory_format=torch.channels_last).train()
+    base, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fk_backend.backend)
+    amp = precision == "amp-fp16"
+    floor = 2e-2 if amp else 3e-3
+    for step in range(2):
+        x = torch.randn(8, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+        g = torch.randn(8, 10, device="cuda", dtype=torch.float64)
+        outs = {}
+        for name, m in (("fusekit", compiled), ("torch", base), ("float64", ref64)):
+            xi = (x.double() if name == "float64" else x.clone()).requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.float16, enabled=amp and name != "float64"):
+                y = m(xi)
+            (y.double() * g).sum().backward()
+            outs[name] = (y.double(), xi.grad.double())
+        for i, what in enumerate(("output", "input gradient")):
+            e_fk, e_t = _rel(outs["fusekit"][i], outs["float64"][i]), _rel(outs["torch"][i], outs["float64"][i])
+            assert e_fk < max(3 * e_t, floor), (step, what, e_fk, e_t)
+    assert sum(f.endswith("conv2d") or "conv2d +" in f for f in fused) == 20 and sum("batch_norm" in f for f in fused) == 20, fused
+    for (n, p), (_, q), (_, r) in zip(model.named_parameters(), base.named_parameters(), ref64.named_parameters()):
+        assert _rel(p.grad, r.grad) < max(3 * _rel(q.grad, r.grad), 5e-2), n
+    for (n, p), (_, q) in zip(model.named_buffers(), base.named_buffers()):
+        if p.is_floating_point():
+            assert _rel(p, q) < 1e-2, n
