@@ -15,7 +15,7 @@ LAYERS = {
     "dispatch": 2,
     "ops": 3,
     "nn": 4, "torch": 4, "pipeline": 4, "viz": 4,
-    "cli": 5,
+    "cli": 5, "backend": 5,  # the torch.compile backend: over fusekit.torch (training) and fusekit.pipeline (inference)
     "__init__": 6, "__main__": 6,  # `python -m fusekit`: the CLI
 }
 

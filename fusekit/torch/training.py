@@ -14,10 +14,12 @@ beta in float32.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
 
+from . import common
 from .common import _clip
 from .functions import bn_backward, bn_forward, conv_backward, conv_forward
 
@@ -122,15 +124,18 @@ conv_act.register_autograd(_conv_grad, setup_context=_conv_setup)
 
 @torch.library.custom_op("fusekit::batch_norm_act", mutates_args=())
 def batch_norm_act(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
-                   momentum: float, eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Training batch norm of x (gamma, beta float32; float64 for float64 x) then act: (y in x's memory
-    format, batch mean, inverse standard deviation (gamma's dtype), the new running mean and variance, as PyTorch's)."""
+                   z: torch.Tensor | None, momentum: float, eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training batch norm of x (gamma, beta float32; float64 for float64 x) [+ z, a residual, act then
+    "relu"] then act: (y in x's memory format, batch mean, inverse standard deviation (gamma's dtype),
+    the new running mean and variance, as PyTorch's)."""
     x = _dense_as(x, x)
+    z = None if z is None else _dense_as(z, x)
     if x.is_cuda:
-        y, mean, inv, rm, rv = bn_forward(x, gamma, beta, running_mean.float(), running_var.float(), eps, momentum, _clip(act or None))
+        y, mean, inv, rm, rv = bn_forward(x, gamma, beta, running_mean.float(), running_var.float(), eps, momentum, _clip(act or None), z)
     else:
         rm, rv = running_mean.clone(), running_var.clone()  # (native_batch_norm updates them in place)
         y, mean, inv = torch.ops.aten.native_batch_norm(x, gamma.to(x.dtype), beta.to(x.dtype), rm, rv, True, momentum, eps)
+        y = y if z is None else y + z
         y = F.relu6(y) if act == "relu6" else F.relu(y) if act == "relu" else y
     st = _stat_dtype(x)
     return (_dense_as(y, x), mean.reshape(-1).to(st), inv.reshape(-1).to(st), rm.reshape(-1).to(running_mean.dtype),
@@ -138,7 +143,7 @@ def batch_norm_act(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, run
 
 
 @batch_norm_act.register_fake
-def _(x, gamma, beta, running_mean, running_var, momentum, eps, act):
+def _(x, gamma, beta, running_mean, running_var, z, momentum, eps, act):
     c = x.shape[1]
     st = _stat_dtype(x)
     return (x.new_empty(x.shape).contiguous(memory_format=_format(x)), x.new_empty(c, dtype=st), x.new_empty(c, dtype=st),
@@ -147,39 +152,44 @@ def _(x, gamma, beta, running_mean, running_var, momentum, eps, act):
 
 @torch.library.custom_op("fusekit::batch_norm_act_backward", mutates_args=())
 def batch_norm_act_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, mean: torch.Tensor, inv: torch.Tensor, y: torch.Tensor,
-                            eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dgamma, dbeta) of :func:`batch_norm_act` (dgamma, dbeta in gamma's dtype)."""
+                            eps: float, act: str, residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dgamma, dbeta, dz) of :func:`batch_norm_act` (dgamma, dbeta in gamma's dtype; dz, the
+    residual's gradient, empty without one)."""
     x = _dense_as(x, x)
     dy = _dense_as(dy, x)
-    if x.is_cuda:
+    dz = x.new_empty(0)
+    if x.is_cuda and residual:  # the dReLU, the residual's gradient and the BN backward in one graph
+        dx, dg, db, dz = common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=_dense_as(y, x), residual=True)
+    elif x.is_cuda:
         clip = _clip(act or None)
-        dx, dg, db = bn_backward(dy, x, gamma, mean.reshape(1, -1, 1, 1), inv.reshape(1, -1, 1, 1), _dense_as(y, x) if act else None,
-                                 (True, True, True), math.inf if clip is None else clip)
+        dx, dg, db = bn_backward(dy, x, gamma, mean, inv, _dense_as(y, x) if act else None, (True, True, True), math.inf if clip is None else clip)
     else:
         g = _relu_mask(dy, y, act) if act else dy
+        dz = g if residual else dz
         dx, dg, db = torch.ops.aten.native_batch_norm_backward(g, x, gamma.to(x.dtype), None, None, mean.to(x.dtype), inv.to(x.dtype), True,
                                                                eps, [True, True, True])
-    return _dense_as(dx, x), dg.reshape(-1).to(gamma.dtype), db.reshape(-1).to(gamma.dtype)
+    return _dense_as(dx, x), dg.reshape(-1).to(gamma.dtype), db.reshape(-1).to(gamma.dtype), _dense_as(dz, x) if residual else dz
 
 
 @batch_norm_act_backward.register_fake
-def _(dy, x, gamma, mean, inv, y, eps, act):
+def _(dy, x, gamma, mean, inv, y, eps, act, residual):
     c = x.shape[1]
-    return x.new_empty(x.shape).contiguous(memory_format=_format(x)), gamma.new_empty(c), gamma.new_empty(c)
+    like_x = x.new_empty(x.shape).contiguous(memory_format=_format(x))
+    return like_x, gamma.new_empty(c), gamma.new_empty(c), (x.new_empty(x.shape).contiguous(memory_format=_format(x)) if residual else x.new_empty(0))
 
 
 def _bn_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, gamma, _, _, _, _, eps, act = inputs
+    x, gamma, _, _, _, z, _, eps, act = inputs
     y, mean, inv, rm, rv = output
     ctx.mark_non_differentiable(mean, inv, rm, rv)
     ctx.save_for_backward(x, gamma, mean, inv, y)
-    ctx.attrs = (eps, act)
+    ctx.attrs = (eps, act, z is not None)
 
 
 def _bn_grad(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple:
     x, gamma, mean, inv, y = ctx.saved_tensors
-    dx, dg, db = batch_norm_act_backward(dy, x, gamma, mean, inv, y, *ctx.attrs)
-    return dx, dg, db, None, None, None, None, None
+    dx, dg, db, dz = batch_norm_act_backward(dy, x, gamma, mean, inv, y, *ctx.attrs)
+    return dx, dg, db, None, None, dz if ctx.attrs[2] else None, None, None, None
 
 
 batch_norm_act.register_autograd(_bn_grad, setup_context=_bn_setup)
@@ -202,11 +212,13 @@ def fused_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride:
 
 
 def fused_batch_norm(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                     momentum: float, eps: float, act: str) -> torch.Tensor:
-    """What the rewrite calls for ``act(F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps))``:
-    the running stats updated in place, as F.batch_norm does."""
+                     momentum: float, eps: float, act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What the rewrite calls for ``act(F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    [+ residual])``: the running stats updated in place, as F.batch_norm does."""
     st = _stat_dtype(x)
-    y, _, _, rm, rv = torch.ops.fusekit.batch_norm_act(x, weight.to(st), bias.to(st), running_mean, running_var, momentum, eps, act)
+    if residual is not None:
+        residual = residual.to(x.dtype)
+    y, _, _, rm, rv = torch.ops.fusekit.batch_norm_act(x, weight.to(st), bias.to(st), running_mean, running_var, residual, momentum, eps, act)
     with torch.no_grad():
         running_mean.copy_(rm)
         running_var.copy_(rv)
@@ -218,6 +230,7 @@ def fused_batch_norm(x: torch.Tensor, running_mean: torch.Tensor, running_var: t
 _CONVS = {torch.conv2d, F.conv2d}
 _BNS = {F.batch_norm}
 _RELUS = {torch.relu: "relu", F.relu: "relu", torch.relu_: "relu", F.relu6: "relu6"}
+_ADDS = {operator.add, operator.iadd, torch.add}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 _BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -259,6 +272,28 @@ def _sole_relu(node: Any) -> Any:
     return users[0] if len(users) == 1 and users[0].args and users[0].args[0] is node and _relu_of(users[0]) else None
 
 
+def _is_add(node: Any) -> bool:
+    """Whether fx node ``node`` adds its two tensor arguments (no alpha)."""
+    if len(node.args) != 2 or node.kwargs:
+        return False
+    return (node.op == "call_function" and node.target in _ADDS) or (node.op == "call_method" and node.target in ("add", "add_"))
+
+
+def _residual_end(node: Any) -> tuple[Any, Any, Any] | None:
+    """(add, z, relu) where batch norm ``node``'s only user adds z of the same shape and dtype, and
+    that sum's only user is a plain ReLU (a residual block's end)."""
+    users = list(node.users)
+    if len(users) != 1 or not _is_add(users[0]):
+        return None
+    add = users[0]
+    z = add.args[1] if add.args[0] is node else add.args[0]
+    relu = _sole_relu(add)
+    y, zv = _meta(node), _meta(z) if isinstance(z, torch.fx.Node) else None
+    if z is node or relu is None or _relu_of(relu) != "relu" or not isinstance(zv, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return None
+    return (add, z, relu) if zv.shape == y.shape and zv.dtype == y.dtype else None
+
+
 def _conv_call(node: Any) -> dict | None:
     if node.op != "call_function" or node.target not in _CONVS:
         return None
@@ -287,31 +322,30 @@ def _bn_call(node: Any) -> dict | None:
 
 def training_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str]]:
     """``gm`` (a dynamo graph) with its 2-D convolutions, training batch norms (with running stats and
-    affine parameters) and the ReLU / ReLU6 right after either (their only user) replaced by calls of
-    fusekit's fused ops, and what was replaced (one line per fused op)."""
+    affine parameters), the ReLU / ReLU6 right after either (their only user) and residual block ends
+    (batch norm, + z, ReLU) replaced by calls of fusekit's fused ops, and what was replaced (one line
+    per fused op)."""
     graph, done = gm.graph, []
     for node in list(graph.nodes):
         conv, bn = _conv_call(node), _bn_call(node)
         if conv is None and bn is None:
             continue
-        relu = _sole_relu(node)
-        act = _relu_of(relu) if relu is not None else ""
-        end = relu if relu is not None else node
-        with graph.inserting_before(node):
+        relu, residual = _sole_relu(node), _residual_end(node) if bn is not None else None
+        act = _relu_of(relu) if relu is not None else "relu" if residual is not None else ""
+        gone = [relu] if relu is not None else [residual[2], residual[0]] if residual is not None else []
+        end = gone[0] if gone else node
+        with graph.inserting_before(end):
             if conv is not None:
-                args = tuple(conv[k] for k in _CONV_ARGS) + (act,)
-                new = graph.call_function(fused_conv, args)
+                new = graph.call_function(fused_conv, tuple(conv[k] for k in _CONV_ARGS) + (act,))
                 done.append(f"{node.name}: conv2d{' + ' + act if act else ''}")
             else:
                 args = tuple(bn[k] for k in ("input", "running_mean", "running_var", "weight", "bias", "momentum", "eps")) + (act,)
-                new = graph.call_function(fused_batch_norm, args)
-                done.append(f"{node.name}: batch_norm{' + ' + act if act else ''}")
+                new = graph.call_function(fused_batch_norm, args + ((residual[1],) if residual is not None else ()))
+                done.append(f"{node.name}: batch_norm{' + residual' if residual is not None else ''}{' + ' + act if act else ''}")
         new.meta.update(end.meta)  # (the example value later matches read)
         end.replace_all_uses_with(new)
-        if relu is not None:
-            graph.erase_node(relu)
-        graph.erase_node(node)
+        for n in gone + [node]:
+            graph.erase_node(n)
     graph.lint()
     gm.recompile()
     return gm, done
-

@@ -178,6 +178,29 @@ def _train_net():
         torch.nn.BatchNorm2d(8), torch.nn.ReLU6(), torch.nn.Conv2d(8, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
 
 
+class _Block(torch.nn.Module):
+    """A residual block as torchvision writes it: the shortcut computed after the last batch norm,
+    added in place, then a ReLU module."""
+
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), torch.nn.BatchNorm2d(c_out)
+        self.conv2, self.bn2 = torch.nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(c_out)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.down = None if stride == 1 and c_in == c_out else torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                                                                                   torch.nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        identity = x if self.down is None else self.down(x)
+        out += identity
+        return self.relu(out)
+
+
+def _res_net():
+    return torch.nn.Sequential(_Block(3, 8, 1), _Block(8, 8, 1), _Block(8, 16, 2), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+
+
 def test_training_graph_puts_fusekit_ops_in_place_of_conv_batch_norm_and_relu():
     """A dynamo training graph: every conv2d, training batch norm and the ReLU / ReLU6 right after
     either become fusekit's fused ops; nothing else changes."""
@@ -191,6 +214,11 @@ def test_training_graph_puts_fusekit_ops_in_place_of_conv_batch_norm_and_relu():
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert torch.conv2d not in targets and torch.nn.functional.conv2d not in targets and torch.nn.functional.batch_norm not in targets
     assert not any(getattr(n.target, "__name__", "") in ("relu", "relu6", "relu_") for n in gm.graph.nodes)
+    gm, ex = dynamo_graph(_res_net().train(), torch.randn(2, 3, 8, 8), grad=True)
+    gm, fused = training.training_graph(gm)
+    kinds = [f.split(": ")[1] for f in fused]
+    assert (kinds.count("batch_norm + residual + relu"), kinds.count("batch_norm + relu"), kinds.count("batch_norm"), kinds.count("conv2d")) == (3, 3, 2, 8), kinds
+    assert not any(getattr(n.target, "__name__", "") in ("relu", "iadd", "add") for n in gm.graph.nodes), gm.graph
 
 
 def test_training_graph_leaves_what_it_does_not_fuse():
@@ -228,18 +256,21 @@ def test_fused_ops_pass_torch_library_checks():
     gamma, beta = torch.rand(4, dtype=torch.float64).requires_grad_(True), torch.randn(4, dtype=torch.float64).requires_grad_(True)
     rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
     for act in ("", "relu", "relu6"):
-        torch.library.opcheck(torch.ops.fusekit.batch_norm_act.default, (x, gamma, beta, rm, rv, 0.1, 1e-5, act))
+        torch.library.opcheck(torch.ops.fusekit.batch_norm_act.default, (x, gamma, beta, rm, rv, None, 0.1, 1e-5, act))
+    z = torch.randn_like(x).requires_grad_(True)
+    torch.library.opcheck(torch.ops.fusekit.batch_norm_act.default, (x, gamma, beta, rm, rv, z, 0.1, 1e-5, "relu"))
 
 
+@pytest.mark.parametrize("net", [_train_net, _res_net], ids=["plain", "residual"])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["NCHW", "NHWC"])
-def test_training_through_the_backend_matches_eager_in_float64(memory_format):
+def test_training_through_the_backend_matches_eager_in_float64(memory_format, net):
     """torch.compile(backend=fusekit) in training (AOTAutograd + Inductor around fusekit's ops; on the
     CPU the ops run PyTorch's kernels): output, input gradient, every parameter's gradient and the
     running statistics as eager's, in float64, over two steps."""
     import copy
 
     torch.manual_seed(5)
-    model = _train_net().double().to(memory_format=memory_format).train()
+    model = net().double().to(memory_format=memory_format).train()
     ref = copy.deepcopy(model)
     torch._dynamo.reset()
     made = []
