@@ -4,7 +4,8 @@ Inference: ResNet-50, EfficientNet-B0, MobileNetV3-Large and ConvNeXt-Tiny at ba
 channels-last, eval under ``torch.no_grad()``, random weights with BN statistics of random images
 (benchmarks/zoo.py's models), ``dynamic=False``; ``--reduce-overhead`` adds both backends in that mode.
 ``--training``: AMP float16 training steps (autocast, GradScaler, SGD) at ``--train-batch`` (the
-backend sends training graphs to Inductor, so its step is Inductor's in the backend's route). Each
+backend runs the convolutions, batch norms, ReLUs and residual ends on fusekit's fused forward and
+backward ops; AOTAutograd and Inductor compile the rest). Each
 variant is compiled, called three times (the compile time is until then), then timed: CUDA events,
 median of --trials trials of --iters calls, a fresh input before each trial. Relative error of each
 inference variant against float32 eager. Each record is written as soon as it is measured.
