@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ..errors import TorchFallbackWarning, UnsupportedError, warn_once
 from . import common
-from .common import _clip
+from .common import _GRAPH_DTYPES, _clip
 from .functions import bn_backward, bn_forward, conv_backward, conv_forward
 
 __all__ = ["fused_conv", "fused_batch_norm", "training_graph"]
@@ -58,16 +59,30 @@ def _relu_mask(dy: torch.Tensor, y: torch.Tensor, act: str) -> torch.Tensor:
     return dy * keep
 
 
+def _act(y: torch.Tensor, act: str) -> torch.Tensor:
+    return F.relu6(y) if act == "relu6" else F.relu(y) if act == "relu" else y
+
+
+def _on_fusekit(x: torch.Tensor, who: str, run: Callable[[], Any]) -> Any:
+    """``run()`` (fusekit's graphs) for a CUDA ``x`` of a dtype they take; None for any other ``x``, or
+    where cuDNN has no plan (said once per op and reason): the caller then runs PyTorch's kernels."""
+    if not (x.is_cuda and x.dtype in _GRAPH_DTYPES and x.numel() > 0):
+        return None
+    try:
+        return run()
+    except UnsupportedError as e:
+        warn_once(("training op", who, str(e)[:200]), f"fusekit {who}: {e}; running PyTorch's kernels for it", TorchFallbackWarning, stacklevel=3)
+        return None
+
+
 @torch.library.custom_op("fusekit::conv_act", mutates_args=())
 def conv_act(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, padding: list[int], stride: list[int], dilation: list[int],
              groups: int, act: str) -> torch.Tensor:
     """act(conv2d(x, w) + b) in x's memory format; act "", "relu" or "relu6"."""
     x = _dense_as(x, x)
-    if x.is_cuda:
-        y = conv_forward(x, _dense_as(w, x), b, _kw(padding, stride, dilation, groups), act or None)
-    else:
-        y = F.conv2d(x, w, b, stride, padding, dilation, groups)
-        y = F.relu6(y) if act == "relu6" else F.relu(y) if act == "relu" else y
+    y = _on_fusekit(x, "conv2d", lambda: conv_forward(x, _dense_as(w, x), b, _kw(padding, stride, dilation, groups), act or None))
+    if y is None:
+        y = _act(F.conv2d(x, w, b, stride, padding, dilation, groups), act)
     return _dense_as(y, x)
 
 
@@ -84,10 +99,11 @@ def conv_act_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: tor
     x = _dense_as(x, x)
     dy = _dense_as(dy, x)
     want = (needs[0], needs[1], needs[2] and has_bias)
-    if x.is_cuda:
-        clip = _clip(act or None)
-        dx, dw, db = conv_backward(dy, x, _dense_as(w, x), _dense_as(y, x) if clip is not None else None,
-                                   _kw(padding, stride, dilation, groups), clip, has_bias, want)
+    clip = _clip(act or None)
+    got = _on_fusekit(x, "conv2d backward", lambda: conv_backward(dy, x, _dense_as(w, x), _dense_as(y, x) if clip is not None else None,
+                                                                  _kw(padding, stride, dilation, groups), clip, has_bias, want))
+    if got is not None:
+        dx, dw, db = got
     else:
         g = _relu_mask(dy, y, act) if act else dy
         dx, dw, db = torch.ops.aten.convolution_backward(g, x, w, [w.shape[0]] if has_bias else None, stride, padding, dilation,
@@ -130,13 +146,14 @@ def batch_norm_act(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, run
     the new running mean and variance, as PyTorch's)."""
     x = _dense_as(x, x)
     z = None if z is None else _dense_as(z, x)
-    if x.is_cuda:
-        y, mean, inv, rm, rv = bn_forward(x, gamma, beta, running_mean.float(), running_var.float(), eps, momentum, _clip(act or None), z)
+    got = _on_fusekit(x, "batch_norm", lambda: bn_forward(x, gamma, beta, running_mean.float(), running_var.float(), eps, momentum,
+                                                          _clip(act or None), z))
+    if got is not None:
+        y, mean, inv, rm, rv = got
     else:
         rm, rv = running_mean.clone(), running_var.clone()  # (native_batch_norm updates them in place)
         y, mean, inv = torch.ops.aten.native_batch_norm(x, gamma.to(x.dtype), beta.to(x.dtype), rm, rv, True, momentum, eps)
-        y = y if z is None else y + z
-        y = F.relu6(y) if act == "relu6" else F.relu(y) if act == "relu" else y
+        y = _act(y if z is None else y + z, act)
     st = _stat_dtype(x)
     return (_dense_as(y, x), mean.reshape(-1).to(st), inv.reshape(-1).to(st), rm.reshape(-1).to(running_mean.dtype),
             rv.reshape(-1).to(running_var.dtype))
@@ -158,11 +175,14 @@ def batch_norm_act_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tens
     x = _dense_as(x, x)
     dy = _dense_as(dy, x)
     dz = x.new_empty(0)
-    if x.is_cuda and residual:  # the dReLU, the residual's gradient and the BN backward in one graph
-        dx, dg, db, dz = common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=_dense_as(y, x), residual=True)
-    elif x.is_cuda:
-        clip = _clip(act or None)
-        dx, dg, db = bn_backward(dy, x, gamma, mean, inv, _dense_as(y, x) if act else None, (True, True, True), math.inf if clip is None else clip)
+    clip = _clip(act or None)
+    if residual:  # the dReLU, the residual's gradient and the BN backward in one graph
+        got = _on_fusekit(x, "batch_norm backward", lambda: common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=_dense_as(y, x), residual=True))
+    else:
+        got = _on_fusekit(x, "batch_norm backward", lambda: bn_backward(dy, x, gamma, mean, inv, _dense_as(y, x) if act else None, (True, True, True),
+                                                                        math.inf if clip is None else clip))
+    if got is not None:
+        dx, dg, db, dz = got if residual else (*got, dz)
     else:
         g = _relu_mask(dy, y, act) if act else dy
         dz = g if residual else dz
