@@ -266,7 +266,8 @@ def test_fused_ops_pass_torch_library_checks():
 def test_training_through_the_backend_matches_eager_in_float64(memory_format, net):
     """torch.compile(backend=fusekit) in training (AOTAutograd + Inductor around fusekit's ops; on the
     CPU the ops run PyTorch's kernels): output, input gradient, every parameter's gradient and the
-    running statistics as eager's, in float64, over two steps."""
+    running statistics as eager's, in float64, over three steps (the third at another batch size:
+    dynamo's recompile with a symbolic batch goes through the ops' fake implementations)."""
     import copy
 
     torch.manual_seed(5)
@@ -275,8 +276,8 @@ def test_training_through_the_backend_matches_eager_in_float64(memory_format, ne
     torch._dynamo.reset()
     made = []
     compiled = torch.compile(model, backend=lambda gm, ex, **kw: made.append(fk_backend.backend(gm, ex, **kw)) or made[-1])
-    for step in range(2):
-        x = torch.randn(3, 3, 10, 10, dtype=torch.float64).contiguous(memory_format=memory_format)
+    for step, batch in enumerate((3, 3, 5)):
+        x = torch.randn(batch, 3, 10, 10, dtype=torch.float64).contiguous(memory_format=memory_format)
         xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         y, want = compiled(xa), ref(xb)
         g = torch.randn_like(want)
@@ -287,3 +288,4 @@ def test_training_through_the_backend_matches_eager_in_float64(memory_format, ne
         assert float((p.grad - q.grad).abs().max()) < 1e-10, n
     for (n, p), (_, q) in zip(model.named_buffers(), ref.named_buffers()):
         assert torch.equal(p, q) or float((p - q).abs().max()) < 1e-12, n
+    assert len(made) == 2  # the first batch size's graph, then one with a symbolic batch
