@@ -108,15 +108,13 @@ def conv_act_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: tor
         g = _relu_mask(dy, y, act) if act else dy
         dx, dw, db = torch.ops.aten.convolution_backward(g, x, w, [w.shape[0]] if has_bias else None, stride, padding, dilation,
                                                          False, [0, 0], groups, list(want))
-    empty = x.new_empty(0)
-    return (_dense_as(dx, x) if want[0] else empty, _dense_as(dw, w) if want[1] else empty.to(w.dtype),
-            db.to(w.dtype) if want[2] else empty.to(w.dtype))
+    return (_dense_as(dx, x) if want[0] else x.new_empty(0), _dense_as(dw, w) if want[1] else w.new_empty(0),
+            db.to(w.dtype) if want[2] else w.new_empty(0))  # (separate empties: a custom op's outputs may not alias)
 
 
 @conv_act_backward.register_fake
 def _(dy, x, w, y, padding, stride, dilation, groups, act, has_bias, needs):
-    empty = x.new_empty(0)
-    return (x.new_empty(x.shape).contiguous(memory_format=_format(x)) if needs[0] else empty,
+    return (x.new_empty(x.shape).contiguous(memory_format=_format(x)) if needs[0] else x.new_empty(0),
             w.new_empty(w.shape).contiguous(memory_format=_format(w)) if needs[1] else w.new_empty(0),
             w.new_empty(w.shape[0]) if needs[2] and has_bias else w.new_empty(0))
 

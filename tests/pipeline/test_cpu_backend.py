@@ -253,10 +253,18 @@ def test_fused_ops_pass_torch_library_checks():
     for act in ("", "relu", "relu6"):
         torch.library.opcheck(torch.ops.fusekit.conv_act.default, (x, w, b, [1, 1], [2, 1], [1, 1], 2, act))
         torch.library.opcheck(torch.ops.fusekit.conv_act.default, (x, w, None, [0, 1], [1, 1], [1, 2], 2, act))
+    y = torch.ops.fusekit.conv_act(x, w, None, [1, 1], [1, 1], [1, 1], 2, "relu").detach()
+    for needs in ([False, True, False], [True, False, True], [True, True, True]):  # the first conv of a net: no dx
+        for has_bias in (False, True):
+            torch.library.opcheck(torch.ops.fusekit.conv_act_backward.default,
+                                  (torch.randn_like(y), x.detach(), w.detach(), y, [1, 1], [1, 1], [1, 1], 2, "relu", has_bias, needs))
     gamma, beta = torch.rand(4, dtype=torch.float64).requires_grad_(True), torch.randn(4, dtype=torch.float64).requires_grad_(True)
     rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
     for act in ("", "relu", "relu6"):
         torch.library.opcheck(torch.ops.fusekit.batch_norm_act.default, (x, gamma, beta, rm, rv, None, 0.1, 1e-5, act))
+        y, mean, inv, _, _ = torch.ops.fusekit.batch_norm_act(x, gamma, beta, rm, rv, None, 0.1, 1e-5, act)
+        torch.library.opcheck(torch.ops.fusekit.batch_norm_act_backward.default,
+                              (torch.randn_like(y), x.detach(), gamma.detach(), mean, inv, y.detach(), 1e-5, act, False))
     z = torch.randn_like(x).requires_grad_(True)
     torch.library.opcheck(torch.ops.fusekit.batch_norm_act.default, (x, gamma, beta, rm, rv, z, 0.1, 1e-5, "relu"))
 
