@@ -19,30 +19,23 @@ from typing import Any, Callable
 
 import torch
 
+from ..engine.patterns import conv_out_size
 from ..errors import TorchFallbackWarning, UnsupportedError, warn_once
 from . import common
-from .common import _GRAPH_DTYPES, _clip
+from .common import _GRAPH_DTYPES, _clip, _like
 from .functions import bn_backward, bn_forward, conv_backward, conv_forward
 
 __all__ = ["fused_conv", "fused_batch_norm", "training_graph"]
 
 F = torch.nn.functional
-ACTS = ("", "relu", "relu6")  # the op's ``act``: none, ReLU, ReLU6
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:
-    """The memory format of a dense 4-D ``t`` (channels-last where it is that and not also plain contiguous)."""
+    """The memory format of a dense 4-D ``t`` as :func:`common._like` reads it (channels-last where it
+    is that and not also plain contiguous): what the fake implementations give their outputs."""
     if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
         return torch.channels_last
     return torch.contiguous_format
-
-
-def _dense_as(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=_format(ref))
-
-
-def _out_size(n: int, k: int, p: int, s: int, d: int) -> int:
-    return (n + 2 * p - d * (k - 1) - 1) // s + 1
 
 
 def _kw(padding: list[int], stride: list[int], dilation: list[int], groups: int) -> dict:
@@ -79,16 +72,16 @@ def _on_fusekit(x: torch.Tensor, who: str, run: Callable[[], Any]) -> Any:
 def conv_act(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, padding: list[int], stride: list[int], dilation: list[int],
              groups: int, act: str) -> torch.Tensor:
     """act(conv2d(x, w) + b) in x's memory format; act "", "relu" or "relu6"."""
-    x = _dense_as(x, x)
-    y = _on_fusekit(x, "conv2d", lambda: conv_forward(x, _dense_as(w, x), b, _kw(padding, stride, dilation, groups), act or None))
+    x = _like(x, x)
+    y = _on_fusekit(x, "conv2d", lambda: conv_forward(x, _like(w, x), b, _kw(padding, stride, dilation, groups), act or None))
     if y is None:
         y = _act(F.conv2d(x, w, b, stride, padding, dilation, groups), act)
-    return _dense_as(y, x)
+    return _like(y, x)
 
 
 @conv_act.register_fake
 def _(x, w, b, padding, stride, dilation, groups, act):
-    hw = [_out_size(x.shape[2 + i], w.shape[2 + i], padding[i], stride[i], dilation[i]) for i in range(2)]
+    hw = [conv_out_size(x.shape[2 + i], w.shape[2 + i], padding[i], stride[i], dilation[i]) for i in range(2)]
     return x.new_empty((x.shape[0], w.shape[0], *hw)).contiguous(memory_format=_format(x))
 
 
@@ -96,11 +89,11 @@ def _(x, w, b, padding, stride, dilation, groups, act):
 def conv_act_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, padding: list[int], stride: list[int],
                       dilation: list[int], groups: int, act: str, has_bias: bool, needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db) of :func:`conv_act`; an empty tensor where ``needs`` (or ``has_bias``) says none."""
-    x = _dense_as(x, x)
-    dy = _dense_as(dy, x)
+    x = _like(x, x)
+    dy = _like(dy, x)
     want = (needs[0], needs[1], needs[2] and has_bias)
     clip = _clip(act or None)
-    got = _on_fusekit(x, "conv2d backward", lambda: conv_backward(dy, x, _dense_as(w, x), _dense_as(y, x) if clip is not None else None,
+    got = _on_fusekit(x, "conv2d backward", lambda: conv_backward(dy, x, _like(w, x), _like(y, x) if clip is not None else None,
                                                                   _kw(padding, stride, dilation, groups), clip, has_bias, want))
     if got is not None:
         dx, dw, db = got
@@ -108,7 +101,7 @@ def conv_act_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: tor
         g = _relu_mask(dy, y, act) if act else dy
         dx, dw, db = torch.ops.aten.convolution_backward(g, x, w, [w.shape[0]] if has_bias else None, stride, padding, dilation,
                                                          False, [0, 0], groups, list(want))
-    return (_dense_as(dx, x) if want[0] else x.new_empty(0), _dense_as(dw, w) if want[1] else w.new_empty(0),
+    return (_like(dx, x) if want[0] else x.new_empty(0), _like(dw, w) if want[1] else w.new_empty(0),
             db.to(w.dtype) if want[2] else w.new_empty(0))  # (separate empties: a custom op's outputs may not alias)
 
 
@@ -142,8 +135,8 @@ def batch_norm_act(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, run
     """Training batch norm of x (gamma, beta float32; float64 for float64 x) [+ z, a residual, act then
     "relu"] then act: (y in x's memory format, batch mean, inverse standard deviation (gamma's dtype),
     the new running mean and variance, as PyTorch's)."""
-    x = _dense_as(x, x)
-    z = None if z is None else _dense_as(z, x)
+    x = _like(x, x)
+    z = None if z is None else _like(z, x)
     got = _on_fusekit(x, "batch_norm", lambda: bn_forward(x, gamma, beta, running_mean.float(), running_var.float(), eps, momentum,
                                                           _clip(act or None), z))
     if got is not None:
@@ -153,7 +146,7 @@ def batch_norm_act(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, run
         y, mean, inv = torch.ops.aten.native_batch_norm(x, gamma.to(x.dtype), beta.to(x.dtype), rm, rv, True, momentum, eps)
         y = _act(y if z is None else y + z, act)
     st = _stat_dtype(x)
-    return (_dense_as(y, x), mean.reshape(-1).to(st), inv.reshape(-1).to(st), rm.reshape(-1).to(running_mean.dtype),
+    return (_like(y, x), mean.reshape(-1).to(st), inv.reshape(-1).to(st), rm.reshape(-1).to(running_mean.dtype),
             rv.reshape(-1).to(running_var.dtype))
 
 
@@ -170,14 +163,14 @@ def batch_norm_act_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tens
                             eps: float, act: str, residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dgamma, dbeta, dz) of :func:`batch_norm_act` (dgamma, dbeta in gamma's dtype; dz, the
     residual's gradient, empty without one)."""
-    x = _dense_as(x, x)
-    dy = _dense_as(dy, x)
+    x = _like(x, x)
+    dy = _like(dy, x)
     dz = x.new_empty(0)
     clip = _clip(act or None)
     if residual:  # the dReLU, the residual's gradient and the BN backward in one graph
-        got = _on_fusekit(x, "batch_norm backward", lambda: common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=_dense_as(y, x), residual=True))
+        got = _on_fusekit(x, "batch_norm backward", lambda: common.ops.batchnorm_backward(dy, x, gamma, mean, inv, y=_like(y, x), residual=True))
     else:
-        got = _on_fusekit(x, "batch_norm backward", lambda: bn_backward(dy, x, gamma, mean, inv, _dense_as(y, x) if act else None, (True, True, True),
+        got = _on_fusekit(x, "batch_norm backward", lambda: bn_backward(dy, x, gamma, mean, inv, _like(y, x) if act else None, (True, True, True),
                                                                         math.inf if clip is None else clip))
     if got is not None:
         dx, dg, db, dz = got if residual else (*got, dz)
@@ -186,7 +179,7 @@ def batch_norm_act_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tens
         dz = g if residual else dz
         dx, dg, db = torch.ops.aten.native_batch_norm_backward(g, x, gamma.to(x.dtype), None, None, mean.to(x.dtype), inv.to(x.dtype), True,
                                                                eps, [True, True, True])
-    return _dense_as(dx, x), dg.reshape(-1).to(gamma.dtype), db.reshape(-1).to(gamma.dtype), _dense_as(dz, x) if residual else dz
+    return _like(dx, x), dg.reshape(-1).to(gamma.dtype), db.reshape(-1).to(gamma.dtype), _like(dz, x) if residual else dz
 
 
 @batch_norm_act_backward.register_fake
