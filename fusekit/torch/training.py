@@ -184,9 +184,9 @@ def batch_norm_act_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tens
 
 @batch_norm_act_backward.register_fake
 def _(dy, x, gamma, mean, inv, y, eps, act, residual):
-    c = x.shape[1]
-    like_x = x.new_empty(x.shape).contiguous(memory_format=_format(x))
-    return like_x, gamma.new_empty(c), gamma.new_empty(c), (x.new_empty(x.shape).contiguous(memory_format=_format(x)) if residual else x.new_empty(0))
+    c, fmt = x.shape[1], _format(x)
+    return (x.new_empty(x.shape).contiguous(memory_format=fmt), gamma.new_empty(c), gamma.new_empty(c),
+            x.new_empty(x.shape).contiguous(memory_format=fmt) if residual else x.new_empty(0))
 
 
 def _bn_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -238,10 +238,10 @@ def fused_batch_norm(x: torch.Tensor, running_mean: torch.Tensor, running_var: t
 
 # -- the rewrite ------------------------------------------------------------------------------------
 
-_CONVS = {torch.conv2d, F.conv2d}
-_BNS = {F.batch_norm}
+_CONVS = frozenset({torch.conv2d, F.conv2d})
+_BNS = frozenset({F.batch_norm})
 _RELUS = {torch.relu: "relu", F.relu: "relu", torch.relu_: "relu", F.relu6: "relu6"}
-_ADDS = {operator.add, operator.iadd, torch.add}
+_ADDS = frozenset({operator.add, operator.iadd, torch.add})
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 _BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
