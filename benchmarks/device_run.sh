@@ -23,15 +23,17 @@ for part in "$@"; do
     tests)
       timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | cut -c1-300 | tail -45 ;;
-    tests-xdist)  # the GPU suite over WORKERS pytest-xdist processes sharing the GPU, tests handed out as workers
-      # free up (--dist worksteal: the fuzzer's eight tests and the torchvision models spread too); one fuzz seed
+    tests-xdist)  # the GPU suite over WORKERS pytest-xdist processes sharing the GPU, tests handed out two at a time as
+      # workers free up (--dist load --maxschedchunk 2: the tests marked heavy, collected first, start first, one or two
+      # a worker, so no worker is left with a queue of whole models at the end); one fuzz seed
       # for all workers, a report per worker ($OUT/fuzz.gwN.json); the 25 slowest tests listed. Needs the
       # pytest-xdist and execnet wheels in .whl (else run `tests`, one process). TEST_FILES narrows it. At TESTS_TIMEOUT pytest gets SIGINT, so the
       # summary of what ran (passed, failed) is still printed.
       python3 -c "import xdist" 2> /dev/null || { echo "tests-xdist: pytest-xdist is not importable (put its and execnet's wheels in .whl)"; continue; }
+      dist="--dist load --maxschedchunk 2"; python3 -m pytest --help 2> /dev/null | grep -q maxschedchunk || dist="--dist worksteal"  # (older xdist)
       export FUSEKIT_FUZZ_SEED=${FUSEKIT_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**32))")}
-      FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout -s INT -k 30 ${TESTS_TIMEOUT:-450} python3 -m pytest -n "${WORKERS:-8}" --junitxml="$OUT/junit_xdist.xml" \
-        --dist worksteal -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
+      FUSEKIT_FUZZ_REPORT=$OUT/fuzz.json FUSEKIT_CACHE_DIR=/tmp/fk-cache timeout -s INT -k 30 ${TESTS_TIMEOUT:-450} python3 -m pytest -n "${WORKERS:-14}" --junitxml="$OUT/junit_xdist.xml" \
+        $dist -m "gpu and not alone" -q -p no:cacheprovider -rf --tb=short --durations=25 ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_xdist.log" 2>&1
       FUSEKIT_CACHE_DIR=/tmp/fk-cache-alone timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -m "gpu and alone" -q -p no:cacheprovider -rf --tb=short \
         ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_alone.log" 2>&1
       for k in xdist alone; do echo "$k:"; grep -E "^(FAILED|ERROR)|passed|failed|skipped in" "$OUT/gpu_tests_$k.log" | cut -c1-300 | tail -25 \

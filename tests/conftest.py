@@ -40,7 +40,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("FUSEKIT_CACHE_DIR",
 
 
 def pytest_collection_modifyitems(config, items):
-    if GPU_SKIP_REASON is None:
+    if GPU_SKIP_REASON is None:  # the heavy tests first (a stable sort: the same order in every xdist worker)
+        items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
         return
     skip = pytest.mark.skip(reason=f"GPU test skipped: {GPU_SKIP_REASON}")
     for item in items:

@@ -468,6 +468,7 @@ def _training_step(models: dict, x, g, precision):
     return got
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name, precision", MODELS + [("resnet50-residual", "amp-fp16"), ("resnet18-residual", "fp32")])
 def test_converted_torchvision_model_matches_original(name, precision):
     """Converted vs original, both against a float64 copy: the converted model's output error (eval and
@@ -522,6 +523,7 @@ ARCHITECTURES = ["resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf", "densene
                  "inception_v3", "efficientnet_b0", "mnasnet0_5", "mobilenet_v3_small", "convnext_tiny"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("precision", ["amp-fp16", "fp32"])
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_converted_architectures_train_and_eval_like_the_original(name, precision):
@@ -579,6 +581,7 @@ def test_converted_squeezenet_runs_its_ceil_mode_pools_on_fusekit():
     ("resnet18", "amp-fp16", False), ("resnet50", "amp-fp16", False), ("resnet50", "fp32", False), ("mobilenet_v2", "amp-fp16", False),
     ("mobilenet_v2", "fp32", False), ("resnet18", "amp-fp16", True), ("resnet50", "amp-fp16", True), ("resnet50", "fp32", True),
 ])
+@pytest.mark.heavy
 def test_converted_model_gradients_match_original(name, precision, residual):
     """One training-mode backward (AMP fp16, or float32) of the converted model vs the original, both
     against a float64 copy: every parameter's gradient error within 3x the original's (or 5e-2).
@@ -715,6 +718,7 @@ def test_converted_relu6_blocks_train_on_fused_graphs(precision, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # Training: the example, and a captured training step
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_train_resnet_example_tracks_eager():
     """examples/train_resnet.py for 30 steps: the converted ResNet-18 (fp16 AMP, channels-last, SGD
     momentum) tracks the eager one from the same weights: within 1% over the first 10 steps (where a
@@ -1035,6 +1039,7 @@ def test_captured_eval_forward_sees_weight_changes_on_replay(residual):
         assert rel(fk(x), want2) < 3e-3, "an uncaptured call used folds from before the change"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16, None], ids=["amp-fp16", "bf16", "fp32"])
 def test_replayed_model_trains_as_its_modules_do(amp):
     """fusekit.torch.replayed on a converted ResNet-18: after the warm-up and recorded SGD steps

@@ -101,6 +101,7 @@ def test_three_channel_image_gradients_match_float64(mode, lib, dtype, route):
     assert all(c is not None and (want is None or c == want) for c in choices)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("lib", ["torch", "cupy"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("route", ["fused", "split", "split_nchw", "timed"])

@@ -42,6 +42,7 @@ from fusekit.engine import oracle
 F = torch.nn.functional
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.heavy,
     # expected fallbacks, not numerics: split graphs, channels-last copies, a TF32-only float32 matmul
     pytest.mark.filterwarnings("ignore::fusekit.errors.FusionWarning"),
     pytest.mark.filterwarnings("ignore::fusekit.errors.LayoutWarning"),

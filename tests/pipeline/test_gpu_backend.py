@@ -17,6 +17,7 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["efficientnet_b0", "resnet50"])
 def test_compiled_model_runs_fusekit_pipelines_and_matches_float32_eager(name, monkeypatch):
     torch.manual_seed(0)
@@ -46,6 +47,7 @@ def test_compiled_model_runs_fusekit_pipelines_and_matches_float32_eager(name, m
     assert all(p.graph_captured for p in pipes.values())
 
 
+@pytest.mark.heavy
 def test_calls_wanting_gradients_run_the_captured_graph():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).cuda().eval()
@@ -59,6 +61,7 @@ def test_calls_wanting_gradients_run_the_captured_graph():
     assert x.grad is not None and torch.allclose(y, model(x), atol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
 def test_a_mode_keeps_inference_on_fusekit_and_training_graphs_compile_in_it(mode):
     """Under torch.compile's modes an inference graph still runs as a fusekit pipeline (its own CUDA
@@ -101,6 +104,7 @@ def test_dynamic_batch_graphs_run_fusekit_pipelines():
     assert {k[0][0] for k in made[1].pipelines} == {6, 3}  # the dynamic graph's pipelines, one per batch size
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("precision", ["amp-fp16", "fp32"])
 def test_training_runs_fusekit_fused_ops_and_matches_float64(precision, monkeypatch):
     """ResNet-18 training steps through torch.compile(backend=fusekit): its convolutions, batch norms

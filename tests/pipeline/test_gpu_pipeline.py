@@ -80,6 +80,7 @@ def _check_logits(got, want, batch, half=None):
 @pytest.mark.parametrize("name,batch,choose", [
     (name, batch, True) for name in ("resnet18", "resnet50", "mobilenet_v2") for batch in (1, 8)
 ] + [("resnet18", 8, False), ("mobilenet_v2", 8, False)])
+@pytest.mark.heavy
 def test_torchvision_model(name, batch, choose):
     """fp16 pipeline vs fp32 eager; with choose=False every fused stage runs its cuDNN graph (and
     every pooling stage fusekit's CuPy kernel), else PyTorch's kernel where it measured faster."""
@@ -422,6 +423,7 @@ def test_chunk_items_are_views():
     assert float((y - want).norm() / want.norm()) < 1e-2
 
 
+@pytest.mark.heavy
 def test_channel_layer_norms_run_as_cudnn_layer_norm_graphs():
     """ConvNeXt's LayerNorm over channels (permute, LayerNorm, permute) runs as cuDNN's layer norm
     over the image read as rows of channels (no copy), within float16's error of eager."""

@@ -124,6 +124,7 @@ def _calibrated(name):
     return m.eval()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_model_compiles_and_matches_float32_eager(name):
     import copy
@@ -161,6 +162,7 @@ def _assert_within_fp16_error(pipe, m, x):
     assert err < max(5e-3, 4 * fp16_err), (err, fp16_err)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0"])
 def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float32_eager(name):
     """timm's split-attention (sums over the radix as channel slices, the radix softmax one stage),
@@ -177,6 +179,7 @@ def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float
     _assert_within_fp16_error(pipe, m, torch.randn(2, 3, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["mobilenet_v3_large", "shufflenet_v2_x1_0"])
 def test_exported_model_compiles_and_matches_float32_eager(name):
     """importer="export" (torch.export's ATen graph): the same fused pipeline, within PyTorch float16's
