@@ -117,7 +117,7 @@ def test_training_runs_fusekit_fused_ops_and_matches_float64(precision, monkeypa
 
     fused = []
     rewrite = training.training_graph
-    monkeypatch.setattr(training, "training_graph", lambda gm: (lambda r: (fused.extend(r[1]), r)[1])(rewrite(gm)))
+    monkeypatch.setattr(training, "training_graph", lambda gm: (lambda r: (fused.append(r[1]), r)[1])(rewrite(gm)))
     torch.manual_seed(7)
     model = tv.models.resnet18(num_classes=10).cuda().to(memory_format=torch.channels_last).train()
     base, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -138,7 +138,9 @@ def test_training_runs_fusekit_fused_ops_and_matches_float64(precision, monkeypa
         for i, what in enumerate(("output", "input gradient")):
             e_fk, e_t = _rel(outs["fusekit"][i], outs["float64"][i]), _rel(outs["torch"][i], outs["float64"][i])
             assert e_fk < max(3 * e_t, floor), (step, what, e_fk, e_t)
-    assert sum(f.endswith("conv2d") or "conv2d +" in f for f in fused) == 20 and sum("batch_norm" in f for f in fused) == 20, fused
+    kinds = [f.split(": ")[1] for f in fused[0]]  # the first graph dynamo compiled: the whole model
+    assert sum(k.startswith("conv2d") for k in kinds) == 20 and sum(k.startswith("batch_norm") for k in kinds) == 20, kinds
+    assert kinds.count("batch_norm + residual + relu") == 8, kinds  # every BasicBlock's end
     for (n, p), (_, q), (_, r) in zip(model.named_parameters(), base.named_parameters(), ref64.named_parameters()):
         assert _rel(p.grad, r.grad) < max(3 * _rel(q.grad, r.grad), 5e-2), n
     for (n, p), (_, q) in zip(model.named_buffers(), base.named_buffers()):
