@@ -297,3 +297,29 @@ def test_training_through_the_backend_matches_eager_in_float64(memory_format, ne
     for (n, p), (_, q) in zip(model.named_buffers(), ref.named_buffers()):
         assert torch.equal(p, q) or float((p - q).abs().max()) < 1e-12, n
     assert len(made) == 2  # the first batch size's graph, then one with a symbolic batch
+
+
+def test_torchvision_mobilenet_v2_trains_through_the_backend_as_eager(monkeypatch):
+    """MobileNetV2 (depthwise convolutions, ReLU6 as hardtanh, inverted-residual adds; dropout off, whose
+    random mask compiled code draws differently) through the backend in training: output and every
+    parameter's gradient equal eager's in float64, and the rewrite took all 52 convolutions."""
+    import copy
+
+    from fusekit.torch import training
+
+    tv = _tv()
+    torch.manual_seed(6)
+    model = tv.models.mobilenet_v2(num_classes=10, dropout=0.0).double().train()
+    ref = copy.deepcopy(model)
+    fused = []
+    rewrite = training.training_graph
+    monkeypatch.setattr(training, "training_graph", lambda gm: (lambda r: (fused.extend(r[1]), r)[1])(rewrite(gm)))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fk_backend.backend)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    y, want = compiled(x), ref(x)
+    y.sum().backward()
+    want.sum().backward()
+    assert float((y - want).abs().max()) < 1e-12
+    assert max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters())) < 1e-10
+    assert sum(f.split(": ")[1] == "conv2d" for f in fused) == 52 and sum("relu6" in f for f in fused) == 35, fused
