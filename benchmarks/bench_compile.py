@@ -77,9 +77,27 @@ def variants(max_autotune: bool, reduce_overhead: bool) -> list[tuple[str, dict[
     return out
 
 
+def _grads(model: torch.nn.Module, call: Any, x: torch.Tensor, labels: torch.Tensor, amp: bool) -> torch.Tensor:
+    """Every parameter's gradient of one cross-entropy step of ``call`` (model or its compiled form), flattened, in float64."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", torch.float16, enabled=amp):
+        loss = torch.nn.functional.cross_entropy(call(x), labels)
+    loss.backward()
+    return torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+
+def grad_rel_err(model: torch.nn.Module, call: Any, x: torch.Tensor, labels: torch.Tensor) -> float:
+    """Relative error of ``call``'s AMP float16 parameter gradients against a float64 copy of ``model``
+    (its weights as they are now, training mode) on the same batch."""
+    ref = copy.deepcopy(model).double()
+    want = _grads(ref, ref, x.double(), labels, False)
+    return _rel(_grads(model, call, x, labels, True), want)
+
+
 def train_ms(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, iters: int, trials: int,
-             **kw: Any) -> tuple[float | None, float | None, str | None]:
-    """(median ms per AMP float16 training step, compile s, error) of torch.compile(model, **kw)."""
+             **kw: Any) -> tuple[float | None, float | None, float | None, str | None]:
+    """(median ms per AMP float16 training step, compile s, relative error of its parameter gradients
+    against float64, error) of torch.compile(model, **kw)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -102,9 +120,10 @@ def train_ms(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, iter
             step()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
-        return cuda_time_ms(step, iters=iters, trials=trials, before_trial=lambda: x.normal_()), compile_s, None
+        err = grad_rel_err(m, c, x, labels)
+        return cuda_time_ms(step, iters=iters, trials=trials, before_trial=lambda: x.normal_()), compile_s, err, None
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-        return None, None, f"{type(e).__name__}: {str(e)[:300]}"
+        return None, None, None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def train_record(name: str, batch: int, iters: int, trials: int, max_autotune: bool) -> dict[str, Any]:
@@ -112,12 +131,14 @@ def train_record(name: str, batch: int, iters: int, trials: int, max_autotune: b
     m = build_model(name).to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, *image_size(name), device="cuda").contiguous(memory_format=torch.channels_last)
     labels = torch.randint(0, 1000, (batch,), device="cuda")
+    eager = copy.deepcopy(m).train()
+    rec["torch_amp_grad_rel_err"] = grad_rel_err(eager, eager, x, labels)
     for key, kw in variants(max_autotune, False):
         log(f"{name} b{batch} training: {key}")
-        ms, s, err = train_ms(m, x, labels, iters, trials, **kw)
-        rec[f"{key}_ms"], rec[f"{key}_compile_s"] = ms, s
-        if err:
-            rec[f"{key}_error"] = err
+        ms, s, err, fail = train_ms(m, x, labels, iters, trials, **kw)
+        rec[f"{key}_ms"], rec[f"{key}_compile_s"], rec[f"{key}_grad_rel_err"] = ms, s, err
+        if fail:
+            rec[f"{key}_error"] = fail
     return rec
 
 
@@ -145,18 +166,22 @@ def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, r
 def markdown(recs: list[dict], meta: dict) -> str:
     f = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"# torch.compile backends ({meta['gpu']})\n",
-             f"Run {meta['date']}, torch {meta['torch']}, float16 channels-last, eval under no_grad, dynamic=False. Milliseconds per "
+             f"Run {meta['date']}, torch {meta['torch']}, channels-last, dynamic=False; inference in float16, eval under no_grad. Milliseconds per "
              f"forward, median of {meta['trials']} trials of {meta['iters']} calls (CUDA events, a fresh input before each trial); "
-             "compile seconds until the third call.\n",
-             "| model | batch | phase | fusekit | Inductor | max-autotune | x Inductor | x max-autotune | compile s (fusekit / Inductor / max-autotune) | rel err (fp16 eager) |",
+             "compile seconds until the third call. Training rows: AMP float16 steps (autocast, GradScaler, SGD), their rel err the "
+             "parameter gradients' against float64 (eager AMP's in brackets); inference rows: the output's against float32 eager "
+             "(eager float16's in brackets).\n",
+             "| model | batch | phase | fusekit | Inductor | max-autotune | x Inductor | x max-autotune | compile s (fusekit / Inductor / max-autotune) | rel err (PyTorch's) |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in recs:
         fk = r.get("fusekit_ms")
         ratio = lambda k: None if fk is None or r.get(k) is None else r[k] / fk  # noqa: E731
+        train = r.get("phase") == "training"
+        err, ref = (r.get("fusekit_grad_rel_err"), r.get("torch_amp_grad_rel_err")) if train else (r.get("fusekit_rel_err"), r.get("torch_fp16_rel_err"))
         lines.append(f"| {r['model']} | {r['batch']} | {r.get('phase', 'inference')} | {f(fk)} | {f(r.get('inductor_ms'))} | {f(r.get('inductor_max_autotune_ms'))} | "
                      f"{f(ratio('inductor_ms'), '.2f')}x | {f(ratio('inductor_max_autotune_ms'), '.2f')}x | "
                      f"{f(r.get('fusekit_compile_s'), '.0f')} / {f(r.get('inductor_compile_s'), '.0f')} / "
-                     f"{f(r.get('inductor_max_autotune_compile_s'), '.0f')} | {f(r.get('fusekit_rel_err'), '.1e')} ({f(r.get('torch_fp16_rel_err'), '.1e')}) |")
+                     f"{f(r.get('inductor_max_autotune_compile_s'), '.0f')} | {f(err, '.1e')} ({f(ref, '.1e')}) |")
     ro = [r for r in recs if r.get("fusekit_reduce_overhead_ms") or r.get("inductor_reduce_overhead_ms")]
     if ro:
         lines += ["", "mode=\"reduce-overhead\" (both backends):", "", "| model | batch | fusekit | Inductor | x Inductor |", "|---|---:|---:|---:|---:|"]

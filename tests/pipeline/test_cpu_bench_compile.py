@@ -40,3 +40,21 @@ def test_the_backend_is_named_where_registered_else_passed_as_the_callable(monke
     assert bench_compile.fusekit_backend() is backend
     monkeypatch.setattr(torch._dynamo, "list_backends", lambda *a, **k: ["inductor", "fusekit"])
     assert bench_compile.fusekit_backend() == "fusekit"
+
+
+def test_training_rows_report_gradient_errors_against_float64():
+    """A training row's error column is its parameter gradients' against float64, eager AMP's beside
+    it; grad_rel_err measures that on the model's current weights (here a float32 CPU model, so the
+    error is float32 rounding, not zero)."""
+    import torch
+
+    recs = [{"model": "resnet50", "batch": 64, "phase": "training", "fusekit_ms": 20.0, "inductor_ms": 24.0,
+             "fusekit_grad_rel_err": 4e-3, "torch_amp_grad_rel_err": 3.5e-3, "fusekit_rel_err": 9.0}]
+    text = bench_compile.markdown(recs, {"gpu": "Test GPU", "date": "2026-12-07T13:00:00", "torch": "2.11", "iters": 10, "trials": 5})
+    assert "| 4.0e-03 (3.5e-03) |" in text and "9.0e+00" not in text
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 36, 10))
+    x, labels = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    err = bench_compile.grad_rel_err(model, model, x, labels)
+    assert 0 < err < 1e-5, err
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the float64 reference is a copy
