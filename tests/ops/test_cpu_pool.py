@@ -584,6 +584,7 @@ def host_kernels(tmp_path_factory):
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
         "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec", "depthwise_conv_nhwc_tile", "channel_sums", "scaled_store",
+        "channel_pointwise", "channel_pointwise_nhwc_vec", "channel_gate_mul", "channel_gate_nhwc_vec",
     }
     return libs
 
@@ -908,6 +909,77 @@ def test_host_compiled_global_avg_pool(shape, layout, dtype, target, rng, monkey
     assert y.values().shape == want.shape and rel(y.values(), want) < HOST_TOL[dtype]
     out, _ = host_array(np.zeros(want.shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
     assert reduce.global_avg_pool(x, out=out) is out and rel(out.values(), want) < HOST_TOL[dtype]
+
+
+CHANNELWISE = [(2, 16, 3, 5), (1, 24, 1, 1), (2, 5, 4, 3), (1, 8, 7, 7)]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape", CHANNELWISE, ids=str)
+@pytest.mark.parametrize("form", ["affine", "affine+z", "z", "act only"])
+@pytest.mark.parametrize("act", [("identity", 0.0), ("relu", 0.0), ("clip", 6.0), ("silu", 0.0), ("hardswish", 0.0), ("elu", 0.7)], ids=str)
+def test_host_compiled_channel_pointwise(act, form, shape, layout, dtype, rng):
+    """act(x * gamma + beta + z) in every form (affine or not, with z or not) against float64, the
+    16-byte channels-last kernel where every operand is dense channels-last with whole lanes of
+    channels, else the strided one; into a new array of x's layout or ``out`` of the other."""
+    from fusekit.ops import channelwise
+
+    c = shape[1]
+    x, xv = host_array(3 * rng.standard_normal(shape), dtype, layout)
+    z, zv = host_array(rng.standard_normal(shape), dtype, layout) if "z" in form else (None, 0.0)
+    g64, b64 = rng.standard_normal(c), rng.standard_normal(c)
+    g, b = (HostArray(g64.astype(np.float32), "float32"), HostArray(b64.astype(np.float32), "float32")) if "affine" in form else (None, None)
+    pre = xv * g.values().reshape(1, c, 1, 1) + b.values().reshape(1, c, 1, 1) if g is not None else xv
+    want = oracle.activation(pre + zv, *act)
+    launched = pool.Launch.launched
+    launched.clear()
+    y = channelwise.pointwise(x, g, b, z, activation=act[0], alpha=act[1])
+    assert rel(y.values(), want) < HOST_TOL[dtype] and dense_in(y, layout)
+    vec = layout == "NHWC" and shape[2] * shape[3] > 1 and c % (4 if dtype == "float32" else 8) == 0
+    assert launched == ["channel_pointwise_nhwc_vec" if vec else "channel_pointwise"], launched
+    out, _ = host_array(np.zeros(shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
+    assert channelwise.pointwise(x, g, b, z, activation=act[0], alpha=act[1], out=out) is out and rel(out.values(), want) < HOST_TOL[dtype]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape", CHANNELWISE, ids=str)
+def test_host_compiled_channel_gate(shape, layout, dtype, rng):
+    """x * s with s (N, C, 1, 1) against float64 (each image its own gate), the 16-byte channels-last
+    kernel where x and y are dense channels-last with whole lanes of channels."""
+    from fusekit.ops import channelwise
+
+    n, c = shape[:2]
+    x, xv = host_array(3 * rng.standard_normal(shape), dtype, layout)
+    s, sv = host_array(rng.random((n, c, 1, 1)), dtype, "NCHW")
+    launched = pool.Launch.launched
+    launched.clear()
+    y = channelwise.gate(x, s)
+    assert rel(y.values(), xv * sv) < HOST_TOL[dtype] and dense_in(y, layout)
+    vec = layout == "NHWC" and shape[2] * shape[3] > 1 and c % (4 if dtype == "float32" else 8) == 0
+    assert launched == ["channel_gate_nhwc_vec" if vec else "channel_gate_mul"], launched
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("bad, words", [
+    ({"gamma": 4}, "pass gamma and beta together"), ({"gamma": 3, "beta": 3}, "gamma.*float32 host vector of x's 4 channels"),
+    ({"z": (1, 4, 5, 4)}, "z.*x's shape"), ({"activation": "mish"}, "activation"), ({"activation": "clip", "alpha": 0.0}, "alpha"),
+    ({"s": (1, 4, 1, 2)}, "s.*gate of shape \\(1, 4, 1, 1\\)"),
+])
+def test_channelwise_bad_operands_are_named(bad, words, rng):
+    from fusekit.ops import channelwise
+
+    x, _ = host_array(rng.standard_normal((1, 4, 5, 5)), "float32", "NHWC")
+    vec = lambda k: HostArray(rng.standard_normal(bad[k]).astype(np.float32), "float32") if k in bad else None  # noqa: E731
+    with pytest.raises(OperandError, match=words):
+        if "s" in bad:
+            channelwise.gate(x, host_array(rng.standard_normal(bad["s"]), "float32", "NCHW")[0])
+        else:
+            z = host_array(rng.standard_normal(bad["z"]), "float32", "NHWC")[0] if "z" in bad else None
+            channelwise.pointwise(x, vec("gamma"), vec("beta"), z, **{k: v for k, v in bad.items() if k in ("activation", "alpha")})
 
 
 def test_depthwise_kernel_codes_are_the_fused_graphs_activations():

@@ -480,3 +480,67 @@ extern "C" __global__ void depthwise_conv_nhwc_tile(
         }
     }
 }
+
+// Per-channel pointwise work on dense images (fusekit.ops.channelwise): y = act(x * g[c] + b[c] + z) with
+// g, b float32 (unread where affine is 0: y = act(x + z)) and z an image like x (unread where has_z is
+// 0); or, for the gate, y = x * s[n, c] with s (N, C) at strides (sn, sc). One thread per element of
+// y's memory order, x and z read through their own strides.
+extern "C" __global__ void channel_pointwise(
+    const T* x, const float* g, const float* b, const T* z, T* y, long long total, int C, int H, int W, int cl,
+    long long xn, long long xc, long long xh, long long xw, long long zn, long long zc, long long zh, long long zw,
+    long long yn, long long yc, long long yh, long long yw, int affine, int has_z, int act, float alpha) {
+    GRID_LOOP(i, total) {
+        int n, c, h, w;
+        decode(i, C, H, W, cl, n, c, h, w);
+        float v = ld(x, n * xn + c * xc + h * xh + w * xw);
+        if (affine) v = fmaf(v, g[c], b[c]);
+        if (has_z) v += ld(z, n * zn + c * zc + h * zh + w * zw);
+        st(y, n * yn + c * yc + h * yh + w * yw, activate(v, act, alpha));
+    }
+}
+
+// channel_pointwise for x, z and y all dense channels-last: one thread per 16-byte group of channels
+// (C a multiple of VEC, pointers 16-byte aligned, total / VEC an int: the host checks).
+extern "C" __global__ void channel_pointwise_nhwc_vec(
+    const T* x, const float* g, const float* b, const T* z, T* y, int total, int C, int affine, int has_z, int act, float alpha) {
+    const int groups = C / VEC;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const int c0 = (i % groups) * VEC;
+        Pack v, zv, o;
+        v.u = reinterpret_cast<const uint4*>(x)[i];
+        if (has_z) zv.u = reinterpret_cast<const uint4*>(z)[i];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            float e = ld(v.e, j);
+            if (affine) e = fmaf(e, g[c0 + j], b[c0 + j]);
+            if (has_z) e += ld(zv.e, j);
+            st(o.e, j, activate(e, act, alpha));
+        }
+        reinterpret_cast<uint4*>(y)[i] = o.u;
+    }
+}
+
+extern "C" __global__ void channel_gate_mul(
+    const T* x, const T* s, T* y, long long total, int C, int H, int W, int cl, long long xn, long long xc, long long xh, long long xw,
+    long long sn, long long sc, long long yn, long long yc, long long yh, long long yw) {
+    GRID_LOOP(i, total) {
+        int n, c, h, w;
+        decode(i, C, H, W, cl, n, c, h, w);
+        st(y, n * yn + c * yc + h * yh + w * yw, ld(x, n * xn + c * xc + h * xh + w * xw) * ld(s, n * sn + c * sc));
+    }
+}
+
+// channel_gate_mul for dense channels-last x and y: one thread per 16-byte group of channels, hw the
+// positions of an image (the host checks as for channel_pointwise_nhwc_vec).
+extern "C" __global__ void channel_gate_nhwc_vec(const T* x, const T* s, T* y, int total, int C, int hw, long long sn, long long sc) {
+    const int groups = C / VEC;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const int c0 = (i % groups) * VEC, n = i / (groups * hw);
+        const T* sp = s + n * sn + c0 * sc;
+        Pack v, o;
+        v.u = reinterpret_cast<const uint4*>(x)[i];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) st(o.e, j, ld(v.e, j) * ld(sp, j * sc));
+        reinterpret_cast<uint4*>(y)[i] = o.u;
+    }
+}
