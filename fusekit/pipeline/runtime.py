@@ -25,6 +25,7 @@ from ..timing import events_ms, graph_times_ms
 from . import reference as _reference
 from .ir import (FLOAT32_WEIGHTS, FUSEKIT_PATTERNS, POOL_PATTERNS, Program, Stage, bind_constants, channel_rows, concat_parts,
                  fused_operands, gate_scaled_weights, is_global_pool, is_view_of, pixel_rows, pool_options, run_torch_stage)
+from .kernels import channelwise_kernel, depthwise_kernel
 from .memory import MemoryPlan, plan_memory
 
 #: Largest relative error (vs PyTorch's float32 result on the same inputs) a built stage may show
@@ -222,13 +223,20 @@ class Pipeline:
         if out is None:
             self.engines[i] = "torch (channel slice)"
             return self.torch_runner(s, w)
-        try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then torch runs it
+        kernel = channelwise_kernel(s, operands, attrs, y)
+        try:  # cuDNN may refuse a shape (a first-layer conv with 3 channels, say): then fusekit's kernel or torch runs it
             fusekit.plan_for(s.pattern, *operands, out=out, **attrs)
         except FusekitError as e:
             first = str(e).splitlines()[0] if str(e) else ""  # (cuDNN's engine log follows; the report keeps a line)
             self.build_fallbacks.append(f"{s.name}: cuDNN refused {s.pattern} ({type(e).__name__}: {first[:300]})")
-            self.engines[i], self.sources[i] = "torch (refused)", "-"
+            self.sources[i] = "-"
+            if kernel is not None:  # (timed against PyTorch's in _choose)
+                self.engines[i] = "cupy kernel (cuDNN refused the graph)"
+                return kernel
+            self.engines[i] = "torch (refused)"
             return self.torch_runner(s, w)
+        if kernel is not None:  # a per-channel pointwise stage: fusekit's kernel timed against the graph and PyTorch's
+            self._kernels[i] = kernel
         self.sources[i] = "pending"
         self._fused[i] = (operands, attrs, out)
         if pre is not None:
@@ -237,7 +245,7 @@ class Pipeline:
                 fusekit.call(s.pattern, *operands, out=out, **attrs)
 
             return run
-        dw = self._depthwise(s, x, y) if s.kind == "conv" and not s.attrs.get("add") else None
+        dw = depthwise_kernel(s, x, y, self.device) if s.kind == "conv" and not s.attrs.get("add") else None
         if dw is not None:  # a depthwise conv: fusekit's kernel timed against the graph and PyTorch's
             self._kernels[i] = dw
         if s.pattern == "layernorm":  # the graph itself, on the rows (ops.layernorm would copy channels-last x)
@@ -246,24 +254,6 @@ class Pipeline:
             return lambda: fusekit.call("layernorm", *operands, out=out, **attrs)
         f = getattr(ops, s.pattern)
         return lambda: f(*operands, out=y, **attrs)
-
-    def _depthwise(self, s: Stage, x: Any, y: Any) -> Callable[[], None] | None:
-        """A depthwise conv stage (one filter per channel) as fusekit's CuPy kernel, its filter as
-        float32 taps from the float64 weights; None for another conv."""
-        import torch
-
-        from ..ops import depthwise
-
-        w64, c = s.weights["w"], int(x.shape[1])
-        if int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
-            return None
-        if not all(t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) for t in (x, y)):
-            return None  # (a channel slice of a concatenation: the kernel takes dense images)
-        taps = depthwise.depthwise_taps(torch.as_tensor(w64, dtype=torch.float32, device=self.device))
-        b = None if s.weights.get("b") is None else torch.as_tensor(s.weights["b"], dtype=torch.float32, device=self.device)
-        act, alpha = s.attrs.get("act") or ("identity", 0.0)
-        conv = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
-        return lambda: depthwise.depthwise_conv2d(x, taps, b, activation=act, alpha=float(alpha), out=y, **conv)
 
     def _concat_runner(self, i: int, s: Stage, parts: list[str]) -> Callable[[], None]:
         """A channel concatenation: the parts not already written in place are copied into their
@@ -456,7 +446,7 @@ class Pipeline:
         for i, s in enumerate(self.stages):
             if s.pattern not in FUSEKIT_PATTERNS + POOL_PATTERNS or self.engines[i].startswith("torch"):
                 continue
-            what = "fused cuDNN graph" if s.pattern in FUSEKIT_PATTERNS else "fusekit's CuPy kernel"
+            what = "fused cuDNN graph" if s.pattern in FUSEKIT_PATTERNS and not self.engines[i].startswith("cupy") else "fusekit's CuPy kernel"
             t_own = self._stage_ms(self._runners[i])
             alts = [("cupy kernel", "fusekit's CuPy kernel", self._kernels[i])] if i in self._kernels else []
             alts.append(("torch", "PyTorch", self.torch_runner(s, self._stage_weights[i])))

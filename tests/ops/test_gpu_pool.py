@@ -430,6 +430,46 @@ def test_depthwise_conv_against_float64_and_torch(lib, layout, dtype, case, act)
         assert rel(as_torch(y), ref) < 2 * TOL[dtype]
 
 
+CW_SHAPES = [(4, 96, 28, 28), (2, 40, 7, 7), (2, 257, 9, 9), (8, 1024, 7, 7)]
+
+
+CW_ACTS = [("identity", 0.0), ("relu", 0.0), ("silu", 0.0), ("hardswish", 0.0)]
+CW_MATRIX = ([(shape, lib, layout, dtype, ("identity", 0.0), "affine") for shape in CW_SHAPES for lib in LIBS for layout in LAYOUTS
+              for dtype in DTYPES]
+             + [(CW_SHAPES[0], "torch", "NHWC", "float16", act, form) for act in CW_ACTS for form in ("affine+z", "z", "act only")]
+             + [(CW_SHAPES[0], "torch", "NHWC", "float16", act, "affine") for act in CW_ACTS[1:]])
+
+
+@pytest.mark.parametrize("shape, lib, layout, dtype, act, form", CW_MATRIX, ids=str)
+def test_channelwise_pointwise_and_gate_against_float64_and_torch(shape, lib, layout, dtype, act, form):
+    """fusekit's per-channel kernels (ops.channelwise: scale-shift, + residual, activation; the
+    channel gate) against float64, and PyTorch's same ops in the same dtype."""
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16")
+    from fusekit.ops import channelwise
+
+    n, c = shape[:2]
+    x = make(lib, shape, dtype, layout)
+    z = make(lib, shape, dtype, layout) if "z" in form else None
+    g, b = (torch.rand(c, device="cuda") + 0.5, torch.randn(c, device="cuda")) if "affine" in form else (None, None)
+    if lib == "cupy" and g is not None:
+        g, b = cp.from_dlpack(g), cp.from_dlpack(b)
+    pre = host64(x) * host64(g).reshape(1, c, 1, 1) + host64(b).reshape(1, c, 1, 1) if g is not None else host64(x)
+    want = oracle.activation(pre + (host64(z) if z is not None else 0.0), *act)
+    y = channelwise.pointwise(x, g, b, z, activation=act[0], alpha=act[1])
+    check_result(y, lib, dtype, want.shape, layout)
+    assert rel(host64(y), want) < TOL[dtype], rel(host64(y), want)
+    if act[0] == "identity" and form == "affine":  # PyTorch's in the same dtype
+        xt = as_torch(x)
+        ref = xt * as_torch(g).to(xt.dtype).reshape(1, c, 1, 1) + as_torch(b).to(xt.dtype).reshape(1, c, 1, 1)
+        assert rel(as_torch(y), ref) < 2 * TOL[dtype]
+    if form == "affine" and act[0] == "identity":
+        s = make(lib, (n, c, 1, 1), dtype, "NCHW")
+        gated = channelwise.gate(x, s)
+        check_result(gated, lib, dtype, shape, layout)
+        assert rel(host64(gated), host64(x) * host64(s)) < TOL[dtype]
+
+
 # ----------------------------------------------------------------------------------------------
 # streams, autograd-tracked inputs, errors
 # ----------------------------------------------------------------------------------------------
