@@ -12,10 +12,10 @@ from ..adapters import adapter_for, as_device_array
 from ..dispatch import recorded_whole
 from ..errors import OperandError
 from . import pool
-from ..tensors import ITEMSIZE
+from ..tensors import ITEMSIZE, nchw_strides, nhwc_strides
 from ..engine.patterns import conv_out_size
 from ..engine.pooling import checked_pair
-from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, result_of, same_place
+from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, same_place
 
 __all__ = ["ACT_CODES", "depthwise_conv2d", "depthwise_taps"]
 
@@ -42,6 +42,34 @@ def _taps_operand(P: str, w: Any, x: Operand) -> Operand:
     return op
 
 
+def _image(P: str, name: str, a: Any, x: Operand | None = None) -> Operand:
+    """An image (N, C, H, W) dense in NCHW or NHWC, or at other non-overlapping strides (a channel
+    slice of a larger image: what a concatenation's part or a ``chunk`` is); those run the strided kernel."""
+    try:
+        op = operand(P, name, a, (4,), FLOAT_DTYPES)
+    except OperandError:
+        arr = as_device_array(a, P, name)
+        ad = adapter_for(arr, P, name)
+        shape, strides, dtype, device = ad.describe(arr)
+        shape, strides = tuple(int(e) for e in shape), tuple(int(e) for e in strides)
+        if device is None or len(shape) != 4 or min(shape) < 1 or dtype not in FLOAT_DTYPES or not _non_overlapping(shape, strides):
+            raise  # the dense operand's own message says what was expected
+        op = Operand(arr, ad.name, shape, strides, "ANY", dtype, int(device))
+    if x is not None:
+        same_place(P, ("x", x), (name, op))
+    return op
+
+
+def _non_overlapping(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether distinct indices of ``shape`` at element ``strides`` reach distinct elements."""
+    span = 1
+    for st, d in sorted((st, d) for d, st in zip(shape, strides) if d > 1):
+        if st < span:
+            return False
+        span = st * d
+    return True
+
+
 def depthwise_taps(w: Any) -> Any:
     """A depthwise filter (C, 1, R, S) as the kernel reads it fastest: a float32 (C, 1, R, S) view of a
     dense (R, S, C) copy (a warp's 32 channels read 32 adjacent taps). Same array type as ``w``."""
@@ -57,9 +85,10 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
     as PyTorch's depthwise Conv2d then the activation (``activation``: one of fusekit.patterns.ACTIVATIONS,
     ``alpha`` its parameter), accumulated in float32 in one pass. ``w``: float32 (C, 1, R, S) at any
     strides (:func:`depthwise_taps` gives the fastest); ``b``: float32 (C,) or None. y has x's dtype and
-    layout, or is ``out`` (dense NCHW or NHWC)."""
+    layout (channels-last for a strided x), or is ``out``. x and ``out`` may be strided views such as
+    channel slices of larger images (a concatenation's parts, ``chunk``): the strided kernel runs them."""
     P = "depthwise_conv2d"
-    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
+    xo = _image(P, "x", x)
     wo = _taps_operand(P, w, xo)
     bo = None if b is None else channel_vector(P, "b", b, xo)
     (sh, sw), (ph, pw), (dh, dw) = (checked_pair(P, name, v, low, "argument") for name, v, low in
@@ -74,8 +103,16 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
     if ho < 1 or wout < 1:
         raise OperandError(P, "w", f"a {r}x{s} filter (dilation {dh}, {dw}) does not fit x's {h}x{wd} with padding {ph}, {pw}")
     shape = (n, c, ho, wout)
+    oo = None if out is None else _image(P, "out", out, xo)
+    if oo is not None and (oo.shape != shape or oo.lib != xo.lib):
+        raise OperandError(P, "out", f"expected a {xo.lib} array of shape {shape}, got a {oo.lib} array of shape {oo.shape}")
     with pool.Launch(P, xo) as L:  # (looked up at each call: tests run the kernels on the host through it)
-        y, yv, ystr, ylayout = result_of(P, L, xo, out, shape)
+        if oo is None:  # y dense in x's layout (channels-last for a strided x)
+            ylayout = "NHWC" if xo.layout == "ANY" else xo.layout
+            y, yv = L.empty(xo, shape, ylayout)
+            ystr = nhwc_strides(shape) if ylayout == "NHWC" else nchw_strides(shape)
+        else:
+            y, yv, ystr, ylayout = out, L.view(oo), oo.strides, oo.layout
         bias = L.view(bo) if bo is not None else L.zeros_f32(1)
         total, vec, code = n * c * ho * wout, 16 // ITEMSIZE[xo.dtype], ACT_CODES.index(activation)
         xv, wv = L.view(xo), L.view(wo)
@@ -92,5 +129,5 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
         L.run(xo.dtype, "depthwise_conv", total, [
             L.view(xo), L.view(wo), bias, yv, *i64(n * c * ho * wout), *i32(c, h, wd, ho, wout, r, s, sh, sw, ph, pw, dh, dw),
             *i64(*xo.strides), *i64(wo.strides[0], wo.strides[2], wo.strides[3]), *i64(*ystr),
-            *i32(ylayout == "NHWC", bo is not None, code), np.float32(alpha)])
+            *i32(ylayout == "NHWC" or (ylayout == "ANY" and ystr[1] == 1), bo is not None, code), np.float32(alpha)])
     return y

@@ -22,14 +22,14 @@ def _dense_images(*ts: Any) -> bool:
 
 def depthwise_kernel(s: Stage, x: Any, y: Any, device: Any) -> Callable[[], None] | None:
     """A depthwise conv stage (one filter per channel) as fusekit's CuPy kernel, its filter as
-    float32 taps from the float64 weights; None for another conv, or images that are not dense (a
-    channel slice of a concatenation)."""
+    float32 taps from the float64 weights (x and y may be channel slices: a chunk, a concatenation's
+    part); None for another conv."""
     import torch
 
     from ..ops import depthwise
 
     w64, c = s.weights["w"], int(x.shape[1])
-    if int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c or not _dense_images(x, y):
+    if int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
         return None
     taps = depthwise.depthwise_taps(torch.as_tensor(w64, dtype=torch.float32, device=device))
     b = None if s.weights.get("b") is None else torch.as_tensor(s.weights["b"], dtype=torch.float32, device=device)

@@ -898,6 +898,35 @@ def test_host_compiled_depthwise_conv(case, act, layout, dtype, rng):
 @pytest.mark.usefixtures("host_launch")
 @pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_host_compiled_depthwise_conv_on_channel_slices(stride, layout, dtype, rng):
+    """x a channel slice of a larger image (ShuffleNet's chunk, MixNet's split) and ``out`` a channel
+    slice of a concatenation's buffer: the strided kernel reads and writes through their strides,
+    against float64, leaving the rest of the buffer as it was."""
+    from fusekit.ops import depthwise
+
+    big, bigv = host_array(3 * rng.standard_normal((2, 24, 7, 6)), dtype, layout)
+    x, xv = HostArray(big.a[:, 8:16], dtype), bigv[:, 8:16]
+    w = HostArray((rng.standard_normal((8, 1, 3, 3)) / 3).astype(np.float32), "float32")
+    want = oracle.depthwise_conv2d_reference(xv, w.values(), None, (1, 1), (stride, stride), (1, 1), "relu", 0.0)
+    launched = pool.Launch.launched
+    launched.clear()
+    y = depthwise.depthwise_conv2d(x, w, stride=stride, padding=1, activation="relu")
+    assert rel(y.values(), want) < HOST_TOL[dtype] and dense_in(y, "NHWC") and launched == ["depthwise_conv"], launched
+    cat, catv = host_array(np.full((2, 20) + want.shape[2:], 7.0), dtype, layout)
+    out = HostArray(cat.a[:, 4:12], dtype)
+    assert depthwise.depthwise_conv2d(x, w, stride=stride, padding=1, activation="relu", out=out) is out
+    assert rel(out.values(), want) < HOST_TOL[dtype]
+    rest = np.concatenate([cat.values()[:, :4], cat.values()[:, 12:]], axis=1)
+    assert (rest == 7.0).all()
+    overlapping = HostArray(np.lib.stride_tricks.as_strided(cat.a, want.shape, (cat.a.itemsize,) * 4), dtype)
+    with pytest.raises(OperandError, match="out"):
+        depthwise.depthwise_conv2d(x, w, stride=stride, padding=1, out=overlapping)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("shape", [(2, 5, 7, 6), (3, 40, 1, 1), (1, 3, 9, 11), (2, 24, 2, 3)], ids=str)
 @pytest.mark.parametrize("target", [1, 7, 1 << 18])
 def test_host_compiled_global_avg_pool(shape, layout, dtype, target, rng, monkeypatch):

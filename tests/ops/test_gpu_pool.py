@@ -430,6 +430,30 @@ def test_depthwise_conv_against_float64_and_torch(lib, layout, dtype, case, act)
         assert rel(as_torch(y), ref) < 2 * TOL[dtype]
 
 
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_depthwise_conv_on_channel_slices_against_float64(lib, dtype):
+    """x a channel half of a channels-last image (ShuffleNet's chunk) and ``out`` a channel slice of a
+    concatenation's buffer: written through its strides, the rest of the buffer untouched."""
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16")
+    from fusekit.ops import depthwise
+
+    big = make(lib, (4, 116, 28, 28), dtype, "NHWC")
+    x = big[:, 58:]
+    w = torch.randn(58, 1, 3, 3, device="cuda") / 3
+    if lib == "cupy":
+        w = cp.from_dlpack(w)
+    want = oracle.depthwise_conv2d_reference(host64(x), host64(w), None, (1, 1), (2, 2), (1, 1), "identity", 0.0)
+    y = depthwise.depthwise_conv2d(x, w, stride=2, padding=1)
+    assert rel(host64(y), want) < TOL[dtype]
+    cat = make(lib, (4, 116, 14, 14), dtype, "NHWC")
+    before = host64(cat)
+    got = depthwise.depthwise_conv2d(x, depthwise.depthwise_taps(w), stride=2, padding=1, out=cat[:, :58])
+    assert rel(host64(got), want) < TOL[dtype]
+    assert (host64(cat)[:, 58:] == before[:, 58:]).all()
+
+
 CW_SHAPES = [(4, 96, 28, 28), (2, 40, 7, 7), (2, 257, 9, 9), (8, 1024, 7, 7)]
 
 
