@@ -19,13 +19,13 @@ def conv_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kw: d
     b = conv_bias_of(b, w, x, act)
     if b is None:
         return common.ops.conv2d(x, w, **kw)
-    f = common.ops.conv_bias if act is None else common.ops.conv_bias_relu6 if act == "relu6" else common.ops.conv_bias_relu
+    f = common.ops.conv_bias if _clip(act) is None else common.ops.conv_bias_relu6 if act == "relu6" else common.ops.conv_bias_relu
     return f(x, w, b, **kw)
 
 
 def conv_bias_of(b: torch.Tensor | None, w: torch.Tensor, x: torch.Tensor, act: str | None) -> torch.Tensor | None:
     """The bias :func:`conv_forward` takes: ``b``, or a zero bias where a ReLU needs the bias graph."""
-    return b if b is not None or act is None else _zero_bias(int(w.shape[0]), x)
+    return b if b is not None or _clip(act) is None else _zero_bias(int(w.shape[0]), x)
 
 
 def conv_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, kw: dict, clip: float | None,
