@@ -13,20 +13,11 @@ import numpy as np
 
 from ..dispatch import recorded_whole
 from ..errors import OperandError
-from ..tensors import ITEMSIZE
 from . import pool
-from .depthwise import ACT_CODES
-from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, result_of, same_place
+from .depthwise import check_activation
+from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, lanes16, operand, result_of, same_place
 
 __all__ = ["gate", "pointwise"]
-
-
-def _activation(P: str, activation: str, alpha: float) -> int:
-    if activation not in ACT_CODES:
-        raise OperandError(P, "activation", f"expected one of {ACT_CODES}, got {activation!r}", what="argument")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha) or (activation == "clip" and not alpha > 0):
-        raise OperandError(P, "alpha", f"expected a finite number (> 0 for clip), got {alpha!r}", what="argument")
-    return ACT_CODES.index(activation)
 
 
 def _like_x(P: str, name: str, a: Any, x: Operand) -> Operand:
@@ -35,13 +26,6 @@ def _like_x(P: str, name: str, a: Any, x: Operand) -> Operand:
     if o.shape != x.shape or o.lib != x.lib:
         raise OperandError(P, name, f"expected a {x.lib} image of x's shape {x.shape}, got a {o.lib} array of shape {o.shape}")
     return o
-
-
-def _vec_ok(L: Any, c: int, total: int, dtype: str, layouts: tuple[str, ...], views: tuple[Any, ...]) -> bool:
-    """Whether the 16-byte channels-last kernels take these operands."""
-    vec = 16 // ITEMSIZE[dtype]
-    return (all(lay == "NHWC" for lay in layouts) and c % vec == 0 and total // vec < 2**31
-            and all(L.address(v) % 16 == 0 for v in views))
 
 
 @recorded_whole
@@ -57,7 +41,7 @@ def pointwise(x: Any, gamma: Any = None, beta: Any = None, z: Any = None, *, act
         raise OperandError(P, "gamma" if gamma is None else "beta", "pass gamma and beta together, or neither")
     g, b = (None, None) if gamma is None else (channel_vector(P, "gamma", gamma, xo), channel_vector(P, "beta", beta, xo))
     zo = None if z is None else _like_x(P, "z", z, xo)
-    code = _activation(P, activation, alpha)
+    code = check_activation(P, activation, alpha)
     n, c, h, w = xo.shape
     total = n * c * h * w
     with pool.Launch(P, xo) as L:  # (looked up at each call: tests run the kernels on the host through it)
@@ -66,8 +50,8 @@ def pointwise(x: Any, gamma: Any = None, beta: Any = None, z: Any = None, *, act
         zv = L.view(zo) if zo is not None else xv  # (unread without z)
         gv, bv = (L.view(g), L.view(b)) if g is not None else (L.zeros_f32(1), L.zeros_f32(1))
         flags = (g is not None, zo is not None, code)
-        if _vec_ok(L, c, total, xo.dtype, (xo.layout, ylayout) + ((zo.layout,) if zo is not None else ()), (xv, yv, zv)):
-            vec = 16 // ITEMSIZE[xo.dtype]
+        vec = lanes16(L, xo.dtype, c, total, (xo.layout, ylayout) + ((zo.layout,) if zo is not None else ()), (xv, yv, zv))
+        if vec:
             L.run(xo.dtype, "channel_pointwise_nhwc_vec", total // vec, [xv, gv, bv, zv, yv, *i32(total // vec, c, *flags), np.float32(alpha)])
             return y
         zs = zo.strides if zo is not None else xo.strides
@@ -93,8 +77,8 @@ def gate(x: Any, s: Any, *, out: Any = None) -> Any:
     with pool.Launch(P, xo) as L:
         y, yv, ystr, ylayout = result_of(P, L, xo, out, xo.shape)
         xv, sv = L.view(xo), L.view(so)
-        if _vec_ok(L, c, total, xo.dtype, (xo.layout, ylayout), (xv, yv)):
-            vec = 16 // ITEMSIZE[xo.dtype]
+        vec = lanes16(L, xo.dtype, c, total, (xo.layout, ylayout), (xv, yv))
+        if vec:
             L.run(xo.dtype, "channel_gate_nhwc_vec", total // vec, [xv, sv, yv, *i32(total // vec, c, h * w), *i64(so.strides[0], so.strides[1])])
             return y
         L.run(xo.dtype, "channel_gate_mul", total, [

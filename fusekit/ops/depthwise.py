@@ -12,12 +12,12 @@ from ..adapters import adapter_for, as_device_array
 from ..dispatch import recorded_whole
 from ..errors import OperandError
 from . import pool
-from ..tensors import ITEMSIZE, nchw_strides, nhwc_strides
+from ..tensors import nchw_strides, nhwc_strides
 from ..engine.patterns import conv_out_size
 from ..engine.pooling import checked_pair
-from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, operand, same_place
+from .pool import FLOAT_DTYPES, Operand, channel_vector, i32, i64, lanes16, operand, same_place
 
-__all__ = ["ACT_CODES", "depthwise_conv2d", "depthwise_taps"]
+__all__ = ["ACT_CODES", "check_activation", "depthwise_conv2d", "depthwise_taps"]
 
 TILE_Q, TILE_MAX_S = 4, 9  # pool.cu's DW_TQ and DW_MAXS: outputs per thread and widest filter of the tiled kernel
 
@@ -26,12 +26,27 @@ TILE_Q, TILE_MAX_S = 4, 9  # pool.cu's DW_TQ and DW_MAXS: outputs per thread and
 ACT_CODES = ("identity", "relu", "clip", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "elu")
 
 
+def check_activation(P: str, activation: str, alpha: float) -> int:
+    """The kernels' code of ``activation`` (one of :data:`ACT_CODES`), ``alpha`` its finite parameter
+    (> 0 for clip); a fusekit error naming the argument otherwise."""
+    if activation not in ACT_CODES:
+        raise OperandError(P, "activation", f"expected one of {ACT_CODES}, got {activation!r}", what="argument")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha) or (activation == "clip" and not alpha > 0):
+        raise OperandError(P, "alpha", f"expected a finite number (> 0 for clip), got {alpha!r}", what="argument")
+    return ACT_CODES.index(activation)
+
+
+def _described(P: str, name: str, a: Any) -> tuple[Any, Any, tuple[int, ...], tuple[int, ...], str, int | None]:
+    """(device array, its adapter, shape, element strides, dtype name, device) of ``a`` as given."""
+    arr = as_device_array(a, P, name)
+    ad = adapter_for(arr, P, name)
+    shape, strides, dtype, device = ad.describe(arr)
+    return arr, ad, tuple(int(e) for e in shape), tuple(int(e) for e in strides), dtype, device
+
+
 def _taps_operand(P: str, w: Any, x: Operand) -> Operand:
     """The filter: float32 (C, 1, R, S) at any strides (the kernel indexes through them)."""
-    a = as_device_array(w, P, "w")
-    ad = adapter_for(a, P, "w")
-    shape, strides, dtype, device = ad.describe(a)
-    shape, strides = tuple(int(e) for e in shape), tuple(int(e) for e in strides)
+    a, ad, shape, strides, dtype, device = _described(P, "w", w)
     if device is None:
         raise OperandError(P, "w", "expected a CUDA device array, got an array in host (CPU) memory")
     if len(shape) != 4 or shape[:2] != (x.shape[1], 1) or min(shape) < 1 or dtype != "float32" or ad.name != x.lib:
@@ -48,10 +63,7 @@ def _image(P: str, name: str, a: Any, x: Operand | None = None) -> Operand:
     try:
         op = operand(P, name, a, (4,), FLOAT_DTYPES)
     except OperandError:
-        arr = as_device_array(a, P, name)
-        ad = adapter_for(arr, P, name)
-        shape, strides, dtype, device = ad.describe(arr)
-        shape, strides = tuple(int(e) for e in shape), tuple(int(e) for e in strides)
+        arr, ad, shape, strides, dtype, device = _described(P, name, a)
         if device is None or len(shape) != 4 or min(shape) < 1 or dtype not in FLOAT_DTYPES or not _non_overlapping(shape, strides):
             raise  # the dense operand's own message says what was expected
         op = Operand(arr, ad.name, shape, strides, "ANY", dtype, int(device))
@@ -93,10 +105,7 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
     bo = None if b is None else channel_vector(P, "b", b, xo)
     (sh, sw), (ph, pw), (dh, dw) = (checked_pair(P, name, v, low, "argument") for name, v, low in
                                     (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)))
-    if activation not in ACT_CODES:
-        raise OperandError(P, "activation", f"expected one of {ACT_CODES}, got {activation!r}", what="argument")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha) or (activation == "clip" and not alpha > 0):
-        raise OperandError(P, "alpha", f"expected a finite number (> 0 for clip), got {alpha!r}", what="argument")
+    code = check_activation(P, activation, alpha)
     n, c, h, wd = xo.shape
     r, s = wo.shape[2:]
     ho, wout = conv_out_size(h, r, ph, sh, dh), conv_out_size(wd, s, pw, sw, dw)
@@ -114,10 +123,11 @@ def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding:
         else:
             y, yv, ystr, ylayout = out, L.view(oo), oo.strides, oo.layout
         bias = L.view(bo) if bo is not None else L.zeros_f32(1)
-        total, vec, code = n * c * ho * wout, 16 // ITEMSIZE[xo.dtype], ACT_CODES.index(activation)
+        total = n * c * ho * wout
         xv, wv = L.view(xo), L.view(wo)
-        if (xo.layout == ylayout == "NHWC" and c % vec == 0 and wo.strides[0] == 1 and wo.strides[2:] == (s * c, c)
-                and total // vec < 2**31 and all(L.address(v) % 16 == 0 for v in (xv, wv, yv))):  # 16-byte lanes of channels
+        dense_taps = wo.strides[0] == 1 and wo.strides[2:] == (s * c, c)  # an (R, S, C) buffer
+        vec = lanes16(L, xo.dtype, c, total, (xo.layout, ylayout), (xv, wv, yv)) if dense_taps else 0
+        if vec:  # 16-byte lanes of channels
             if sw == dw == 1 and s <= TILE_MAX_S:  # and TILE_Q adjacent outputs per thread from one window of loads
                 threads = n * ho * -(-wout // TILE_Q) * (c // vec)
                 L.run(xo.dtype, "depthwise_conv_nhwc_tile", threads, [

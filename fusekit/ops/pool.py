@@ -163,6 +163,16 @@ def _check_plane(pattern: str, name: str, h: int, w: int) -> None:
         raise OperandError(pattern, name, f"plane {h}x{w} has 2**31 or more elements; int32 argmax cannot index it")
 
 
+def lanes16(L: "Launch", dtype: str, c: int, total: int, layouts: Sequence[str], views: Sequence[Any]) -> int:
+    """The elements of ``dtype`` in 16 bytes (VEC) where the 16-byte channels-last kernels take these
+    operands: every layout NHWC, C a multiple of VEC, total / VEC an int, every pointer 16-byte
+    aligned; else 0."""
+    vec = 16 // ITEMSIZE[dtype]
+    ok = (all(lay == "NHWC" for lay in layouts) and c % vec == 0 and total // vec < 2**31
+          and all(L.address(v) % 16 == 0 for v in views))
+    return vec if ok else 0
+
+
 def i32(*v: int) -> list[np.int32]:
     return [np.int32(x) for x in v]
 
@@ -305,10 +315,9 @@ def max_pool2d(
     total = n * c * g.ho * g.wo
     with Launch(P, xo) as L:
         y, yv, ystr, ylayout = result_of(P, L, xo, out, yshape)
-        vec = 16 // ITEMSIZE[xo.dtype]
         xv = L.view(xo)
-        if (not indices and xo.layout == ylayout == "NHWC" and c % vec == 0 and total // vec < 2**31
-                and L.address(xv) % 16 == 0 and L.address(yv) % 16 == 0):  # inference, channels-last: 16-byte lanes
+        vec = 0 if indices else lanes16(L, xo.dtype, c, total, (xo.layout, ylayout), (xv, yv))
+        if vec:  # inference, channels-last: 16-byte lanes
             L.run(xo.dtype, "max_pool_fwd_nhwc_vec", total // vec, [
                 xv, yv, *i32(total // vec, c, h, w, g.ho, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)])
             return y, None
