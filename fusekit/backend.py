@@ -27,11 +27,11 @@ def backend(gm: Any, example_inputs: list, options: dict | None = None, mode: st
     """The ``torch.compile`` backend: a dynamo graph and its example inputs -> a callable."""
     from .pipeline.backend import MODES, check_options, inductor, inference_backend
 
-    check_options(options)
+    parsed = check_options(options)
     if mode not in MODES:
         raise OperandError("fusekit backend", "mode", f"must be one of {MODES[1:]}, got {mode!r}", what="argument")
     if not _training(example_inputs):
-        return inference_backend(gm, example_inputs, options, mode)
+        return inference_backend(gm, example_inputs, parsed, mode)
     from .torch.training import training_graph
 
     gm, fused = training_graph(gm)

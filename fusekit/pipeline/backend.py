@@ -205,10 +205,11 @@ def _lowered(gm: Any, example_inputs: list) -> tuple[Any, list[int], Program] | 
     return bound, inputs, prog
 
 
-def inference_backend(gm: Any, example_inputs: list, options: dict | None = None, mode: str | None = None) -> Callable:
+def inference_backend(gm: Any, example_inputs: list, options: tuple[str, bool, float], mode: str | None = None) -> Callable:
     """A dynamo graph that takes no gradients -> fusekit pipelines (:class:`FusekitGraph`), or Inductor's
-    compile where the graph does not lower well enough (``min_fused``)."""
-    dtype, autotune, min_fused = check_options(options)
+    compile where the graph does not lower well enough; ``options``: (dtype, autotune, min_fused) as
+    :func:`check_options` gives them."""
+    dtype, autotune, min_fused = options
     got = _lowered(gm, example_inputs)
     if isinstance(got, str):
         return inductor(gm, example_inputs, got, mode)

@@ -55,11 +55,16 @@ def _dense(x: torch.Tensor, who: str, rows: bool = False) -> torch.Tensor:
     return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    """``t``'s memory format: channels-last where a 4-D ``t`` is that and not also plain contiguous."""
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``t`` dense in ``ref``'s memory format (autograd may hand over strided gradients)."""
-    if ref.dim() == 4 and ref.is_contiguous(memory_format=torch.channels_last) and not ref.is_contiguous():
-        return t.contiguous(memory_format=torch.channels_last)
-    return t.contiguous()
+    return t.contiguous(memory_format=memory_format_of(ref))
 
 
 def _cast(t: Any, dtype: Any) -> Any:
@@ -220,9 +225,6 @@ def _explicit_padding(padding: Any, kernel: tuple, dilation: tuple) -> tuple[tup
 
 def padded_for_conv(x: torch.Tensor, pad: tuple[int, int, int, int], mode: str) -> torch.Tensor:
     """``F.pad(x, pad, mode)`` in x's memory format (the non-constant modes write NCHW)."""
-    y = F.pad(x, pad, mode=mode)
-    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        y = y.contiguous(memory_format=torch.channels_last)
-    return y
+    return _like(F.pad(x, pad, mode=mode), x)
 
 

@@ -22,20 +22,12 @@ import torch
 from ..engine.patterns import conv_out_size
 from ..errors import TorchFallbackWarning, UnsupportedError, warn_once
 from . import common
-from .common import _GRAPH_DTYPES, _clip, _like
+from .common import _GRAPH_DTYPES, _clip, _like, memory_format_of
 from .functions import bn_backward, bn_forward, conv_backward, conv_forward
 
 __all__ = ["fused_conv", "fused_batch_norm", "training_graph"]
 
 F = torch.nn.functional
-
-
-def _format(t: torch.Tensor) -> torch.memory_format:
-    """The memory format of a dense 4-D ``t`` as :func:`common._like` reads it (channels-last where it
-    is that and not also plain contiguous): what the fake implementations give their outputs."""
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return torch.channels_last
-    return torch.contiguous_format
 
 
 def _kw(padding: list[int], stride: list[int], dilation: list[int], groups: int) -> dict:
@@ -82,7 +74,7 @@ def conv_act(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, padding: 
 @conv_act.register_fake
 def _(x, w, b, padding, stride, dilation, groups, act):
     hw = [conv_out_size(x.shape[2 + i], w.shape[2 + i], padding[i], stride[i], dilation[i]) for i in range(2)]
-    return x.new_empty((x.shape[0], w.shape[0], *hw)).contiguous(memory_format=_format(x))
+    return x.new_empty((x.shape[0], w.shape[0], *hw)).contiguous(memory_format=memory_format_of(x))
 
 
 @torch.library.custom_op("fusekit::conv_act_backward", mutates_args=())
@@ -107,8 +99,8 @@ def conv_act_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: tor
 
 @conv_act_backward.register_fake
 def _(dy, x, w, y, padding, stride, dilation, groups, act, has_bias, needs):
-    return (x.new_empty(x.shape).contiguous(memory_format=_format(x)) if needs[0] else x.new_empty(0),
-            w.new_empty(w.shape).contiguous(memory_format=_format(w)) if needs[1] else w.new_empty(0),
+    return (x.new_empty(x.shape).contiguous(memory_format=memory_format_of(x)) if needs[0] else x.new_empty(0),
+            w.new_empty(w.shape).contiguous(memory_format=memory_format_of(w)) if needs[1] else w.new_empty(0),
             w.new_empty(w.shape[0]) if needs[2] and has_bias else w.new_empty(0))
 
 
@@ -154,7 +146,7 @@ def batch_norm_act(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, run
 def _(x, gamma, beta, running_mean, running_var, z, momentum, eps, act):
     c = x.shape[1]
     st = _stat_dtype(x)
-    return (x.new_empty(x.shape).contiguous(memory_format=_format(x)), x.new_empty(c, dtype=st), x.new_empty(c, dtype=st),
+    return (x.new_empty(x.shape).contiguous(memory_format=memory_format_of(x)), x.new_empty(c, dtype=st), x.new_empty(c, dtype=st),
             running_mean.new_empty(c), running_var.new_empty(c))
 
 
@@ -184,7 +176,7 @@ def batch_norm_act_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tens
 
 @batch_norm_act_backward.register_fake
 def _(dy, x, gamma, mean, inv, y, eps, act, residual):
-    c, fmt = x.shape[1], _format(x)
+    c, fmt = x.shape[1], memory_format_of(x)
     return (x.new_empty(x.shape).contiguous(memory_format=fmt), gamma.new_empty(c), gamma.new_empty(c),
             x.new_empty(x.shape).contiguous(memory_format=fmt) if residual else x.new_empty(0))
 
