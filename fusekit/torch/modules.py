@@ -58,10 +58,13 @@ class FusekitModule:
         self.__dict__["_fk_memo"] = (key, tensors, value)
         return value
 
+    def _fk_done(self) -> tuple:
+        """The modules whose work this one's output already holds (its linked ReLU or activation module)."""
+        return tuple(m for m in (self._fk_relu, self._fk_after) if m is not None)
+
     def _fk_followers(self) -> str:
         bn = self._fk_bn
-        chain = [m for m in (bn, bn._fk_relu if bn is not None else None, bn._fk_after if bn is not None else None, self._fk_relu, self._fk_after)
-                 if m is not None]
+        chain = ([bn, *bn._fk_done()] if bn is not None else []) + list(self._fk_done())
         return ", fused with " + " -> ".join(type(m).__name__ for m in chain) if chain else ""
 
     def _fk_repr(self, base: str) -> str:
@@ -173,10 +176,10 @@ class Conv2d(FusekitActModule, torch.nn.Conv2d):
         if folded:
             w, b = self._folded(bn, x.dtype)  # eval: BN folded into this conv's weights and bias
             act, ep = bn._fk_act(), bn._fk_ep()
-            done = tuple(m for m in (bn, bn._fk_relu, bn._fk_after) if m is not None)
+            done = (bn, *bn._fk_done())
         else:
             w, b = _cast(self.weight, amp), _cast(self.bias, amp)
-            done = tuple(m for m in (self._fk_relu, self._fk_after) if m is not None)
+            done = self._fk_done()
         if self._fk_extra is not None:
             x = padded_for_conv(x, self._fk_extra, "constant" if self.padding_mode == "zeros" else self.padding_mode)
         if (folded and act is None and ep is None and residual is not None and common.on_graphs(residual, "Conv2d") and residual.shape == self._out_shape(x)
@@ -211,11 +214,7 @@ class ConvTranspose2d(FusekitActModule, torch.nn.ConvTranspose2d):
         amp = common.amp_dtype()
         x = _cast(_dense(x, "ConvTranspose2d"), amp)
         op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)  # type: ignore[arg-type]
-        relu, done, ep = self.activation == "relu", (), self._fk_ep()
-        if self._fk_relu is not None:
-            relu, done = True, (self._fk_relu,)
-        if self._fk_after is not None:
-            done = (self._fk_after,)
+        relu, done, ep = self.activation == "relu" or self._fk_relu is not None, self._fk_done(), self._fk_ep()
         w, b = _cast(self.weight, amp), _cast(self.bias, amp)
         if self._fk_fuses(ep, x, w, b):  # inference: one graph with the activation
             bias = b if b is not None else _zero_bias(int(w.shape[1]) * self.groups, x)
@@ -245,11 +244,7 @@ class Linear(FusekitActModule, torch.nn.Linear):
         x2 = _cast(_dense(x, "Linear", rows=True), amp)
         if x2.dim() != 2:
             x2 = x2.reshape(-1, self.in_features)
-        relu, done, ep = self.activation == "relu", (), self._fk_ep()
-        if self._fk_relu is not None:
-            relu, done = True, (self._fk_relu,)
-        if self._fk_after is not None:
-            done = (self._fk_after,)
+        relu, done, ep = self.activation == "relu" or self._fk_relu is not None, self._fk_done(), self._fk_ep()
         # other activations than ReLU run after the matmul graph: cuDNN 9.19's matmul epilogue is not
         # trusted for them (wrong values for hardswish; benchmarks/NOTES.md, "Wrong results")
         y = LinearBiasAct.apply(x2, _cast(self.weight, amp), _cast(self.bias, amp), "relu" if relu else None)
@@ -307,7 +302,7 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
         if not common.on_graphs(x, "BatchNorm2d"):
             return self._torch_forward(x)
         x = _dense(x, "BatchNorm2d")
-        after, act = self._fk_relu, ("relu" if residual is not None else self._fk_act())
+        act = "relu" if residual is not None else self._fk_act()
         if residual is not None:
             residual = _like(_cast(residual, x.dtype), x)
         factor = 0.0 if self.momentum is None else self.momentum
@@ -329,7 +324,7 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
             ep = self._fk_ep()
             if residual is None and self._fk_fuses(ep, x, scale, shift):  # inference: one scale-shift graph with the activation
                 y = common.ops.channel_scale_shift_act(x, scale, shift, activation=ep[0], alpha=ep[1])
-                return hand_on(y, (self._fk_after,) if self._fk_after is not None else ())
+                return hand_on(y, self._fk_done())
             if residual is None:
                 y = ScaleShiftAct.apply(x, scale, shift, act)
             else:
@@ -339,7 +334,7 @@ class BatchNorm2d(FusekitActModule, torch.nn.BatchNorm2d):
         ep = self._fk_ep()
         if ep is not None:
             y = _apply_epilogue(y, ep)
-        return hand_on(y, tuple(m for m in (after, self._fk_after) if m is not None))
+        return hand_on(y, self._fk_done())
 
 
 def _relu_forward(m: Any, x: Any, clip: float, who: str, torch_forward: Any) -> Any:
