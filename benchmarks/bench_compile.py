@@ -48,8 +48,10 @@ def fusekit_backend() -> Any:
     return "fusekit" if "fusekit" in torch._dynamo.list_backends() else backend
 
 
-def compiled_ms(model: torch.nn.Module, x: torch.Tensor, iters: int, trials: int, **kw: Any) -> tuple[float | None, float | None, str | None]:
-    """(median ms per call, compile s, error) of torch.compile(model, **kw) on x."""
+def compiled_ms(model: torch.nn.Module, x: torch.Tensor, iters: int, trials: int, check: Any = None,
+                **kw: Any) -> tuple[float | None, float | None, dict[str, Any], str | None]:
+    """(median ms per call, compile s, what ``check(compiled)`` returns after the timing ({} without
+    one), error) of torch.compile(model, **kw) on x."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -62,9 +64,9 @@ def compiled_ms(model: torch.nn.Module, x: torch.Tensor, iters: int, trials: int
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
             ms = cuda_time_ms(lambda: c(x), iters=iters, trials=trials, before_trial=lambda: x.normal_())
-        return ms, compile_s, None
+            return ms, compile_s, ({} if check is None else check(c)), None
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-        return None, None, f"{type(e).__name__}: {str(e)[:300]}"
+        return None, None, {}, f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def variants(max_autotune: bool, reduce_overhead: bool) -> list[tuple[str, dict[str, Any]]]:
@@ -147,19 +149,17 @@ def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, r
     m = build_model(name)
     half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, *image_size(name), device="cuda").half().contiguous(memory_format=torch.channels_last)
-    variants_ = variants(max_autotune, reduce_overhead)
-    for key, kw in variants_:
+    def errors(c: Any) -> dict[str, float]:  # the compiled fusekit model's and eager float16's, on one input
+        want = m(x.float())
+        return {"fusekit_rel_err": _rel(c(x), want), "torch_fp16_rel_err": _rel(half(x), want)}
+
+    for key, kw in variants(max_autotune, reduce_overhead):
         log(f"{name} b{batch}: {key}")
-        ms, s, err = compiled_ms(half, x, iters, trials, **kw)
+        ms, s, checked, err = compiled_ms(half, x, iters, trials, check=errors if key == "fusekit" else None, **kw)
         rec[f"{key}_ms"], rec[f"{key}_compile_s"] = ms, s
+        rec.update(checked)
         if err:
             rec[f"{key}_error"] = err
-    with torch.no_grad():
-        want = m(x.float())
-        for key, kw in variants_[:1]:
-            torch._dynamo.reset()
-            rec[f"{key}_rel_err"] = _rel(torch.compile(half, dynamic=False, **kw)(x), want)
-        rec["torch_fp16_rel_err"] = _rel(half(x), want)
     return rec
 
 
