@@ -228,18 +228,18 @@ def run(out: str, models: list[str], batches: list[int], iters: int, trials: int
         with open(stem + ".json") as fh:
             recs = json.load(fh)
     os.makedirs(out, exist_ok=True)
+    def save(rec: dict) -> None:  # a record replaces the file's row of its model and batch
+        nonlocal recs
+        rec.update(gpu=gpu, date=meta["date"], torch=meta["torch"], cudnn=meta["cudnn"])
+        recs = [r for r in recs if (r["model"], r["batch"]) != (rec["model"], rec["batch"])] + [rec]
+        with open(stem + ".json", "w") as fh:
+            json.dump(recs, fh, indent=1, default=str)
+        with open(stem + ".md", "w") as fh:
+            fh.write(markdown(recs, meta))
+
     for i, name in enumerate(models):
         for batch in batches:
             log(f"[{i + 1}/{len(models)}] {name} batch {batch} ...")
-            def save(rec: dict) -> None:
-                nonlocal recs
-                rec.update(gpu=gpu, date=meta["date"], torch=meta["torch"], cudnn=meta["cudnn"])
-                recs = [r for r in recs if (r["model"], r["batch"]) != (rec["model"], rec["batch"])] + [rec]
-                with open(stem + ".json", "w") as fh:
-                    json.dump(recs, fh, indent=1, default=str)
-                with open(stem + ".md", "w") as fh:
-                    fh.write(markdown(recs, meta))
-
             rec = bench_model(name, batch, iters, trials, name in max_autotune and batch >= 32, save)
             save(rec)
             log(f"  fusekit {rec.get('fusekit_ms')} ms, eager graph {rec.get('torch_graph_ms')}, "
