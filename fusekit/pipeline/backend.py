@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 from .. import session
 from ..errors import FusekitError, OperandError
+from . import partition
 from .ir import Program
 
-__all__ = ["inference_backend", "FusekitGraph", "bind_constants_of", "check_options", "inductor", "run_pipeline", "MODES"]
+__all__ = ["inference_backend", "FusekitGraph", "Variant", "bind_constants_of", "check_options", "inductor", "run_segment", "MODES"]
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -83,44 +84,113 @@ def _size_of(node: Any, placeholders: list) -> tuple[Any, int] | None:
 
 
 def _graphs() -> dict[int, "FusekitGraph"]:
-    """The session's compiled graphs by key (what ``torch.ops.fusekit.run_pipeline`` runs)."""
+    """The session's compiled graphs by key (what ``torch.ops.fusekit.run_segment`` runs)."""
     return session.current().table("compiled_graphs")
 
 
-class FusekitGraph:
-    """The callable a dynamo graph compiles to: fusekit pipelines by input shape, built at first use
-    (``pipelines``) and run through the custom op ``torch.ops.fusekit.run_pipeline(x, key)``, the
-    graph itself for inputs it does not take (not CUDA, gradients wanted). ``program``: the lowered
-    stages for the example shape."""
+class Variant:
+    """One input shape of a compiled graph: its lowered program, the program's segments
+    (:func:`fusekit.pipeline.partition.split`), the pipeline (built on the GPU at first use) and the
+    callable that runs it: the one fused segment's op, or, where stages fall back, the partitioned
+    graph compiled by Inductor."""
 
-    def __init__(self, gm: Any, bound: Any, inputs: list[int], program: Program, dtype: str, autotune: bool) -> None:
+    def __init__(self, program: Program, dtype: str) -> None:
+        self.program, self.dtype = program, dtype
+        self.segments = partition.split(program)
+        self.pipeline: Any = None
+        self.graphs: list[Any] = []  # per segment: its CUDA graph (None: run eagerly, or a fallback segment)
+        self.call: Callable | None = None
+
+
+class FusekitGraph:
+    """The callable a dynamo graph compiles to: a :class:`Variant` per input shape and dtype, made at
+    its first call (``variants``; their ``pipelines`` by key), run through the custom op
+    ``torch.ops.fusekit.run_segment``; the graph itself for inputs it does not take (not CUDA,
+    gradients wanted). ``program``: the lowered stages for the example shape."""
+
+    def __init__(self, gm: Any, bound: Any, inputs: list[int], program: Program, dtype: str, autotune: bool,
+                 mode: str | None = None) -> None:
         self.gm, self.bound, self.inputs, self.program = gm, bound, inputs, program
-        self.dtype, self.autotune = dtype, autotune
-        self.pipelines: dict[tuple, Any] = {}
+        self.dtype, self.autotune, self.mode = dtype, autotune, mode
+        self.variants: list[Variant] = []
+        self._by_key: dict[tuple, int] = {}
+        self.pipelines: dict[tuple, Any] = {}  # (shape, dtype, device) -> the variant's pipeline
         self._weights: dict[tuple, Any] = {}  # shared by the pipelines of every shape
         graphs = _graphs()
         self.key = len(graphs)
         graphs[self.key] = self
 
+    @property
+    def segments(self) -> list[partition.Segment]:
+        """The example shape's segments."""
+        return partition.split(self.program)
+
     def out_shape(self, x: Any) -> tuple[int, ...]:
         """The output's shape for input ``x`` (the batch is the input's)."""
         return (int(x.shape[0]), *self.program.output_shape[1:])
 
-    def run(self, x: Any) -> Any:
-        """The output for ``x`` (a CUDA tensor): its shape's pipeline, the result in x's dtype."""
-        return self._pipeline(x).run(x).to(x.dtype)
-
-    def _pipeline(self, x: Any) -> Any:
+    def variant(self, x: Any) -> int:
+        """The index of the variant for ``x``'s shape, dtype and device (lowered, not yet built, on first use)."""
         from . import lower_model
-        from .runtime import Pipeline
 
         key = (tuple(x.shape), x.dtype, x.device)
-        pipe = self.pipelines.get(key)
-        if pipe is None:
+        got = self._by_key.get(key)
+        if got is None:
             dtype = str(x.dtype).replace("torch.", "") if self.dtype == "auto" else self.dtype
             prog = self.program if tuple(x.shape) == tuple(self.program.input_shape) else lower_model(self.bound, tuple(x.shape), importer="export")
-            pipe = self.pipelines[key] = Pipeline(prog, dtype=dtype, weight_pool=self._weights).build(device=x.device, autotune=self.autotune)
-        return pipe
+            got = self._by_key[key] = len(self.variants)
+            self.variants.append(Variant(prog, dtype))
+        return got
+
+    def pipeline(self, v: int, device: Any) -> Any:
+        """Variant ``v``'s pipeline, built (and each fused segment captured) at the first call."""
+        from .runtime import Pipeline
+
+        var = self.variants[v]
+        if var.pipeline is None:
+            pipe = Pipeline(var.program, dtype=var.dtype, weight_pool=self._weights)
+            pipe.build(device=device, autotune=self.autotune, capture=False)
+            var.graphs = [pipe.capture_stages(s.lo, s.hi) if s.fused else None for s in var.segments]
+            pipe.graph_captured = all(g is not None for g, s in zip(var.graphs, var.segments) if s.fused)
+            var.pipeline = pipe
+            self.pipelines[next(k for k, i in self._by_key.items() if i == v)] = pipe
+        return var.pipeline
+
+    def run_segment(self, xs: list[Any], v: int, k: int) -> list[Any]:
+        """Segment ``k`` of variant ``v`` on the GPU: its inputs copied into the pipeline's buffers,
+        its stages replayed, its outputs copied out (fresh tensors)."""
+        var = self.variants[v]
+        seg = var.segments[k]
+        pipe = self.pipeline(v, xs[0].device)
+        for name, t in zip(seg.inputs, xs):
+            view = pipe.views[name]
+            if t.data_ptr() != view.data_ptr() or t.stride() != view.stride():
+                view.copy_(t)
+        g = var.graphs[k]
+        if g is not None:
+            g.replay()
+        else:
+            pipe.run_stages(seg.lo, seg.hi)
+        return [partition.dense(pipe.views[o]) for o in seg.outputs]
+
+    def _caller(self, x: Any) -> Callable:
+        import torch
+
+        v = self.variant(x)
+        var = self.variants[v]
+        if var.call is None:
+            if len(var.segments) == 1:
+                key = self.key
+                var.call = lambda t: run_segment([t.to(getattr(torch, var.dtype))], key, v, 0)[0].to(t.dtype)
+            else:
+                mod = partition.partitioned_module(var.program, var.segments, self.key, v, x.device, getattr(torch, var.dtype), x.dtype)
+                compiled = inductor(mod, [x], None, self.mode)
+                var.call = lambda t: compiled(t)[0]
+        return var.call
+
+    def run(self, x: Any) -> Any:
+        """The output for ``x`` (a CUDA tensor), in x's dtype."""
+        return self._caller(x)(x)
 
     def __call__(self, *args: Any) -> Any:
         import torch
@@ -130,28 +200,38 @@ class FusekitGraph:
                  and not (torch.is_grad_enabled() and x.requires_grad))
         if not takes:
             return self.gm(*args)
-        return (run_pipeline(x, self.key),)
+        return (self.run(x),)
 
 
 def _define_op() -> Any:
-    """``torch.ops.fusekit.run_pipeline(x, key)``: compiled graph ``key``'s output for ``x``, with a fake
-    implementation (the output's shape, x's dtype) for shape propagation and tracing."""
+    """``torch.ops.fusekit.run_segment(xs, key, variant, segment)``: fused segment ``segment`` of
+    compiled graph ``key``'s variant ``variant`` (:class:`FusekitGraph`) for its inputs ``xs``: on
+    the GPU its pipeline, elsewhere the float64 reference; a fake implementation gives the outputs'
+    shapes (channels-last images) and the variant's dtype, for shape propagation and tracing."""
     import torch
 
-    @torch.library.custom_op("fusekit::run_pipeline", mutates_args=(), schema="(Tensor x, int key) -> Tensor")
-    def op(x: torch.Tensor, key: int) -> torch.Tensor:
-        return _graphs()[key].run(x)
+    @torch.library.custom_op("fusekit::run_segment", mutates_args=(), schema="(Tensor[] xs, int key, int variant, int segment) -> Tensor[]")
+    def op(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
+        g = _graphs()[key]
+        if xs[0].is_cuda:
+            return g.run_segment(list(xs), variant, segment)
+        var = g.variants[variant]
+        return partition.evaluate_segment(var.program, var.segments[segment], list(xs))
 
     @op.register_fake
-    def _(x: torch.Tensor, key: int) -> torch.Tensor:
-        shape = _graphs()[key].out_shape(x)
-        y = x.new_empty(shape)
-        return y.contiguous(memory_format=torch.channels_last) if len(shape) == 4 else y
+    def _(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
+        var = _graphs()[key].variants[variant]
+        shapes = var.program.shapes()
+        outs = []
+        for o in var.segments[segment].outputs:
+            y = xs[0].new_empty(shapes[o], dtype=getattr(torch, var.dtype))
+            outs.append(y.contiguous(memory_format=torch.channels_last) if y.dim() == 4 else y)
+        return outs
 
     return op
 
 
-run_pipeline = _define_op()
+run_segment = _define_op()
 
 
 def check_options(options: dict | None) -> tuple[str, bool, float]:
@@ -216,4 +296,4 @@ def inference_backend(gm: Any, example_inputs: list, options: tuple[str, bool, f
     bound, inputs, prog = got
     if prog.fused_fraction < min_fused:
         return inductor(gm, example_inputs, f"{prog.fused_fraction:.0%} of its stages lower to fusekit (min_fused {min_fused:.0%})", mode)
-    return FusekitGraph(gm, bound, inputs, prog, dtype, autotune)
+    return FusekitGraph(gm, bound, inputs, prog, dtype, autotune, mode)

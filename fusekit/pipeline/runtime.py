@@ -338,7 +338,11 @@ class Pipeline:
 
     def forward_eager(self) -> None:
         """Run every stage once on the current stream (no graph)."""
-        for r in self._runners:
+        self.run_stages(0, len(self._runners))
+
+    def run_stages(self, lo: int, hi: int) -> None:
+        """Run stages ``lo`` to ``hi - 1`` once on the current stream (no graph)."""
+        for r in self._runners[lo:hi]:
             r()
 
     def check(self, x: Any = None) -> list[dict[str, Any]]:
@@ -473,6 +477,13 @@ class Pipeline:
                 self.engines[i], self.sources[i] = "torch (fusekit's result disagreed)", "-"
 
     def _capture(self) -> None:
+        self._graph = self.capture_stages(0, len(self._runners))
+        self.graph_captured = self._graph is not None
+
+    def capture_stages(self, lo: int, hi: int) -> Any:
+        """Stages ``lo`` to ``hi - 1`` captured in one CUDA graph on the pipeline's stream (replay it on
+        any stream); None where capture fails (``capture_error`` says why; run them with
+        :meth:`run_stages`)."""
         import torch
 
         g = torch.cuda.CUDAGraph()
@@ -480,15 +491,14 @@ class Pipeline:
             s = self.stream
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.graph(g, stream=s):
-                self.forward_eager()
+                self.run_stages(lo, hi)
             torch.cuda.current_stream(self.device).wait_stream(s)
-            self._graph = g
-            self.graph_captured = True
+            return g
         except Exception as e:  # noqa: BLE001 - keep the pipeline usable eagerly, say why in the report
-            self._graph = None
             self.capture_error = f"{type(e).__name__}: {e}"
             warnings.warn(f"fusekit pipeline: CUDA graph capture failed, running eagerly: {self.capture_error}", stacklevel=3)
             torch.cuda.synchronize(self.device)
+            return None
 
     # -- run -----------------------------------------------------------------------------------
     def run(self, x: Any, *, clone: bool = True, pad: bool = False) -> Any:

@@ -153,8 +153,8 @@ def test_the_backend_is_registered_by_entry_point_and_compiles_end_to_end():
 
 
 def test_compiled_graphs_run_through_a_registered_custom_op_with_a_fake_implementation(fresh_session):
-    """torch.ops.fusekit.run_pipeline(x, key) is registered (schema (Tensor x, int key) -> Tensor); its
-    fake implementation gives the output's shape for any batch and x's dtype, so that shape
+    """torch.ops.fusekit.run_segment(xs, key, variant, segment) is registered; its fake implementation
+    gives each output's shape (channels-last images) in the variant's dtype, so that shape
     propagation and tracing need no GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -164,11 +164,88 @@ def test_compiled_graphs_run_through_a_registered_custom_op_with_a_fake_implemen
     with torch.no_grad():
         compiled = fk_backend.backend(gm, ex)
     assert isinstance(compiled, fb.FusekitGraph) and fresh_session.table("compiled_graphs")[compiled.key] is compiled
-    assert "fusekit::run_pipeline(Tensor x, int key) -> Tensor" in str(torch.ops.fusekit.run_pipeline.default._schema)
-    with FakeTensorMode() as mode:
-        for batch, dtype in ((2, torch.float16), (7, torch.float32)):
-            y = torch.ops.fusekit.run_pipeline(mode.from_tensor(torch.empty(batch, 3, 8, 8, dtype=dtype)), compiled.key)
-            assert tuple(y.shape) == (batch, 5) and y.dtype == dtype
+    schema = str(torch.ops.fusekit.run_segment.default._schema)
+    assert "fusekit::run_segment(Tensor[] xs, int key, int variant, int segment) -> Tensor[]" in schema, schema
+    for batch, dtype in ((2, torch.float16), (7, torch.float32)):
+        x = torch.empty(batch, 3, 8, 8, dtype=dtype)
+        v = compiled.variant(x)  # (lowered for its shape on first use)
+        with FakeTensorMode() as mode:
+            (y,) = torch.ops.fusekit.run_segment([mode.from_tensor(x)], compiled.key, v, 0)
+        assert tuple(y.shape) == (batch, 5) and y.dtype == dtype
+    assert [tuple(v.program.input_shape) for v in compiled.variants] == [(2, 3, 8, 8), (7, 3, 8, 8)]
+
+
+class _WithFallback(torch.nn.Module):
+    """Convolutions around ops fusekit has no pattern for (cumsum, then a scale), a skip connection
+    crossing them, a pooled head."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.c2, self.c3 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        z = torch.cumsum(y, dim=1) * 0.1
+        return self.c3(torch.relu(self.c2(z) + y)).mean((2, 3))
+
+
+def _fallback_graph(batch=2):
+    torch.manual_seed(4)
+    model = _WithFallback().eval()
+    with torch.no_grad():
+        model.b1.running_mean.uniform_(-0.2, 0.2)
+        model.b1.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(batch, 3, 8, 8)
+    gm, ex = dynamo_graph(model, x)
+    with torch.no_grad():
+        compiled = fk_backend.backend(gm, ex)
+    return model, x, compiled
+
+
+def test_a_program_splits_into_fused_segments_and_the_fallbacks_between():
+    """split(): maximal runs of fused and of fallback stages; each segment's inputs are the values it
+    reads from before it, its outputs the values read after it (a skip connection crossing the
+    fallback goes out of the first segment and into the last)."""
+    from fusekit.pipeline import partition
+
+    _, _, compiled = _fallback_graph()
+    prog = compiled.program
+    segs = partition.split(prog)
+    assert [s.fused for s in segs] == [True, False, True]
+    assert segs[0].lo == 0 and segs[-1].hi == len(prog.stages) and all(a.hi == b.lo for a, b in zip(segs, segs[1:]))
+    assert all(prog.stages[i].fallback != s.fused for s in segs for i in range(s.lo, s.hi))
+    first, mid, last = segs
+    assert first.inputs == [prog.input] and mid.inputs == first.outputs
+    assert len(first.outputs) == 1 and set(last.inputs) == {first.outputs[0], mid.outputs[0]}, (first, mid, last)
+    assert last.outputs == [prog.output]
+    whole = fp.lower_model(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval(), (1, 3, 8, 8))
+    (only,) = partition.split(whole)
+    assert only.fused and only.inputs == [whole.input] and only.outputs == [whole.output]
+
+
+def test_partitioned_graph_matches_float64_eager_and_compiles_with_inductor(fresh_session):
+    """The partitioned FX graph (fused segments as fusekit::run_segment, whose CPU implementation is
+    the float64 reference; fallback stages as modules) gives the model's float64 output, directly
+    and compiled by Inductor (the op's fake implementation standing in during compilation)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from fusekit.pipeline import partition
+
+    model, x, compiled = _fallback_graph()
+    assert isinstance(compiled, fb.FusekitGraph)
+    x64 = x.double()
+    v = compiled.variant(x64)
+    var = compiled.variants[v]
+    mod = partition.partitioned_module(var.program, var.segments, compiled.key, v, x.device, torch.float64, torch.float64)
+    targets = [n.target for n in mod.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fusekit.run_segment.default) == 2
+    assert [n.op for n in mod.graph.nodes].count("call_module") == var.segments[1].hi - var.segments[1].lo
+    want = copy.deepcopy(model).double()(x64)
+    (got,) = mod(x64)
+    assert float((got - want).norm() / want.norm()) < 1e-12
+    (again,) = compile_fx(mod, [x64])(x64)
+    assert float((again - want).norm() / want.norm()) < 1e-12
 
 
 def _train_net():

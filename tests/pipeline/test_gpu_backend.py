@@ -146,3 +146,48 @@ def test_training_runs_fusekit_fused_ops_and_matches_float64(precision, monkeypa
     for (n, p), (_, q) in zip(model.named_buffers(), base.named_buffers()):
         if p.is_floating_point():
             assert _rel(p, q) < 1e-2, n
+
+
+class _WithFallback(torch.nn.Module):
+    """Convolutions around an op fusekit has no pattern for (cumsum), a skip connection crossing it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+        self.c2, self.c3 = torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        z = torch.cumsum(y, dim=1) * 0.05
+        return self.c3(torch.relu(self.c2(z) + y)).mean((2, 3))
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_graphs_with_fallbacks_run_fusekit_segments_and_inductor_between(mode):
+    """A graph with a stage fusekit cannot run is cut into fused segments (the custom op
+    fusekit::run_segment, each segment its own CUDA graph) and the fallback between them, which
+    Inductor compiles (in reduce-overhead, all of it inside PyTorch's CUDA graphs); a new batch
+    size lowers and compiles another variant; outputs within float16's error of float32 eager."""
+    torch.manual_seed(3)
+    model = _WithFallback().cuda().eval()
+    with torch.no_grad():
+        model.b1.running_var.uniform_(0.5, 1.5)
+    half = _WithFallback().cuda().eval()
+    half.load_state_dict(model.state_dict())
+    half = half.half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    made = []
+    compiled = torch.compile(half, backend=lambda gm, ex, **kw: made.append(fk_backend.backend(gm, ex, **kw)) or made[-1],
+                             mode=mode, dynamic=False)
+    for batch in (4, 4, 4, 2):
+        x = torch.randn(batch, 8, 16, 16, device="cuda")
+        xh = x.half().contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            y, want, fp16 = compiled(xh), model(x), half(xh)
+        assert y.dtype == torch.float16 and y.shape == want.shape
+        assert _rel(y, want) < max(5e-3, 4 * _rel(fp16, want)), (batch, _rel(y, want), _rel(fp16, want))
+    graphs = [g for g in made if isinstance(g, fb.FusekitGraph)]
+    assert graphs and all(len(v.segments) == 3 and [s.fused for s in v.segments] == [True, False, True] for g in graphs for v in g.variants)
+    shapes = {k[0] for g in graphs for k in g.pipelines}
+    assert shapes == {(4, 8, 16, 16), (2, 8, 16, 16)}, shapes
+    assert all(p.graph_captured for g in graphs for p in g.pipelines.values())
