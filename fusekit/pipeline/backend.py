@@ -1,20 +1,23 @@
 """The inference half of fusekit's ``torch.compile`` backend (:mod:`fusekit.backend`).
 
 Each graph dynamo hands over is read as the pipeline reads a model (its parameters and buffers bound
-as constants, ``torch.export``'s ATen graph, the same lowering rules) and, in inference, runs as
-fusekit pipelines: one per input shape, built on the GPU at its first call (a new batch size builds
-another, sharing the weights), run through the custom op ``torch.ops.fusekit.run_pipeline``. A graph
-dynamo makes dynamic after a second shape (its sizes as int inputs) is taken too: each size is read
-from the input's dims. Options (``torch.compile(..., options={...})``):
+as constants, ``torch.export``'s ATen graph, the same lowering rules) and cut into segments
+(:mod:`fusekit.pipeline.partition`): runs of stages fusekit runs, each one call of the custom op
+``torch.ops.fusekit.run_segment`` replaying its own CUDA graph, and the fallback stages between
+them, which Inductor compiles. A graph with no fallback is one segment, called directly. Per input
+shape a :class:`Variant` is lowered, and its pipeline built on the GPU at its first call (a new batch
+size builds another, sharing the weights). A graph dynamo makes dynamic after a second shape (its
+sizes as int inputs) is taken too: each size is read from the input's dims.
+Options (``torch.compile(..., options={...})``):
 
 - ``dtype``: "auto" (the input's), "float16", "bfloat16" or "float32": what the pipeline computes in;
 - ``autotune``: autotune each stage's plan at build (default False: cuDNN's heuristics);
 - ``min_fused``: the fraction of stages that must lower to fusekit graphs or kernels for the graph to
   run on fusekit (default 0.5); below it, graphs go to Inductor.
 
-``mode`` (``torch.compile(..., mode=...)``) is what Inductor compiles the graphs fusekit does not run
-with ("reduce-overhead": in CUDA graphs; "max-autotune"); the pipelines replay as CUDA graphs of their
-own in every mode.
+``mode`` (``torch.compile(..., mode=...)``) is what Inductor compiles the fallbacks between segments
+and the graphs fusekit does not run with ("reduce-overhead": in CUDA graphs, which then hold the
+segments' graphs too; "max-autotune"); the segments replay as CUDA graphs of their own in every mode.
 
 Inference is a graph compiled under ``torch.no_grad()`` / ``inference_mode()`` (graphs that take
 gradients: :mod:`fusekit.torch.training`). Calls a pipeline does not take (inputs not on a CUDA
