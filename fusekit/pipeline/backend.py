@@ -29,9 +29,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from .. import session
 from ..errors import FusekitError, OperandError
 from . import partition
+from .partition import compiled_graphs, run_segment
 from .ir import Program
 
 __all__ = ["inference_backend", "FusekitGraph", "Variant", "bind_constants_of", "check_options", "inductor", "run_segment", "MODES"]
@@ -86,11 +86,6 @@ def _size_of(node: Any, placeholders: list) -> tuple[Any, int] | None:
     return None
 
 
-def _graphs() -> dict[int, "FusekitGraph"]:
-    """The session's compiled graphs by key (what ``torch.ops.fusekit.run_segment`` runs)."""
-    return session.current().table("compiled_graphs")
-
-
 class Variant:
     """One input shape of a compiled graph: its lowered program, the program's segments
     (:func:`fusekit.pipeline.partition.split`), the pipeline (built on the GPU at first use) and the
@@ -119,7 +114,7 @@ class FusekitGraph:
         self._by_key: dict[tuple, int] = {}
         self.pipelines: dict[tuple, Any] = {}  # (shape, dtype, device) -> the variant's pipeline
         self._weights: dict[tuple, Any] = {}  # shared by the pipelines of every shape
-        graphs = _graphs()
+        graphs = compiled_graphs()
         self.key = len(graphs)
         graphs[self.key] = self
 
@@ -206,35 +201,6 @@ class FusekitGraph:
         return (self.run(x),)
 
 
-def _define_op() -> Any:
-    """``torch.ops.fusekit.run_segment(xs, key, variant, segment)``: fused segment ``segment`` of
-    compiled graph ``key``'s variant ``variant`` (:class:`FusekitGraph`) for its inputs ``xs``: on
-    the GPU its pipeline, elsewhere the float64 reference; a fake implementation gives the outputs'
-    shapes (channels-last images) and the variant's dtype, for shape propagation and tracing."""
-    import torch
-
-    @torch.library.custom_op("fusekit::run_segment", mutates_args=(), schema="(Tensor[] xs, int key, int variant, int segment) -> Tensor[]")
-    def op(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
-        g = _graphs()[key]
-        if xs[0].is_cuda:
-            return g.run_segment(list(xs), variant, segment)
-        var = g.variants[variant]
-        return partition.evaluate_segment(var.program, var.segments[segment], list(xs))
-
-    @op.register_fake
-    def _(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
-        var = _graphs()[key].variants[variant]
-        shapes = var.program.shapes()
-        outs = []
-        for o in var.segments[segment].outputs:
-            y = xs[0].new_empty(shapes[o], dtype=getattr(torch, var.dtype))
-            outs.append(y.contiguous(memory_format=torch.channels_last) if y.dim() == 4 else y)
-        return outs
-
-    return op
-
-
-run_segment = _define_op()
 
 
 def check_options(options: dict | None) -> tuple[str, bool, float]:

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import session
 from .ir import Program, Ref, Stage, bind_constants, run_torch_stage
 
-__all__ = ["Segment", "split", "partitioned_module", "evaluate_segment", "dense"]
+__all__ = ["Segment", "split", "partitioned_module", "evaluate_segment", "dense", "compiled_graphs", "run_segment"]
 
 
 @dataclass
@@ -131,8 +132,6 @@ def partitioned_module(prog: Program, segs: list[Segment], key: int, variant: in
     as modules (:func:`_stage_module`), the output cast to ``out_dtype`` and returned in a tuple."""
     import torch
 
-    from . import backend  # noqa: F401 - registers torch.ops.fusekit.run_segment
-
     root = torch.nn.Module()
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -149,3 +148,40 @@ def partitioned_module(prog: Program, segs: list[Segment], key: int, variant: in
             env[s.output] = g.call_module(f"stage{i}", tuple(env[v] for v in s.inputs))
     g.output((g.call_method("to", (env[prog.output],), {"dtype": out_dtype}),))
     return torch.fx.GraphModule(root, g)
+
+
+def compiled_graphs() -> dict[int, Any]:
+    """The session's compiled graphs by key (:class:`fusekit.pipeline.backend.FusekitGraph`: what
+    ``torch.ops.fusekit.run_segment`` runs)."""
+    return session.current().table("compiled_graphs")
+
+
+def _define_op() -> Any:
+    """``torch.ops.fusekit.run_segment(xs, key, variant, segment)``: fused segment ``segment`` of
+    compiled graph ``key``'s variant ``variant`` (:class:`fusekit.pipeline.backend.FusekitGraph`) for its inputs ``xs``: on
+    the GPU its pipeline, elsewhere the float64 reference; a fake implementation gives the outputs'
+    shapes (channels-last images) and the variant's dtype, for shape propagation and tracing."""
+    import torch
+
+    @torch.library.custom_op("fusekit::run_segment", mutates_args=(), schema="(Tensor[] xs, int key, int variant, int segment) -> Tensor[]")
+    def op(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
+        g = compiled_graphs()[key]
+        if xs[0].is_cuda:
+            return g.run_segment(list(xs), variant, segment)
+        var = g.variants[variant]
+        return evaluate_segment(var.program, var.segments[segment], list(xs))
+
+    @op.register_fake
+    def _(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
+        var = compiled_graphs()[key].variants[variant]
+        shapes = var.program.shapes()
+        outs = []
+        for o in var.segments[segment].outputs:
+            y = xs[0].new_empty(shapes[o], dtype=getattr(torch, var.dtype))
+            outs.append(y.contiguous(memory_format=torch.channels_last) if y.dim() == 4 else y)
+        return outs
+
+    return op
+
+
+run_segment = _define_op()
