@@ -69,3 +69,23 @@ def as_module(fn):
             return fn(x)
 
     return Fn()
+
+
+def with_fallback(c_in, c_mid, c_out):
+    """A small CNN around ops fusekit has no pattern for (cumsum, then a scale), with a skip
+    connection crossing them and a pooled head: what the backend cuts into fused segments and a
+    fallback between them."""
+    import torch
+
+    class WithFallback(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = torch.nn.Conv2d(c_in, c_mid, 3, padding=1), torch.nn.BatchNorm2d(c_mid)
+            self.c2, self.c3 = torch.nn.Conv2d(c_mid, c_mid, 3, padding=1), torch.nn.Conv2d(c_mid, c_out, 1)
+
+        def forward(self, x):
+            y = torch.relu(self.b1(self.c1(x)))
+            z = torch.cumsum(y, dim=1) * (1.0 / c_mid)
+            return self.c3(torch.relu(self.c2(z) + y)).mean((2, 3))
+
+    return WithFallback()

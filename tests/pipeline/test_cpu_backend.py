@@ -14,6 +14,7 @@ import fusekit.pipeline as fp  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
 from fusekit import backend as fk_backend  # noqa: E402
 from fusekit.pipeline import backend as fb  # noqa: E402
+from helpers import with_fallback  # noqa: E402
 
 
 def dynamo_graph(model, x, grad=False):
@@ -175,24 +176,9 @@ def test_compiled_graphs_run_through_a_registered_custom_op_with_a_fake_implemen
     assert [tuple(v.program.input_shape) for v in compiled.variants] == [(2, 3, 8, 8), (7, 3, 8, 8)]
 
 
-class _WithFallback(torch.nn.Module):
-    """Convolutions around ops fusekit has no pattern for (cumsum, then a scale), a skip connection
-    crossing them, a pooled head."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
-        self.c2, self.c3 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1)
-
-    def forward(self, x):
-        y = torch.relu(self.b1(self.c1(x)))
-        z = torch.cumsum(y, dim=1) * 0.1
-        return self.c3(torch.relu(self.c2(z) + y)).mean((2, 3))
-
-
 def _fallback_graph(batch=2):
     torch.manual_seed(4)
-    model = _WithFallback().eval()
+    model = with_fallback(3, 8, 4).eval()
     with torch.no_grad():
         model.b1.running_mean.uniform_(-0.2, 0.2)
         model.b1.running_var.uniform_(0.5, 1.5)

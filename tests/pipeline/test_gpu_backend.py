@@ -11,6 +11,7 @@ tv = pytest.importorskip("torchvision")
 
 from fusekit import backend as fk_backend  # noqa: E402
 from fusekit.pipeline import backend as fb  # noqa: E402
+from helpers import with_fallback  # noqa: E402
 
 
 def _rel(a, b):
@@ -148,20 +149,6 @@ def test_training_runs_fusekit_fused_ops_and_matches_float64(precision, monkeypa
             assert _rel(p, q) < 1e-2, n
 
 
-class _WithFallback(torch.nn.Module):
-    """Convolutions around an op fusekit has no pattern for (cumsum), a skip connection crossing it."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1, self.b1 = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
-        self.c2, self.c3 = torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Conv2d(16, 8, 1)
-
-    def forward(self, x):
-        y = torch.relu(self.b1(self.c1(x)))
-        z = torch.cumsum(y, dim=1) * 0.05
-        return self.c3(torch.relu(self.c2(z) + y)).mean((2, 3))
-
-
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_graphs_with_fallbacks_run_fusekit_segments_and_inductor_between(mode):
     """A graph with a stage fusekit cannot run is cut into fused segments (the custom op
@@ -169,10 +156,10 @@ def test_graphs_with_fallbacks_run_fusekit_segments_and_inductor_between(mode):
     Inductor compiles (in reduce-overhead, all of it inside PyTorch's CUDA graphs); a new batch
     size lowers and compiles another variant; outputs within float16's error of float32 eager."""
     torch.manual_seed(3)
-    model = _WithFallback().cuda().eval()
+    model = with_fallback(8, 16, 8).cuda().eval()
     with torch.no_grad():
         model.b1.running_var.uniform_(0.5, 1.5)
-    half = _WithFallback().cuda().eval()
+    half = with_fallback(8, 16, 8).cuda().eval()
     half.load_state_dict(model.state_dict())
     half = half.half().to(memory_format=torch.channels_last)
     torch._dynamo.reset()
