@@ -176,14 +176,21 @@ class FusekitGraph:
 
         v = self.variant(x)
         var = self.variants[v]
-        if var.call is None:
-            if len(var.segments) == 1:
-                key = self.key
-                var.call = lambda t: run_segment([t.to(getattr(torch, var.dtype))], key, v, 0)[0].to(t.dtype)
-            else:
-                mod = partition.partitioned_module(var.program, var.segments, self.key, v, x.device, getattr(torch, var.dtype), x.dtype)
+        if var.call is None and len(var.segments) > 1:
+            mod = partition.partitioned_module(var.program, var.segments, self.key, v, x.device, getattr(torch, var.dtype), x.dtype)
+            try:
                 compiled = inductor(mod, [x], None, self.mode)
                 var.call = lambda t: compiled(t)[0]
+            except Exception as e:  # noqa: BLE001 - the pipeline runs its fallback stages itself instead
+                from ..errors import warn_once
+
+                warn_once(("backend-partition", type(e).__name__), f"fusekit backend: Inductor could not compile the stages between "
+                          f"fusekit's segments ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the "
+                          "pipeline runs them on PyTorch's kernels", UserWarning, stacklevel=3)
+                var.segments = [partition.Segment(True, 0, len(var.program.stages), [var.program.input], [var.program.output])]
+        if var.call is None:
+            key = self.key
+            var.call = lambda t: run_segment([t.to(getattr(torch, var.dtype))], key, v, 0)[0].to(t.dtype)
         return var.call
 
     def run(self, x: Any) -> Any:

@@ -390,3 +390,19 @@ def test_torchvision_mobilenet_v2_trains_through_the_backend_as_eager(monkeypatc
     assert float((y - want).abs().max()) < 1e-12
     assert max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters())) < 1e-10
     assert sum(f.split(": ")[1] == "conv2d" for f in fused) == 52 and sum("relu6" in f for f in fused) == 35, fused
+
+
+def test_when_inductor_cannot_compile_the_fallbacks_the_pipeline_runs_them(fresh_session, monkeypatch):
+    """If Inductor fails on the partitioned graph, the variant becomes one segment (the pipeline runs
+    its fallback stages on PyTorch's kernels), said in a warning."""
+    _, x, compiled = _fallback_graph()
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(fb, "inductor", broken)
+    monkeypatch.setattr(fb, "run_segment", lambda xs, key, v, k: [xs[0] * 0 + 1])  # (the GPU op: not run on the CPU)
+    with pytest.warns(UserWarning, match="Inductor could not compile the stages between fusekit's segments"):
+        y = compiled.run(x)
+    (var,) = compiled.variants
+    assert len(var.segments) == 1 and var.segments[0].hi == len(var.program.stages) and torch.equal(y, torch.ones_like(x))
