@@ -163,16 +163,22 @@ def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, r
     return rec
 
 
+def merge(recs: list[dict], rec: dict) -> list[dict]:
+    """``recs`` with ``rec`` in place of any row of the same model, phase and batch (else appended)."""
+    key = lambda r: (r["model"], r.get("phase", "inference"), r["batch"])  # noqa: E731
+    return [r for r in recs if key(r) != key(rec)] + [rec]
+
+
 def markdown(recs: list[dict], meta: dict) -> str:
     f = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"# torch.compile backends ({meta['gpu']})\n",
-             f"Run {meta['date']}, torch {meta['torch']}, channels-last, dynamic=False; inference in float16, eval under no_grad. Milliseconds per "
+             f"Runs {', '.join(sorted({r.get('date', meta['date']) for r in recs}))} (each row names its own), torch {meta['torch']}, channels-last, dynamic=False; inference in float16, eval under no_grad. Milliseconds per "
              f"forward, median of {meta['trials']} trials of {meta['iters']} calls (CUDA events, a fresh input before each trial); "
              "compile seconds until the third call. Training rows: AMP float16 steps (autocast, GradScaler, SGD), their rel err the "
              "parameter gradients' against float64 (eager AMP's in brackets); inference rows: the output's against float32 eager "
              "(eager float16's in brackets).\n",
-             "| model | batch | phase | fusekit | Inductor | max-autotune | x Inductor | x max-autotune | compile s (fusekit / Inductor / max-autotune) | rel err (PyTorch's) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+             "| model | batch | phase | fusekit | Inductor | max-autotune | x Inductor | x max-autotune | compile s (fusekit / Inductor / max-autotune) | rel err (PyTorch's) | run |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in recs:
         fk = r.get("fusekit_ms")
         ratio = lambda k: None if fk is None or r.get(k) is None else r[k] / fk  # noqa: E731
@@ -181,7 +187,7 @@ def markdown(recs: list[dict], meta: dict) -> str:
         lines.append(f"| {r['model']} | {r['batch']} | {r.get('phase', 'inference')} | {f(fk)} | {f(r.get('inductor_ms'))} | {f(r.get('inductor_max_autotune_ms'))} | "
                      f"{f(ratio('inductor_ms'), '.2f')}x | {f(ratio('inductor_max_autotune_ms'), '.2f')}x | "
                      f"{f(r.get('fusekit_compile_s'), '.0f')} / {f(r.get('inductor_compile_s'), '.0f')} / "
-                     f"{f(r.get('inductor_max_autotune_compile_s'), '.0f')} | {f(err, '.1e')} ({f(ref, '.1e')}) |")
+                     f"{f(r.get('inductor_max_autotune_compile_s'), '.0f')} | {f(err, '.1e')} ({f(ref, '.1e')}) | {r.get('date', meta['date'])} |")
     ro = [r for r in recs if r.get("fusekit_reduce_overhead_ms") or r.get("inductor_reduce_overhead_ms")]
     if ro:
         lines += ["", "mode=\"reduce-overhead\" (both backends):", "", "| model | batch | fusekit | Inductor | x Inductor |", "|---|---:|---:|---:|---:|"]
@@ -223,16 +229,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the rows of earlier runs in <GPU>-compile.json that this run does not measure again")
     args = ap.parse_args(argv)
     gpu = torch.cuda.get_device_name()
     meta = {"gpu": gpu, "torch": torch.__version__, "date": _dt.datetime.now().isoformat(timespec="seconds"), "iters": args.iters, "trials": args.trials}
     stem = os.path.join(args.out, f"{gpu.replace(' ', '-')}-compile")
     os.makedirs(args.out, exist_ok=True)
     recs: list[dict] = []
+    if args.merge and os.path.exists(stem + ".json"):  # rows of earlier runs on this GPU stay unless measured again
+        with open(stem + ".json") as fh:
+            recs = json.load(fh)
 
     def save(rec: dict) -> None:
         rec.update(gpu=gpu, date=meta["date"], torch=meta["torch"])
-        recs.append(rec)
+        recs[:] = merge(recs, rec)
         log(json.dumps({k: v for k, v in rec.items() if not k.endswith("_error")}))
         with open(stem + ".json", "w") as fh:
             json.dump(recs, fh, indent=1)

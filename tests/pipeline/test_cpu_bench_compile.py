@@ -58,3 +58,14 @@ def test_training_rows_report_gradient_errors_against_float64():
     err = bench_compile.grad_rel_err(model, model, x, labels)
     assert 0 < err < 1e-5, err
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the float64 reference is a copy
+
+
+def test_a_new_run_replaces_only_the_rows_it_measures_again():
+    old = [{"model": "resnet50", "phase": "inference", "batch": 32, "fusekit_ms": 1.3, "date": "d1"},
+           {"model": "resnet50", "phase": "training", "batch": 64, "fusekit_ms": 20.0, "date": "d1"}]
+    got = bench_compile.merge(old, {"model": "resnet50", "phase": "inference", "batch": 32, "fusekit_ms": 1.2, "date": "d2"})
+    assert [(r["phase"], r["date"]) for r in got] == [("training", "d1"), ("inference", "d2")]
+    got = bench_compile.merge(got, {"model": "efficientnet_b0", "phase": "inference", "batch": 32, "fusekit_ms": 1.4, "date": "d2"})
+    assert len(got) == 3
+    text = bench_compile.markdown(got, {"gpu": "Test GPU", "date": "d2", "torch": "2.11", "iters": 10, "trials": 5})
+    assert "Runs d1, d2 (each row names its own)" in text and text.count("| d1 |") == 1
