@@ -37,6 +37,11 @@ _ACTS: dict[str, Callable[[dict], tuple[str, float] | None]] = {
 _IDENTITIES = ("dropout", "feature_dropout", "alpha_dropout", "clone", "contiguous", "alias", "detach", "lift_fresh_copy")
 
 
+#: ATen ops whose tensor argument gives only a shape, dtype and device (Swin's attention mask starts
+#: as ``x.new_zeros(...)``): folded to constants, like the ops on weights alone.
+SHAPE_ONLY = ("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")
+
+
 def _op_name(target: Any) -> str:
     """``aten.silu_.default`` -> "silu_"."""
     return getattr(getattr(target, "_overloadpacket", None), "__name__", getattr(target, "__name__", str(target)))
@@ -170,6 +175,8 @@ class ExportReader:
             return [channel_shuffle_stage(node.name, y, node.name, groups)]
         if not self.refs((node.args, node.kwargs)) and not isinstance(node.meta.get("val"), (list, tuple)):
             return self.fold(node)
+        if op in SHAPE_ONLY:  # its tensor argument gives only a shape and dtype, fixed in this graph: a constant
+            return self.fold(node, stand_in=True)
         if node.target is operator.getitem:
             return self.made_real(self.item(node))
         if isinstance(node.meta.get("val"), (list, tuple)):
@@ -182,13 +189,21 @@ class ExportReader:
         made = self.rule(node, op, a) if a is not None else None
         return self.made_real(made if made is not None else [self.fallback(node, f"aten {op} has no fusekit rule")])
 
-    def fold(self, node: Any) -> list[Stage]:
+    def fold(self, node: Any, stand_in: bool = False) -> list[Stage]:
         """A node of weights and constants alone (``gamma.reshape(1, -1, 1, 1)``): computed here, once,
-        and read as a weight by the nodes after it."""
+        and read as a weight by the nodes after it. ``stand_in``: its activation arguments replaced by
+        zeros of their shape and dtype (an op of :data:`SHAPE_ONLY` reads nothing else of them)."""
         import torch
 
+        def arg(a: Any) -> Any:
+            if stand_in and self.value(a):
+                val = a.meta["val"]
+                return torch.zeros(tuple(int(d) for d in val.shape), dtype=val.dtype)
+            return self.template(a)
+
         with torch.no_grad():
-            self.consts[node.name] = node.target(*self.template(tuple(node.args)), **self.template(dict(node.kwargs)))
+            args, kwargs = torch.fx.node.map_aggregate(tuple(node.args), arg), torch.fx.node.map_aggregate(dict(node.kwargs), arg)
+            self.consts[node.name] = node.target(*args, **kwargs)
         return []
 
     def made_real(self, made: list[Stage]) -> list[Stage]:

@@ -138,3 +138,24 @@ def test_a_node_no_rule_foresaw_is_named(monkeypatch):
     monkeypatch.setattr(export_import.ExportReader, "rule", broken)
     with pytest.raises(UnsupportedError, match=r"cannot import node conv2d \(aten.conv2d.default\).*KeyError"):
         fp.lower_model(nn.Sequential(nn.Conv2d(3, 4, 1)).eval(), (1, 3, 4, 4), importer="export")
+
+
+class ShapeMask(nn.Module):
+    """An additive mask built from the input's shape alone (``x.new_zeros``, a slice set, ``!= 0``,
+    ``masked_fill``), as Swin builds its shifted-window attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        m = x.new_zeros((x.shape[2], x.shape[3]))
+        m[: x.shape[2] // 2] = 1.0
+        return self.conv(x) + m.masked_fill(m != 0, -3.0).masked_fill(m == 0, 0.5)
+
+
+def test_values_made_from_an_inputs_shape_alone_fold_to_constants():
+    """new_zeros and what follows from it alone fold to one constant (a bool mask never sits in a
+    float activation buffer); the conv takes it as its added operand or a fallback adds it."""
+    prog = _check(ShapeMask().eval(), (2, 3, 6, 6))
+    assert len(prog.stages) <= 2 and not any(s.attrs.get("op") in ("ne", "masked_fill", "new_zeros") for s in prog.stages), str(prog)
