@@ -406,3 +406,39 @@ def test_when_inductor_cannot_compile_the_fallbacks_the_pipeline_runs_them(fresh
         y = compiled.run(x)
     (var,) = compiled.variants
     assert len(var.segments) == 1 and var.segments[0].hi == len(var.program.stages) and torch.equal(y, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name", ["vit_b_32", "swin_t"])
+def test_transformer_graphs_are_cut_into_segments_that_match_float64(name, fresh_session, monkeypatch):
+    """A vision transformer's graph lowers (Swin's shape-only attention mask folded to a constant);
+    with min_fused 0 it is cut into many fused segments and the attention fallbacks between them, and
+    the partitioned graph gives the model's float64 output. With the default min_fused the graph,
+    mostly fallbacks, goes to Inductor, saying why."""
+    from fusekit.pipeline import partition
+
+    tv = _tv()
+    torch.manual_seed(0)
+    model = tv.models.get_model(name).eval()
+    with torch.no_grad():  # torchvision starts some heads at zero
+        for p in model.parameters():
+            if not p.abs().max() > 0:
+                p.normal_(0, 0.02)
+    x = torch.randn(1, 3, 224, 224)
+    gm, ex = dynamo_graph(model, x)
+    with torch.no_grad():
+        compiled = fk_backend.backend(gm, ex, options={"min_fused": 0.0})
+    assert isinstance(compiled, fb.FusekitGraph)
+    x64 = x.double()
+    v = compiled.variant(x64)
+    var = compiled.variants[v]
+    assert sum(s.fused for s in var.segments) > 10 and sum(not s.fused for s in var.segments) > 10
+    mod = partition.partitioned_module(var.program, var.segments, compiled.key, v, x.device, torch.float64, torch.float64)
+    with torch.no_grad():
+        (got,) = mod(x64)
+        want = copy.deepcopy(model).double()(x64)
+    assert float((got - want).norm() / want.norm()) < 1e-12
+    sent = []
+    monkeypatch.setattr(fb, "inductor", lambda gm, ex, why, mode=None: sent.append(why) or gm.forward)
+    with torch.no_grad():
+        fk_backend.backend(gm, ex)
+    assert sent and "of its stages lower to fusekit (min_fused 50%)" in sent[0], sent
