@@ -232,6 +232,8 @@ def test_partitioned_graph_matches_float64_eager_and_compiles_with_inductor(fres
     assert float((got - want).norm() / want.norm()) < 1e-12
     (again,) = compile_fx(mod, [x64])(x64)
     assert float((again - want).norm() / want.norm()) < 1e-12
+    ran = compiled.run(x64)  # the graph's own route: the variant's partition compiled by Inductor, then called
+    assert var.call is not None and float((ran - want).norm() / want.norm()) < 1e-12
     for k, seg in enumerate(var.segments):  # the fake implementation agrees with the op on shapes, dtypes and strides
         if seg.fused:
             ins = [torch.randn(var.program.shapes()[n], dtype=torch.float64).contiguous(memory_format=torch.channels_last) for n in seg.inputs]
