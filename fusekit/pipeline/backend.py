@@ -111,17 +111,16 @@ class FusekitGraph:
         self.gm, self.bound, self.inputs, self.program = gm, bound, inputs, program
         self.dtype, self.autotune, self.mode = dtype, autotune, mode
         self.variants: list[Variant] = []
-        self._by_key: dict[tuple, int] = {}
-        self.pipelines: dict[tuple, Any] = {}  # (shape, dtype, device) -> the variant's pipeline
+        self._by_key: dict[tuple, int] = {}  # (shape, dtype, device) -> index of its variant
         self._weights: dict[tuple, Any] = {}  # shared by the pipelines of every shape
         graphs = compiled_graphs()
         self.key = len(graphs)
         graphs[self.key] = self
 
     @property
-    def segments(self) -> list[partition.Segment]:
-        """The example shape's segments."""
-        return partition.split(self.program)
+    def pipelines(self) -> dict[tuple, Any]:
+        """The built pipelines by (shape, dtype, device)."""
+        return {k: self.variants[i].pipeline for k, i in self._by_key.items() if self.variants[i].pipeline is not None}
 
     def out_shape(self, x: Any) -> tuple[int, ...]:
         """The output's shape for input ``x`` (the batch is the input's)."""
@@ -151,7 +150,6 @@ class FusekitGraph:
             var.graphs = [pipe.capture_stages(s.lo, s.hi) if s.fused else None for s in var.segments]
             pipe.graph_captured = all(g is not None for g, s in zip(var.graphs, var.segments) if s.fused)
             var.pipeline = pipe
-            self.pipelines[next(k for k, i in self._by_key.items() if i == v)] = pipe
         return var.pipeline
 
     def run_segment(self, xs: list[Any], v: int, k: int) -> list[Any]:
@@ -206,8 +204,6 @@ class FusekitGraph:
         if not takes:
             return self.gm(*args)
         return (self.run(x),)
-
-
 
 
 def check_options(options: dict | None) -> tuple[str, bool, float]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import session
-from .ir import Program, Ref, Stage, bind_constants, run_torch_stage
+from .ir import Program, Stage, bind_constants, run_torch_stage
 
 __all__ = ["Segment", "split", "partitioned_module", "evaluate_segment", "dense", "compiled_graphs", "run_segment"]
 
@@ -91,22 +91,19 @@ def _stage_module(s: Stage, device: Any, dtype: Any) -> Any:
             consts: list[Any] = []
 
             def slot(a: Any) -> Any:  # each tensor constant -> a buffer, named by a slot in the template
-                if isinstance(a, torch.Tensor):
-                    consts.append(a)
-                    return _Slot(len(consts) - 1)
-                if isinstance(a, (list, tuple)) and not isinstance(a, Ref):
-                    return type(a)(slot(e) for e in a)
-                if isinstance(a, dict):
-                    return {k: slot(v) for k, v in a.items()}
-                return a
+                if not isinstance(a, torch.Tensor):
+                    return a
+                consts.append(a)
+                return _Slot(len(consts) - 1)
 
-            self.template = slot(bind_constants(s, device, dtype)) if s.kind == "torch" else None
+            self.template = torch.fx.node.map_aggregate(bind_constants(s, device, dtype), slot) if s.kind == "torch" else None
             for i, c in enumerate(consts):
                 self.register_buffer(f"c{i}", c)
 
         def forward(self, *xs: Any) -> Any:
             weights = {k: getattr(self, f"w{i}") for i, k in enumerate(self.names)}
-            bound = None if self.template is None else _unslot(self.template, self)
+            unslot = lambda a: getattr(self, f"c{int(a)}") if isinstance(a, _Slot) else a  # noqa: E731
+            bound = None if self.template is None else torch.fx.node.map_aggregate(self.template, unslot)
             return run_torch_stage(s, dict(zip(s.inputs, xs)), self.fn, weights, bound=bound)
 
     return StageModule()
@@ -114,16 +111,6 @@ def _stage_module(s: Stage, device: Any, dtype: Any) -> Any:
 
 class _Slot(int):
     """A tensor constant's place in a fallback stage's argument template (its buffer ``c<n>``)."""
-
-
-def _unslot(a: Any, mod: Any) -> Any:
-    if isinstance(a, _Slot):
-        return getattr(mod, f"c{int(a)}")
-    if isinstance(a, (list, tuple)) and not isinstance(a, Ref):
-        return type(a)(_unslot(e, mod) for e in a)
-    if isinstance(a, dict):
-        return {k: _unslot(v, mod) for k, v in a.items()}
-    return a
 
 
 def partitioned_module(prog: Program, segs: list[Segment], key: int, variant: int, device: Any, dtype: Any, out_dtype: Any) -> Any:
@@ -175,11 +162,7 @@ def _define_op() -> Any:
     def _(xs: list[torch.Tensor], key: int, variant: int, segment: int) -> list[torch.Tensor]:
         var = compiled_graphs()[key].variants[variant]
         shapes = var.program.shapes()
-        outs = []
-        for o in var.segments[segment].outputs:
-            y = xs[0].new_empty(shapes[o], dtype=getattr(torch, var.dtype))
-            outs.append(y.contiguous(memory_format=torch.channels_last) if y.dim() == 4 else y)
-        return outs
+        return [dense(xs[0].new_empty(shapes[o], dtype=getattr(torch, var.dtype))) for o in var.segments[segment].outputs]
 
     return op
 
