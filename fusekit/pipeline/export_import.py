@@ -77,7 +77,8 @@ class ExportReader:
         self.consts: dict[str, Any] = {}
         for table in (sig.inputs_to_parameters, sig.inputs_to_buffers, getattr(sig, "inputs_to_lifted_tensor_constants", {})):
             for placeholder, key in table.items():
-                self.consts[placeholder] = state[key]
+                t = state[key].detach()  # weights in float64: what is computed from them alone folds as the reference runs
+                self.consts[placeholder] = t.double() if t.is_floating_point() else t
         self.user_inputs = list(sig.user_inputs)
         self.multi: dict[str, tuple[Any, Any, Any]] = {}  # several outputs: node -> (op, args template, kwargs template)
         self.first_only: set[str] = set()  # batch norms that return (y, saved statistics...): item 0 is the stage
@@ -284,10 +285,13 @@ class ExportReader:
             return self.bn(x, name, a)
         if base in ("add", "mul") and self.value(a.get("other")) and a.get("alpha", 1) == 1:
             return [Stage(base, [x.name, a["other"].name], name, name=name)]
-        if base == "mul" and rank == 4 and self.const(a.get("other")) is not None:  # a layer scale: a BN stage the conv before folds
-            g = self.const(a["other"])
-            c = self.shape(x)[1]
-            if tuple(g.shape) in ((c, 1, 1), (1, c, 1, 1)):
+        if base in ("mul", "div") and rank == 4:  # a layer scale or a scalar factor: a BN stage the conv before folds
+            c, g, k = self.shape(x)[1], self.const(a.get("other")), a.get("other")
+            if g is None and isinstance(k, (int, float)) and not isinstance(k, bool) and k != 0:
+                g = np.full((c, 1, 1), float(k) if base == "mul" else 1.0 / float(k))
+            elif base == "div":
+                g = None
+            if g is not None and tuple(g.shape) in ((c, 1, 1), (1, c, 1, 1)):
                 return [bn_stage(x.name, name, np.zeros(c), np.ones(c), g, None, 0.0)]
         if op == "adaptive_avg_pool2d" and rank == 4:
             out = tuple(self.shape(node)[2:])

@@ -394,7 +394,13 @@ def fill_shapes(stages: list[Stage], input_name: str, input_shape: tuple[int, ..
         if missing:
             raise UnsupportedError(f"pipeline: stage {s.name} reads {missing[0]!r} before it is computed")
         s.in_shapes = [shapes[n] for n in s.inputs]
-        s.out_shape = tuple(int(d) for d in infer_shape(s, s.in_shapes))
+        try:
+            s.out_shape = tuple(int(d) for d in infer_shape(s, s.in_shapes))
+        except (UnsupportedError, OperandError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a stage run on stand-in values it cannot take (a bool mask as float): name it
+            raise UnsupportedError(f"pipeline: cannot work out the output shape of stage {s.name} ({s.attrs.get('op', s.kind)}) "
+                                   f"from inputs {s.in_shapes}: {type(e).__name__}: {e}") from e
         shapes[s.output] = s.out_shape
 
 

@@ -159,3 +159,28 @@ def test_values_made_from_an_inputs_shape_alone_fold_to_constants():
     float activation buffer); the conv takes it as its added operand or a fallback adds it."""
     prog = _check(ShapeMask().eval(), (2, 3, 6, 6))
     assert len(prog.stages) <= 2 and not any(s.attrs.get("op") in ("ne", "masked_fill", "new_zeros") for s in prog.stages), str(prog)
+
+
+class ScaledBlock(nn.Module):
+    """NFNet's pattern: a weight standardized in forward, an activation times a Python scalar (its
+    gamma), a branch times alpha and divided by beta before the residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, 3, 3))
+        self.conv = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        w = (self.w - self.w.mean((1, 2, 3), keepdim=True)) / self.w.std((1, 2, 3), keepdim=True)
+        y = F.conv2d(F.silu(x) * 1.7015, w, padding=1)
+        return self.conv(y) * 0.2 / 0.98 + x
+
+
+def test_scalar_factors_fold_and_weights_are_computed_in_float64():
+    """``x * k`` and ``x / k`` with a Python scalar are per-channel scales (folded into the conv before
+    them, or one scale-shift stage); a weight computed from parameters is folded in float64, so the
+    stages match float64 eager to float64 rounding."""
+    torch.manual_seed(0)
+    prog = _check(ScaledBlock().eval(), (2, 8, 6, 6))
+    assert not any(s.fallback for s in prog.stages), [s.name for s in prog.stages if s.fallback]
+    assert sum(s.kind == "conv" for s in prog.stages) == 2

@@ -918,3 +918,15 @@ def test_onnx_channel_shuffle_is_one_stage(tmp_path, rng):
     assert [s.pattern for s in prog.stages] == ["conv_bias", "channel_shuffle", "conv_bias"] and not prog.fallbacks, str(prog)
     x = rng.standard_normal((2, 3, 5, 5))
     assert rel_max(fp.Pipeline(prog).reference(x), m.double()(torch.from_numpy(x)).detach().numpy()) < 1e-6
+
+
+def test_a_fallback_that_cannot_run_on_float_stand_ins_is_named():
+    """A boolean intermediate (``~(x > 0)``) reaches shape inference as a float stand-in: the lowering
+    raises an UnsupportedError naming the stage, not PyTorch's TypeError."""
+
+    class Invert(torch.nn.Module):
+        def forward(self, x):
+            return x * (~(x > 0))
+
+    with pytest.raises(UnsupportedError, match=r"stage invert \(invert\).*TypeError"):
+        fp.lower_model(Invert().eval(), (1, 3, 4, 4))
