@@ -62,7 +62,11 @@ def cudnn_dtype(name: str) -> Any:
 COMPUTE_DTYPE = "float32"
 
 def _conv_kw(a: Mapping[str, Any]) -> dict:
-    return dict(padding=list(a["padding"]), stride=list(a["stride"]), dilation=list(a["dilation"]))
+    kw = dict(stride=list(a["stride"]), dilation=list(a["dilation"]))
+    extra = a.get("extra_padding", (0, 0))
+    if any(extra):  # cuDNN's separate padding before and after each spatial dim
+        return kw | dict(pre_padding=list(a["padding"]), post_padding=[p + e for p, e in zip(a["padding"], extra)])
+    return kw | dict(padding=list(a["padding"]))
 
 
 def _relu(g: Any, x: Any, upper_clip: float, name: str) -> Any:

@@ -17,14 +17,15 @@ from .pooling import PoolGeometry, pool2d_geometry
 from ..tensors import logical_shape, view_shape
 
 
-def conv2d_nchw(x: np.ndarray, w: np.ndarray, padding=(0, 0), stride=(1, 1), dilation=(1, 1)) -> np.ndarray:
-    """Cross-correlation of x (N, C, H, W) with w (K, C, R, S), as cuDNN's CROSS_CORRELATION mode."""
+def conv2d_nchw(x: np.ndarray, w: np.ndarray, padding=(0, 0), stride=(1, 1), dilation=(1, 1), extra=(0, 0)) -> np.ndarray:
+    """Cross-correlation of x (N, C, H, W) with w (K, C, R, S), as cuDNN's CROSS_CORRELATION mode;
+    ``extra``: zero rows / columns after x beyond ``padding``."""
     n, c, h, wd = x.shape
     k, _, r, s = w.shape
-    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
-    ho = (h + 2 * ph - (r - 1) * dh - 1) // sh + 1
-    wo = (wd + 2 * pw - (s - 1) * dw - 1) // sw + 1
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    (ph, pw), (sh, sw), (dh, dw), (eh, ew) = padding, stride, dilation, extra
+    ho = (h + 2 * ph + eh - (r - 1) * dh - 1) // sh + 1
+    wo = (wd + 2 * pw + ew - (s - 1) * dw - 1) // sw + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph + eh), (pw, pw + ew)))
     out = np.zeros((n, k, ho, wo), dtype=np.result_type(x, w))
     for i in range(r):
         for j in range(s):
@@ -160,7 +161,8 @@ def activation(x: np.ndarray, act: str, alpha: float = 0.0) -> np.ndarray:
 
 
 EVAL: dict[str, Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], np.ndarray]] = {
-    "conv_fprop": lambda i, a: _grouped(conv2d_nchw, a["groups"], (i["image"], 1), (i["weight"], 0), a["padding"], a["stride"], a["dilation"]),
+    "conv_fprop": lambda i, a: _grouped(conv2d_nchw, a["groups"], (i["image"], 1), (i["weight"], 0), a["padding"], a["stride"], a["dilation"],
+                                        a.get("extra_padding", (0, 0))),
     "conv_dgrad": lambda i, a: _grouped(
         conv2d_dgrad_nchw, a["groups"], (i["loss"], 1), (i["filter"], 0), a["_out"][2:], a["padding"], a["stride"], a["dilation"]
     ),

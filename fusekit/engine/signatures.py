@@ -34,14 +34,15 @@ class ShapeContext:
         return OperandError(self.pattern, self.names[port], message)
 
 
-def conv_out_size(size: int, kernel: int, padding: int, stride: int, dilation: int) -> int:
-    """A convolution's output length along one spatial dim (PyTorch's and cuDNN's formula)."""
-    return (size + 2 * padding - (kernel - 1) * dilation - 1) // stride + 1
+def conv_out_size(size: int, kernel: int, padding: int, stride: int, dilation: int, extra: int = 0) -> int:
+    """A convolution's output length along one spatial dim (PyTorch's and cuDNN's formula); ``extra``:
+    padding after the input beyond ``padding``."""
+    return (size + 2 * padding + extra - (kernel - 1) * dilation - 1) // stride + 1
 
 
 def _conv_fprop_shape(c: ShapeContext) -> Shape:
     x, w = c.shapes["image"], c.shapes["weight"]
-    pad, stride, dil = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"]
+    pad, stride, dil, extra = c.attrs["padding"], c.attrs["stride"], c.attrs["dilation"], c.attrs["extra_padding"]
     g = c.attrs["groups"]
     _check_groups(c, "image", x[1], "channels")
     if w[1] * g != x[1]:
@@ -50,7 +51,7 @@ def _conv_fprop_shape(c: ShapeContext) -> Shape:
     _check_groups(c, "weight", w[0], "filters")
     out = [x[0], w[0]]
     for i in range(2):
-        size = conv_out_size(x[2 + i], w[2 + i], pad[i], stride[i], dil[i])
+        size = conv_out_size(x[2 + i], w[2 + i], pad[i], stride[i], dil[i], extra[i])
         if size < 1:
             raise c.fail(
                 "image",
@@ -243,7 +244,8 @@ OPS: dict[str, OpSig] = {
     "instancenorm": OpSig(("input", "scale", "bias"), ("epsilon",), _norm_shape((0, 1), (1,)), outputs=("y", "mean", "inv_var"), scalars=("epsilon",)),
     "instancenorm_backward": OpSig(("loss", "input", "scale", "mean", "inv_variance"), (), _norm_backward_shape((0, 1), (1,)), outputs=("dx", "dscale", "dbias")),
     # groups: cuDNN reads the group count from the channel counts (filter C = image C / groups)
-    "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation", "groups"), _conv_fprop_shape, defaults=_GROUPS),
+    "conv_fprop": OpSig(("image", "weight"), ("padding", "stride", "dilation", "groups", "extra_padding"), _conv_fprop_shape,
+                        defaults=_GROUPS + (("extra_padding", (0, 0)),)),
     "conv_dgrad": OpSig(("loss", "filter"), ("padding", "stride", "dilation", "output_padding", "groups"), _conv_dgrad_shape, True, defaults=_GROUPS),
     "conv_wgrad": OpSig(("image", "loss"), ("padding", "stride", "dilation", "kernel", "groups"), _conv_wgrad_shape, True, defaults=_GROUPS),
     "matmul": OpSig(("a", "b"), (), _matmul_shape),

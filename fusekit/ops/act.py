@@ -22,11 +22,14 @@ def hardswish_constants(x: Any, c: int) -> tuple[Any, Any]:
 
 
 def conv_bias_act(x: Any, w: Any, b: Any, *, activation: str = "relu", alpha: float = 0.0, padding: Any = 0, stride: Any = 1,
-                  dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
+                  dilation: Any = 1, groups: int = 1, extra_padding: Any = 0, out: Any = None) -> Any:
     """``act(conv2d(x, w) + b)`` as one cuDNN graph, or as the convolution then one pointwise graph
-    where that measures faster or cuDNN refuses the fusion (``dispatch.fused_or_split``)."""
+    where that measures faster or cuDNN refuses the fusion (``dispatch.fused_or_split``).
+    ``extra_padding``: zero rows / columns after x (bottom, right) beyond ``padding`` (then one graph)."""
     values = (padding, stride, dilation, groups, activation, float(alpha))
     names = _CONV_ATTRS + _ACT_ATTRS
+    if extra_padding not in (0, (0, 0), [0, 0]):
+        return run("conv_bias_act", names + ("extra_padding",), values + (extra_padding,), (x, w, b), out)
 
     def split() -> Any:
         y = call("conv", x, w, padding=padding, stride=stride, dilation=dilation, groups=groups)
@@ -51,9 +54,10 @@ def conv_bias_hardswish(x: Any, w: Any, b: Any, gs: Any, gb: Any, *, padding: An
 
 
 def conv_bias_add_act(x: Any, w: Any, b: Any, z: Any, *, activation: str = "relu", alpha: float = 0.0, padding: Any = 0, stride: Any = 1,
-                      dilation: Any = 1, groups: int = 1, out: Any = None) -> Any:
-    """``act(conv2d(x, w) + b + z)`` (a residual tail) as one cuDNN graph."""
-    return run("conv_bias_add_act", _CONV_ATTRS + _ACT_ATTRS, (padding, stride, dilation, groups, activation, float(alpha)), (x, w, b, z), out)
+                      dilation: Any = 1, groups: int = 1, extra_padding: Any = 0, out: Any = None) -> Any:
+    """``act(conv2d(x, w) + b + z)`` (a residual tail) as one cuDNN graph (``extra_padding`` as :func:`conv_bias_act`)."""
+    return run("conv_bias_add_act", _CONV_ATTRS + _ACT_ATTRS + ("extra_padding",),
+               (padding, stride, dilation, groups, activation, float(alpha), extra_padding), (x, w, b, z), out)
 
 
 def linear_bias_act(x: Any, w: Any, b: Any, *, activation: str = "relu", alpha: float = 0.0, out: Any = None) -> Any:

@@ -403,6 +403,10 @@ class _Importer:
             return self.functional_bn(node)
         if t in (F.conv2d, torch.conv2d):
             return self.functional_conv(node)
+        if t is F.linear:
+            return self.functional_linear(node)
+        if t in (F.max_pool2d, F.avg_pool2d):
+            return self.functional_pool(node)
         if t in (torch.flatten, "flatten", "view", "reshape") and self.flatten_ok(node) and (
                 t not in (torch.flatten, "flatten") or (a(node, 1, "start_dim", 0) == 1 and a(node, 2, "end_dim", -1) == -1)):
             return Stage("flatten", [x.name], name, name=name)
@@ -433,6 +437,36 @@ class _Importer:
         weights = {"w": _np(w)} | ({"b": _np(b)} if b is not None else {})
         return Stage("conv", [node.args[0].name], node.name, weights=weights, attrs=dict(
             padding=_p(padding), stride=_p(stride), dilation=_p(dilation), groups=int(groups)), name=node.name)
+
+    def functional_linear(self, node: Any) -> Stage | None:
+        """``F.linear`` of a (N, features) value with constant weights (timm's Linear) as nn.Linear's stage."""
+        import torch
+
+        w, b = self.template(self.arg(node, 1, "weight")), self.template(self.arg(node, 2, "bias"))
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not (b is None or isinstance(b, torch.Tensor)):
+            return None
+        if self.values[node.args[0].name].dim() != 2:
+            return None
+        return Stage("linear", [node.args[0].name], node.name, weights={"w": _np(w)} | ({"b": _np(b)} if b is not None else {}), name=node.name)
+
+    def functional_pool(self, node: Any) -> Stage | None:
+        """``F.max_pool2d`` / ``F.avg_pool2d`` of an image with constant arguments as their modules' stages."""
+        import torch.nn.functional as F
+
+        avg = node.target is F.avg_pool2d
+        keys = ("kernel_size", "stride", "padding") + (("ceil_mode", "count_include_pad", "divisor_override") if avg else
+                                                       ("dilation", "ceil_mode", "return_indices"))
+        dflt = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True, "divisor_override": None, "dilation": 1,
+                "return_indices": False}
+        v = {k: self.template(self.arg(node, i + 1, k, dflt.get(k))) for i, k in enumerate(keys)}
+        if self.values[node.args[0].name].dim() != 4 or v.get("return_indices") or any(isinstance(e, Ref) for e in v.values()):
+            return None
+        common = dict(kernel_size=_p(v["kernel_size"]), stride=_p(v["stride"] or v["kernel_size"]), padding=_p(v["padding"]),
+                      ceil_mode=bool(v["ceil_mode"]))
+        if avg:
+            return Stage("avgpool", [node.args[0].name], node.name, attrs=common | dict(
+                count_include_pad=bool(v["count_include_pad"]), divisor_override=v["divisor_override"]), name=node.name)
+        return Stage("maxpool", [node.args[0].name], node.name, attrs=common | dict(dilation=_p(v["dilation"])), name=node.name)
 
     def functional_bn(self, node: Any) -> Stage | None:
         """``F.batch_norm`` in eval (running statistics given, training False) as nn.BatchNorm2d's stage."""

@@ -134,9 +134,14 @@ def _pair(v: Any) -> tuple[int, int]:
     return int(v), int(v)
 
 
-def conv_out_hw(h: int, w: int, kernel, padding, stride, dilation) -> tuple[int, int]:
-    (r, s), (ph, pw), (sh, sw), (dh, dw) = _pair(kernel), _pair(padding), _pair(stride), _pair(dilation)
-    return conv_out_size(h, r, ph, sh, dh), conv_out_size(w, s, pw, sw, dw)
+def conv_out_hw(h: int, w: int, kernel, padding, stride, dilation, extra=(0, 0)) -> tuple[int, int]:
+    (r, s), (ph, pw), (sh, sw), (dh, dw), (eh, ew) = _pair(kernel), _pair(padding), _pair(stride), _pair(dilation), _pair(extra)
+    return conv_out_size(h, r, ph, sh, dh, eh), conv_out_size(w, s, pw, sw, dw, ew)
+
+
+def extra_padding(s: Stage) -> tuple[int, int]:
+    """A conv stage's zero rows / columns after its input (bottom, right) beyond its padding."""
+    return _pair(s.attrs.get("extra_padding", 0))
 
 
 def pool_out_hw(h: int, w: int, kernel, stride, padding, ceil_mode: bool = False, dilation=1) -> tuple[int, int]:
@@ -179,7 +184,7 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
         if c != kk[1] * int(s.attrs.get("groups", 1)):
             raise OperandError("pipeline", s.name, f"expected {kk[1] * int(s.attrs.get('groups', 1))} input channels "
                                f"(its weights' {tuple(kk)}), got input shape {x}", what="stage")
-        return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"]))
+        return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"], extra_padding(s)))
     if k == "gconv":  # conv1x1(x * gate)
         return (x[0], s.weights["w"].shape[0], x[2], x[3])
     if k in ("bn", "relu", "act", "identity", "softmax", "cln", "shuffle"):
@@ -308,7 +313,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
 
     with torch.no_grad():
         if k == "conv":  # grouped convs, or fused convs cuDNN refused
-            y = F.conv2d(x, weights["w"], weights.get("b"), stride=_pair(a["stride"]), padding=_pair(a["padding"]),
+            eh, ew = extra_padding(s)
+            y = F.conv2d(F.pad(x, (0, ew, 0, eh)) if eh or ew else x, weights["w"], weights.get("b"), stride=_pair(a["stride"]), padding=_pair(a["padding"]),
                          dilation=_pair(a["dilation"]), groups=int(a.get("groups", 1)))
             return torch_act(y + env[s.inputs[1]] if a.get("add") else y, act, out)
         if k == "gconv":  # split: the gate multiply, then the 1x1 convolution
@@ -504,7 +510,8 @@ def fused_operands(s: Stage, values: dict[str, Any], weights: dict[str, Any], sc
     if p.startswith("conv"):
         ops = (x, weights["w"], weights["b"]) + ((values[s.inputs[1]],) if p.startswith("conv_bias_add") else ())
         conv = {k: tuple(int(e) for e in a[k]) for k in ("padding", "stride", "dilation")}
-        return ops, {**conv, "groups": int(a.get("groups", 1)), **act_attrs}
+        extra = {"extra_padding": extra_padding(s)} if any(extra_padding(s)) else {}
+        return ops, {**conv, "groups": int(a.get("groups", 1)), **act_attrs, **extra}
     if p.startswith("linear"):
         return (x, weights["w"], weights["b"]), act_attrs
     if p.startswith("batched_matmul_bias"):  # a gconv stage: x's pixel rows times the gate-scaled weights, per sample

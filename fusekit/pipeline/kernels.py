@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .ir import Stage
+from .ir import Stage, extra_padding
 
 __all__ = ["channelwise_kernel", "depthwise_kernel"]
 
@@ -29,7 +29,7 @@ def depthwise_kernel(s: Stage, x: Any, y: Any, device: Any) -> Callable[[], None
     from ..ops import depthwise
 
     w64, c = s.weights["w"], int(x.shape[1])
-    if int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
+    if any(extra_padding(s)) or int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
         return None
     taps = depthwise.depthwise_taps(torch.as_tensor(w64, dtype=torch.float32, device=device))
     b = None if s.weights.get("b") is None else torch.as_tensor(s.weights["b"], dtype=torch.float32, device=device)

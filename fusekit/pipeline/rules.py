@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 from ..engine.folding import bn_scale_shift
-from .ir import Program, Stage, concat_parts, fill_shapes, fold_bn_weights, rename
+from .ir import Program, Stage, concat_parts, extra_padding, fill_shapes, fold_bn_weights, rename
 from .radix import radix_softmax_chain, radix_sum, rewrite_radix_softmax, rewrite_radix_sum
 
 RELU = ("relu", 0.0)
@@ -109,6 +109,34 @@ def _relu_as_act(c: _Ctx, s: Stage, _: Any) -> None:
     clip = s.attrs.pop("upper_clip", None)
     s.kind = "act"
     s.attrs.update(activation="relu" if clip is None else "clip", alpha=0.0 if clip is None else float(clip))
+
+
+def _zero_pad_before(c: _Ctx, s: Stage) -> Any:
+    """(pad stage, (top, left), (extra bottom, extra right)) where a conv reads, alone, a constant zero
+    pad of H and W (F.pad / aten.pad / constant_pad_nd) that pads after at least as much as before."""
+    p = c.single_use(s.inputs[0], "torch")
+    if p is None or p.attrs.get("op") not in ("pad", "constant_pad_nd") or len(p.inputs) != 1:
+        return None
+    args, kw = list(p.attrs.get("args", ())), dict(p.attrs.get("kwargs") or {})
+    pads, rest = (args[1] if len(args) > 1 else kw.pop("pad", None)), args[2:]
+    mode, value = (rest + [kw.pop("mode", "constant"), kw.pop("value", 0.0)])[:2] if rest else (kw.pop("mode", "constant"), kw.pop("value", 0.0))
+    if len(rest) > 2 or kw or mode != "constant" or value not in (0, None) or not isinstance(pads, (list, tuple)) or len(pads) != 4:
+        return None
+    left, right, top, bottom = (int(v) for v in pads)
+    if min(left, top) < 0 or right < left or bottom < top:
+        return None
+    return p, (top, left), (bottom - top, right - left)
+
+
+def _pad_into_conv(c: _Ctx, s: Stage, found: tuple) -> None:
+    p, before, extra = found
+    (ph, pw), (eh, ew) = (tuple(int(e) for e in s.attrs["padding"]), tuple(int(e) for e in s.attrs.get("extra_padding", (0, 0))))
+    s.attrs["padding"] = (ph + before[0], pw + before[1])
+    if any(extra) or eh or ew:
+        s.attrs["extra_padding"] = (eh + extra[0], ew + extra[1])
+    s.inputs[0] = p.inputs[0]
+    s.name = p.name + "+" + s.name
+    c.stages.remove(p)
 
 
 def _bn_conv(c: _Ctx, s: Stage) -> Any:
@@ -343,6 +371,8 @@ RULES: tuple[Rule, ...] = (
          radix_sum, rewrite_radix_sum),
     Rule("ECA: a Conv1d across a pooled vector's channels as a 1x1 convolution", ("torch",), _channel_conv1d, _channel_conv1d_as_conv),
     Rule("an expand read only by broadcasting multiplies and adds is dropped", ("torch",), _broadcast_expand, _drop_identity),
+    Rule("a zero pad of H and W (TensorFlow's \"same\", asymmetric) as the padding of the conv after it", ("conv",), _zero_pad_before,
+         _pad_into_conv),
     Rule("ReLU and ReLU6 as activations", ("relu",), _always, _relu_as_act),
     Rule("fold an eval batch norm into the convolution before it", ("bn",), _bn_conv, _fold_bn),
     Rule("a batch norm with nothing to fold into: a per-channel scale and shift", ("bn",), _bn_unfolded, _bn_scale_shift),
@@ -359,6 +389,9 @@ RULES: tuple[Rule, ...] = (
 # -- patterns --------------------------------------------------------------------------------------
 def _conv_pattern(s: Stage) -> str:
     act, add = s.attrs.get("act"), bool(s.attrs.get("add"))
+    if any(extra_padding(s)):  # the patterns with padding after the input
+        s.attrs["act"] = act or ("identity", 0.0)
+        return "conv_bias_add_act" if add else "conv_bias_act"
     if act is None:
         return "conv_bias_add" if add else "conv_bias"
     if tuple(act) == RELU:

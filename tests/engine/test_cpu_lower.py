@@ -135,6 +135,35 @@ def test_frontend_conv_shape_agrees_with_infer_shapes(pad, stride, dil):
     assert y.shape == shapes["conv"]
 
 
+@pytest.mark.parametrize("extra", [(1, 1), (0, 2)])
+def test_extra_padding_lowers_to_pre_and_post_padding_and_agrees_with_the_oracle(extra):
+    """conv_bias_act's ``extra_padding`` (TensorFlow's "same" padding with an odd total) lowers to
+    cuDNN's separate padding before and after; the frontend's output shape, fusekit's and the
+    oracle's agree, and the oracle equals the convolution of the explicitly padded input."""
+    pat = fusekit.get_pattern("conv_bias_act")
+    attrs = dict(pat.normalize_attrs(dict(padding=(1, 0), stride=(2, 2), extra_padding=extra, activation="silu")))
+    specs = {"x": TensorSpec.build((2, 4, 9, 8), "float16", 0, "NHWC"), "w": TensorSpec.build((6, 4, 3, 3), "float16", 0, "NHWC"),
+             "b": TensorSpec.build((1, 6, 1, 1), "float16", 0, "NCHW")}
+    shapes = pat.infer_shapes({o: sp.shape for o, sp in specs.items()}, attrs)
+    specs["y"] = TensorSpec.build(shapes["y"], "float16", 0, "NHWC")
+    info = lower(pat, specs, attrs).graph.inspect()
+    conv = next(n for n in info["nodes"] if n["params"].get("post_padding"))
+    assert conv["params"]["pre_padding"] == [1, 0] and conv["params"]["post_padding"] == [1 + extra[0], extra[1]]
+    assert tuple(info["tensors"]["conv::Y"]["dim"]) == shapes["conv"]
+    rng = np.random.default_rng(0)
+    x, w, b = rng.standard_normal((2, 4, 9, 8)), rng.standard_normal((6, 4, 3, 3)), rng.standard_normal(6)
+    (y,) = oracle.evaluate("conv_bias_act", x, w, b, **attrs)
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1 + extra[0]), (0, extra[1])))  # the padding spelled out
+    z = oracle.conv2d_nchw(xp, w, (0, 0), (2, 2)) + b.reshape(1, -1, 1, 1)
+    assert y.shape == shapes["y"]
+    np.testing.assert_allclose(y, z / (1 + np.exp(-z)), rtol=1e-12, atol=1e-12)
+
+
+def test_negative_extra_padding_is_named():
+    with pytest.raises(fusekit.OperandError, match="extra_padding"):
+        fusekit.get_pattern("conv_bias_act").normalize_attrs(dict(extra_padding=(-1, 0)))
+
+
 def test_default_attrs_lowered():
     pat, specs, attrs, shapes = build_case("conv", "float32", "NCHW", (1, 2, 5, 5, 3, 3, 3, (0, 0), (1, 1), (1, 1)))
     attrs = dict(pat.normalize_attrs({}))

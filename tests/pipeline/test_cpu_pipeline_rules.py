@@ -473,20 +473,54 @@ def test_one_batch_norm_fold_for_numpy_and_torch(affine, conv_bias):
         assert float((got - want).abs().max()) < 1e-12, lib
 
 
+@pytest.mark.parametrize("importer", ["fx", "export"])
 @pytest.mark.parametrize("size", [8, 9])
-def test_timm_same_padding_conv_lowers_for_the_fixed_size(size):
+def test_timm_same_padding_conv_lowers_for_the_fixed_size(size, importer):
     """timm's Conv2dSame (TensorFlow "same" padding from the input size): a plain convolution where the
-    padding is symmetric (odd sizes at stride 2), else one PyTorch pad and a convolution; float64 as eager."""
+    padding is symmetric (odd sizes at stride 2), else its one-sided pad folded into the convolution
+    as padding after the input (conv_bias_act's extra_padding); no fallback, float64 as eager."""
     conv2d_same = pytest.importorskip("timm.layers.conv2d_same")
     torch.manual_seed(size)
     m = nn.Sequential(conv2d_same.Conv2dSame(3, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
                       conv2d_same.Conv2dSame(8, 8, 3, stride=1, groups=8)).eval()
     _randomize_bn(m)
-    prog = fp.lower_model(m, (2, 3, size, size))
+    prog = fp.lower_model(m, (2, 3, size, size), importer=importer)
     pats = [s.pattern for s in prog.stages]
-    assert pats == (["torch", "conv_bias_relu", "conv_bias"] if size % 2 == 0 else ["conv_bias_relu", "conv_bias"]), str(prog)
-    assert [s.attrs.get("op") for s in prog.stages if s.fallback] == (["pad"] if size % 2 == 0 else [])
+    assert pats == (["conv_bias_act", "conv_bias"] if size % 2 == 0 else ["conv_bias_relu", "conv_bias"]), str(prog)
+    if size % 2 == 0:
+        assert prog.stages[0].attrs["extra_padding"] == (1, 1) and tuple(prog.stages[0].attrs["padding"]) == (0, 0)
+        assert tuple(prog.stages[0].attrs["act"]) == ("relu", 0.0)
     x = np.random.default_rng(size).standard_normal((2, 3, size, size))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
+class _Padded(nn.Module):
+    def __init__(self, pad, **kw):
+        super().__init__()
+        self.pad, self.kw, self.conv = pad, kw, nn.Conv2d(4, 6, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.pad(x, self.pad, **self.kw))
+
+
+@pytest.mark.parametrize("importer", ["fx", "export"])
+@pytest.mark.parametrize(("pad", "kw", "folded"), [
+    ([0, 1, 0, 1], {}, True), ([1, 2, 0, 3], {}, True), ([2, 2, 1, 1], {"value": 0.0}, True),
+    ([1, 0, 0, 1], {}, False), ([0, 1, 0, 1], {"value": 1.0}, False), ([1, 1, 1, 1], {"mode": "reflect"}, False)])
+def test_a_zero_pad_folds_into_the_conv_after_it_and_other_pads_stay_pytorch(pad, kw, folded, importer):
+    """F.pad with zeros, padding after at least as much as before, becomes the conv's padding (the
+    excess after as extra_padding); a non-zero value, a reflect pad or more padding before than after
+    stays a PyTorch stage. Float64 as eager either way."""
+    torch.manual_seed(len(pad))
+    m = _Padded(pad, **kw).eval()
+    x = np.random.default_rng(3).standard_normal((2, 4, 8, 7))
+    prog = fp.lower_model(m, x.shape, importer=importer)
+    assert any(s.fallback for s in prog.stages) != folded, str(prog)
+    if folded:
+        (s,) = prog.stages
+        assert tuple(s.attrs["padding"]) == (1 + pad[2], 1 + pad[0])
+        assert tuple(s.attrs.get("extra_padding", (0, 0))) == (pad[3] - pad[2], pad[1] - pad[0])
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
 
@@ -640,3 +674,23 @@ def test_weight_standardized_convs_and_scalar_multiplies_are_fused_stages():
     assert not prog.fallbacks and [s.kind for s in prog.stages].count("conv") == 2, str(prog)
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() <= 1e-12 * np.abs(want).max()
+
+
+class _FunctionalHead(nn.Module):
+    """Pools and a classifier called functionally (timm's Inception blocks and its Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = F.avg_pool2d(F.relu(self.conv(x)), kernel_size=3, stride=1, padding=1)
+        y = F.max_pool2d(y, 3, 2, ceil_mode=True)
+        y = F.avg_pool2d(y, 2, count_include_pad=False)
+        return F.linear(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1), self.fc.weight, self.fc.bias)
+
+
+def test_functional_pools_and_linear_lower_as_their_modules():
+    prog = _check(_FunctionalHead().eval(), (2, 3, 13, 13))
+    assert not any(s.fallback for s in prog.stages), str(prog)
+    assert [s.kind for s in prog.stages if s.kind in ("avgpool", "maxpool", "linear")] == ["avgpool", "maxpool", "avgpool", "linear"]

@@ -49,6 +49,31 @@ def test_conv_bias_act_against_oracle_and_split(act, groups):
     assert fused.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(("stride", "groups", "extra"), [(2, 1, (1, 1)), (2, 24, (1, 1)), (1, 1, (0, 2))])
+def test_extra_padding_after_the_input_against_oracle(stride, groups, extra, residual):
+    """TensorFlow's "same" padding with an odd total (the extra row / column after the input) as one
+    fused graph (cuDNN's separate pre / post padding), with and without a residual operand."""
+    from fusekit import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(stride * 100 + groups + extra[1])
+    x, w = _nhwc((4, 24, 16, 16), gen, 2.0), _nhwc((24, 24 // groups, 3, 3), gen, 0.3)
+    b = (torch.randn(24, device="cuda", generator=gen) * 0.5).half()
+    kw = dict(padding=0, stride=stride, groups=groups, activation="silu", extra_padding=extra)
+    ho = (16 + extra[0] - 3) // stride + 1
+    wo = (16 + extra[1] - 3) // stride + 1
+    z = _nhwc((4, 24, ho, wo), gen) if residual else None
+    if residual:
+        y = ops.conv_bias_add_act(x, w, b, z, **kw)
+        want = oracle.evaluate("conv_bias_add_act", host64(x), host64(w), host64(b), host64(z), **kw)[0]
+    else:
+        y = ops.conv_bias_act(x, w, b, **kw)
+        want = oracle.evaluate("conv_bias_act", host64(x), host64(w), host64(b), **kw)[0]
+    torch.cuda.synchronize()
+    assert tuple(y.shape) == (4, 24, ho, wo) == want.shape
+    assert rel(y, want) < 5e-3, rel(y, want)
+
+
 @pytest.mark.parametrize("act", _acts(["silu", "hardswish", "gelu", "sigmoid", "relu"]))
 def test_pointwise_act_graphs_against_oracle(act):
     from fusekit import ops
@@ -163,10 +188,11 @@ def _assert_within_fp16_error(pipe, m, x):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0"])
+@pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0", "tf_efficientnet_lite0"])
 def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float32_eager(name):
     """timm's split-attention (sums over the radix as channel slices, the radix softmax one stage),
-    selective-kernel and NFNet (weight-standardized F.conv2d of constant weights) blocks: compiled,
+    selective-kernel, NFNet (weight-standardized F.conv2d of constant weights) and TensorFlow-ported
+    (asymmetric "same" padding folded into the convolutions) blocks: compiled,
     mostly fused, within PyTorch float16's own error of float32 eager."""
     import fusekit.pipeline as fp
 
