@@ -371,6 +371,12 @@ def channel_shuffle_reference(x: np.ndarray, groups: int) -> np.ndarray:
     return np.asarray(x).reshape(n, groups, c // groups, h, w).transpose(0, 2, 1, 3, 4).reshape(n, c, h, w)
 
 
+def upsample_nearest2d_reference(x: np.ndarray, scale: Any) -> np.ndarray:
+    """Nearest upsampling of an (N, C, H, W) image by integer factors (sh, sw) (an int: both)."""
+    sh, sw = (scale, scale) if isinstance(scale, (int, np.integer)) else scale
+    return np.repeat(np.repeat(np.asarray(x), int(sh), axis=2), int(sw), axis=3)
+
+
 def depthwise_conv2d_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, padding=(0, 0), stride=(1, 1), dilation=(1, 1),
                                act: str = "identity", alpha: float = 0.0) -> np.ndarray:
     """float64 ``act(conv2d(x, w, b, groups=C))``: x (N, C, H, W), one filter per channel w (C, 1, R, S)."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
 from .ir import _pair as ir_pair
 
 #: ATen activations (in-place forms too) -> (fusekit activation, alpha from the node's arguments).
@@ -293,6 +293,9 @@ class ExportReader:
                 g = None
             if g is not None and tuple(g.shape) in ((c, 1, 1), (1, c, 1, 1)):
                 return [bn_stage(x.name, name, np.zeros(c), np.ones(c), g, None, 0.0)]
+        if op == "upsample_nearest2d" and rank == 4:
+            st = upsample_stage(name, x.name, name, self.shape(x), self.shape(node))
+            return None if st is None else [st]
         if op == "adaptive_avg_pool2d" and rank == 4:
             out = tuple(self.shape(node)[2:])
             if out == (1, 1):

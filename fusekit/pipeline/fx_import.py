@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
                        _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc)
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
 
 
 class _Importer:
@@ -328,6 +328,8 @@ class _Importer:
                 count_include_pad=bool(mod.count_include_pad), ceil_mode=bool(mod.ceil_mode), divisor_override=mod.divisor_override), name=name)
         if isinstance(mod, nn.AdaptiveAvgPool2d):
             return self.adaptive_avg(x, name)
+        if isinstance(mod, nn.Upsample) and mod.mode == "nearest":
+            return upsample_stage(name, x.name, name, tuple(self.values[x.name].shape), tuple(self.values[name].shape))
         if isinstance(mod, nn.Flatten) and self.flatten_ok(node):
             return Stage("flatten", [x.name], name, name=name)
         if isinstance(mod, nn.Linear) and self.values[x.name].dim() == 2:
@@ -407,6 +409,8 @@ class _Importer:
             return self.functional_linear(node)
         if t in (F.max_pool2d, F.avg_pool2d):
             return self.functional_pool(node)
+        if t is F.interpolate and self.template(self.arg(node, 3, "mode", "nearest")) == "nearest":
+            return upsample_stage(name, x.name, name, tuple(self.values[x.name].shape), tuple(self.values[name].shape))
         if t in (torch.flatten, "flatten", "view", "reshape") and self.flatten_ok(node) and (
                 t not in (torch.flatten, "flatten") or (a(node, 1, "start_dim", 0) == 1 and a(node, 2, "end_dim", -1) == -1)):
             return Stage("flatten", [x.name], name, name=name)

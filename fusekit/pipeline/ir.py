@@ -4,7 +4,7 @@ per-stage check and choice at build).
 
 Importers (``fx_import``, ``onnx_import``, ``nn_import``) emit *primitive* stages in topological order:
 
-    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, shuffle, identity, torch
+    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, shuffle, upsample, identity, torch
 
 and the rules make ``cln`` (layer norm over channels) and ``gconv`` (a 1x1 convolution of an image
 times its (N, C, 1, 1) gate) from them.
@@ -34,7 +34,7 @@ from ..errors import OperandError, UnsupportedError
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
                     "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
                     "conv_bias_hardswish", "layernorm", "batched_matmul_bias", "batched_matmul_bias_add")
-POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax", "channel_shuffle")
+POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax", "channel_shuffle", "upsample_nearest2d")
 
 
 class Ref(str):
@@ -197,6 +197,9 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
                                    s.attrs.get("dilation", 1)))
     if k == "gap":
         return (x[0], x[1], 1, 1)
+    if k == "upsample":
+        sh, sw = s.attrs["scale"]
+        return (x[0], x[1], x[2] * sh, x[3] * sw)
     if k == "flatten":
         return (x[0], int(math.prod(x[1:])))
     if k == "linear":
@@ -344,6 +347,8 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             return into(torch.softmax(x, int(a["axis"])))
         if k == "shuffle":
             return into(F.channel_shuffle(x, int(a["groups"])))
+        if k == "upsample":
+            return into(F.interpolate(x, scale_factor=tuple(float(f) for f in a["scale"]), mode="nearest"))
         if k == "add":
             if act is None and out is not None:
                 return torch.add(x, env[s.inputs[1]], out=out)
@@ -373,6 +378,21 @@ def concat_parts(s: Stage) -> list[str] | None:
     if not isinstance(parts, (list, tuple)) or dim not in (1, -3) or not all(isinstance(p, Ref) for p in parts):
         return None
     return [str(p) for p in parts]
+
+
+def upsample_stage(name: str, x: str, output: str, in_shape: Any, out_shape: Any) -> Stage | None:
+    """Nearest upsampling of an image from ``in_shape`` to ``out_shape`` as one ``upsample`` stage
+    where each spatial factor is a whole power of two (there PyTorch's source index, floor(dst * in /
+    out), is dst // factor exactly); None otherwise."""
+    if len(in_shape) != 4 or len(out_shape) != 4 or tuple(in_shape[:2]) != tuple(out_shape[:2]):
+        return None
+    scale = []
+    for i, o in zip(in_shape[2:], out_shape[2:]):
+        f = int(o) // int(i) if int(i) else 0
+        if f < 1 or f * int(i) != int(o) or f & (f - 1):
+            return None
+        scale.append(f)
+    return Stage("upsample", [x], output, attrs={"scale": tuple(scale)}, name=name)
 
 
 def channel_shuffle_stage(name: str, x: str, output: str, groups: int) -> Stage:

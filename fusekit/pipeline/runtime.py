@@ -315,6 +315,10 @@ class Pipeline:
             g = int(a["groups"])
             self.engines[i] = "cupy kernel"
             return lambda: pool.channel_shuffle(x, g, out=y)
+        if s.pattern == "upsample_nearest2d":
+            f = tuple(a["scale"])
+            self.engines[i] = "cupy kernel"
+            return lambda: pool.upsample_nearest2d(x, f, out=y)
         if s.pattern == "softmax":
             ax = a["axis"]
             self.engines[i] = "cupy kernel"

@@ -583,7 +583,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels", "channel_shuffle", "depthwise_conv", "depthwise_conv_nhwc_vec", "depthwise_conv_nhwc_tile", "channel_sums", "scaled_store",
+        "layer_norm_channels", "channel_shuffle", "upsample_nearest", "depthwise_conv", "depthwise_conv_nhwc_vec", "depthwise_conv_nhwc_tile", "channel_sums", "scaled_store",
         "channel_pointwise", "channel_pointwise_nhwc_vec", "channel_gate_mul", "channel_gate_nhwc_vec",
     }
     return libs
@@ -851,6 +851,33 @@ def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
     out, _ = host_array(np.zeros(shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
     assert pool.channel_shuffle(x, groups, out=out) is out
     np.testing.assert_array_equal(out.values(), want)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape, scale", [((2, 3, 3, 2), 2), ((1, 4, 2, 3), (4, 2)), ((1, 2, 2, 1), (1, 8))])
+def test_host_compiled_upsample_nearest(shape, scale, layout, dtype, rng):
+    """Exact (each stored value repeated), into a new array of x's layout or ``out`` of the other."""
+    x, xv = host_array(rng.standard_normal(shape), dtype, layout)
+    want = oracle.upsample_nearest2d_reference(xv, scale)
+    y = pool.upsample_nearest2d(x, scale)
+    np.testing.assert_array_equal(y.values(), want)
+    assert dense_in(y, layout)
+    out, _ = host_array(np.zeros(want.shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
+    assert pool.upsample_nearest2d(x, scale, out=out) is out
+    np.testing.assert_array_equal(out.values(), want)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("scale, words", [(0, "scale.*>= 1"), ((2, 2, 2), "scale.*pair of ints"), (1.5, "scale.*pair of ints")])
+def test_upsample_nearest_refuses_a_bad_scale_and_a_wrong_out(scale, words, rng):
+    x, _ = host_array(rng.standard_normal((1, 4, 2, 2)), "float32", "NHWC")
+    with pytest.raises(OperandError, match=words):
+        pool.upsample_nearest2d(x, scale)
+    out, _ = host_array(np.zeros((1, 4, 2, 2)), "float32", "NHWC")
+    with pytest.raises(OperandError, match="out"):
+        pool.upsample_nearest2d(x, 2, out=out)
 
 
 DEPTHWISE = [  # (shape, R x S, stride, padding, dilation)

@@ -376,6 +376,22 @@ def test_channel_shuffle_is_torchs_exactly(lib, layout, shape, groups):
     assert np.array_equal(host64(y), oracle.channel_shuffle_reference(host64(x), groups))
 
 
+@pytest.mark.parametrize("shape, scale", [((2, 18, 7, 5), 2), ((1, 32, 14, 14), (4, 4)), ((4, 8, 3, 1), (2, 8))])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lib", LIBS)
+def test_upsample_nearest_is_torchs_exactly(lib, layout, dtype, shape, scale):
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16")
+    x = make(lib, shape, dtype, layout)
+    y = pool.upsample_nearest2d(x, scale)
+    want = oracle.upsample_nearest2d_reference(host64(x), scale)
+    check_result(y, lib, dtype, want.shape, layout)
+    sf = (scale, scale) if isinstance(scale, int) else scale
+    assert torch.equal(as_torch(y), F.interpolate(as_torch(x), scale_factor=tuple(float(f) for f in sf), mode="nearest"))
+    assert np.array_equal(host64(y), want)
+
+
 @pytest.mark.parametrize("shape", [(32, 96, 56, 56), (32, 1152, 7, 7), (2, 3, 9, 11), (8, 40, 1, 1)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -694,3 +694,31 @@ def test_functional_pools_and_linear_lower_as_their_modules():
     prog = _check(_FunctionalHead().eval(), (2, 3, 13, 13))
     assert not any(s.fallback for s in prog.stages), str(prog)
     assert [s.kind for s in prog.stages if s.kind in ("avgpool", "maxpool", "linear")] == ["avgpool", "maxpool", "avgpool", "linear"]
+
+
+class _Upsampled(nn.Module):
+    """An HRNet / FPN fuse: a branch upsampled (module and functional forms) and added."""
+
+    def __init__(self, scale, mode="nearest"):
+        super().__init__()
+        self.conv, self.up, self.scale, self.mode = nn.Conv2d(3, 6, 3, stride=4, padding=1), nn.Upsample(scale_factor=scale, mode=mode), scale, mode
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.up(y) + F.interpolate(y, scale_factor=self.scale, mode=self.mode)
+
+
+@pytest.mark.parametrize("importer", ["fx", "export"])
+@pytest.mark.parametrize(("scale", "mode", "fused"), [(4, "nearest", True), ((2, 4), "nearest", True), (3, "nearest", False),
+                                                      (4, "bilinear", False)])
+def test_nearest_upsampling_by_powers_of_two_is_a_fusekit_kernel(scale, mode, fused, importer):
+    """nn.Upsample / F.interpolate "nearest" by power-of-two factors: an ``upsample_nearest2d`` stage
+    (fusekit's kernel); other factors and modes stay PyTorch. Float64 as eager either way."""
+    torch.manual_seed(0)
+    m = _Upsampled(scale, mode).eval()
+    x = np.random.default_rng(2).standard_normal((2, 3, 16, 16))
+    prog = fp.lower_model(m, x.shape, importer=importer)
+    ups = [s for s in prog.stages if s.pattern == "upsample_nearest2d"]
+    assert len(ups) == (2 if fused else 0) and any(s.fallback for s in prog.stages) != fused, str(prog)
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12

@@ -188,11 +188,11 @@ def _assert_within_fp16_error(pipe, m, x):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0", "tf_efficientnet_lite0"])
-def test_timm_split_attention_selective_kernel_and_nfnet_compile_and_match_float32_eager(name):
+@pytest.mark.parametrize("name", ["resnest14d", "skresnet18", "nfnet_l0", "tf_efficientnet_lite0", "hrnet_w18_small"])
+def test_timm_block_families_compile_and_match_float32_eager(name):
     """timm's split-attention (sums over the radix as channel slices, the radix softmax one stage),
-    selective-kernel, NFNet (weight-standardized F.conv2d of constant weights) and TensorFlow-ported
-    (asymmetric "same" padding folded into the convolutions) blocks: compiled,
+    selective-kernel, NFNet (weight-standardized F.conv2d of constant weights), TensorFlow-ported
+    (asymmetric "same" padding folded into the convolutions) and HRNet (nearest upsampling) blocks: compiled,
     mostly fused, within PyTorch float16's own error of float32 eager."""
     import fusekit.pipeline as fp
 

@@ -289,6 +289,19 @@ extern "C" __global__ void layer_norm_channels(
     }
 }
 
+// Nearest upsampling by integer factors (sh, sw): output (h, w) is input (h / sh, w / sw), PyTorch's
+// "nearest" for those factors. One thread per output element in its memory order; values copied as stored.
+extern "C" __global__ void upsample_nearest(
+    const T* x, T* y, long long total, int C, int Ho, int Wo, int sh, int sw,
+    long long xn, long long xc, long long xh, long long xw,
+    long long yn, long long yc, long long yh, long long yw, int cl) {
+    GRID_LOOP(i, total) {
+        int n, c, h, w;
+        decode(i, C, Ho, Wo, cl, n, c, h, w);
+        y[n * yn + c * yc + h * yh + w * yw] = x[n * xn + c * xc + (h / sh) * xh + (w / sw) * xw];
+    }
+}
+
 // ShuffleNet's channel shuffle: output channel k is input channel (k % groups) * (C / groups) + k / groups.
 // One thread per output element in its memory order; the values are copied as stored.
 extern "C" __global__ void channel_shuffle(
