@@ -174,6 +174,8 @@ class ExportReader:
         if node.name in self.shuffles:
             y, groups = self.shuffles[node.name]
             return [channel_shuffle_stage(node.name, y, node.name, groups)]
+        if op.startswith("_assert"):  # export's checks of a value's metadata: no value, nothing to run
+            return []
         if not self.refs((node.args, node.kwargs)) and not isinstance(node.meta.get("val"), (list, tuple)):
             return self.fold(node)
         if op in SHAPE_ONLY:  # its tensor argument gives only a shape and dtype, fixed in this graph: a constant
@@ -196,11 +198,12 @@ class ExportReader:
         zeros of their shape and dtype (an op of :data:`SHAPE_ONLY` reads nothing else of them)."""
         import torch
 
-        def arg(a: Any) -> Any:
+        def arg(a: Any) -> Any:  # floating values in float64, as the weights
             if stand_in and self.value(a):
                 val = a.meta["val"]
-                return torch.zeros(tuple(int(d) for d in val.shape), dtype=val.dtype)
-            return self.template(a)
+                return torch.zeros(tuple(int(d) for d in val.shape), dtype=torch.float64 if val.dtype.is_floating_point else val.dtype)
+            t = self.template(a)
+            return t.double() if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
 
         with torch.no_grad():
             args, kwargs = torch.fx.node.map_aggregate(tuple(node.args), arg), torch.fx.node.map_aggregate(dict(node.kwargs), arg)

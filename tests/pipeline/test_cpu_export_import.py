@@ -184,3 +184,24 @@ def test_scalar_factors_fold_and_weights_are_computed_in_float64():
     prog = _check(ScaledBlock().eval(), (2, 8, 6, 6))
     assert not any(s.fallback for s in prog.stages), [s.name for s in prog.stages if s.fallback]
     assert sum(s.kind == "conv" for s in prog.stages) == 2
+
+
+class ShapePositions(nn.Module):
+    """A positional encoding from the input's shape alone run through a conv with parameters (EdgeNeXt's
+    PositionalEncodingFourier): a constant, folded in float64 with the conv's weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.conv = nn.Conv2d(2, 3, 1), nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        mask = torch.zeros(n, h, w, device=x.device, dtype=torch.bool)
+        ys, xs = (~mask).cumsum(1, dtype=x.dtype), (~mask).cumsum(2, dtype=x.dtype)
+        return self.conv(x) + self.proj(torch.stack([ys.sin(), xs.cos()], dim=1))
+
+
+def test_a_shape_only_value_through_weights_folds_in_float64():
+    torch.manual_seed(0)
+    prog = _check(ShapePositions().eval(), (2, 3, 5, 6))
+    assert len(prog.stages) <= 2, str(prog)
