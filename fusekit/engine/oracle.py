@@ -371,6 +371,16 @@ def channel_shuffle_reference(x: np.ndarray, groups: int) -> np.ndarray:
     return np.asarray(x).reshape(n, groups, c // groups, h, w).transpose(0, 2, 1, 3, 4).reshape(n, c, h, w)
 
 
+def radix_softmax_reference(z: np.ndarray, radix: int, cardinality: int = 1) -> np.ndarray:
+    """float64 softmax over ``radix`` paths of an (N, cardinality*radix*C, 1, 1) vector laid out as
+    (cardinality, radix, C), returned laid out as (radix, cardinality, C) (ResNeSt's rSoftMax)."""
+    z = np.asarray(z, np.float64)
+    n = z.shape[0]
+    v = z.reshape(n, cardinality, radix, -1).transpose(0, 2, 1, 3)
+    e = np.exp(v - v.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).reshape(z.shape)
+
+
 def upsample_nearest2d_reference(x: np.ndarray, scale: Any) -> np.ndarray:
     """Nearest upsampling of an (N, C, H, W) image by integer factors (sh, sw) (an int: both)."""
     sh, sw = (scale, scale) if isinstance(scale, (int, np.integer)) else scale

@@ -38,7 +38,7 @@ __all__ = [
     "PoolGeometry", "pool2d_geometry",
     "max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward",
     "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "channel_layer_norm", "channel_shuffle",
-    "upsample_nearest2d",
+    "upsample_nearest2d", "radix_softmax",
 ]
 
 
@@ -579,4 +579,29 @@ def upsample_nearest2d(x: Any, scale: int | tuple[int, int], *, out: Any = None)
         y, yv, ystr, ylayout = result_of(P, L, xo, out, shape)
         L.run(xo.dtype, "upsample_nearest", total, [
             L.view(xo), yv, *i64(total), *i32(c, h * sh, w * sw, sh, sw), *i64(*xo.strides), *i64(*ystr), *i32(ylayout == "NHWC")])
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax over the paths of a split-attention gate
+# ----------------------------------------------------------------------------------------------
+@recorded_whole
+def radix_softmax(z: Any, radix: int, cardinality: int = 1, *, out: Any = None) -> Any:
+    """ResNeSt's rSoftMax (SKNet's softmax over its paths with ``cardinality`` 1): z, an
+    (N, cardinality*radix*C, 1, 1) vector laid out as (cardinality, radix, C), softmax over the radix
+    in float32, the result laid out as (radix, cardinality, C); y has z's shape and dtype, or is ``out``."""
+    P = "radix_softmax"
+    zo = operand(P, "z", z, (4,), FLOAT_DTYPES)
+    n, k, h, w = zo.shape
+    for name, v in (("radix", radix), ("cardinality", cardinality)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise OperandError(P, name, f"expected a positive int, got {v!r}", what="attribute")
+    if (h, w) != (1, 1) or k % (radix * cardinality):
+        raise OperandError(P, "z", f"expected an (N, K, 1, 1) vector with K a multiple of cardinality * radix = "
+                           f"{radix * cardinality}, got shape {zo.shape}")
+    c = k // (radix * cardinality)
+    with Launch(P, zo) as L:
+        y, yv, ystr, _ = result_of(P, L, zo, out, zo.shape)
+        L.run(zo.dtype, "radix_softmax", n * cardinality * c, [
+            L.view(zo), yv, *i64(n * cardinality * c), *i32(cardinality, radix, c), *i64(zo.strides[0], zo.strides[1], ystr[0], ystr[1])])
     return y

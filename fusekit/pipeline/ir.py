@@ -4,7 +4,7 @@ per-stage check and choice at build).
 
 Importers (``fx_import``, ``onnx_import``, ``nn_import``) emit *primitive* stages in topological order:
 
-    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, shuffle, upsample, identity, torch
+    conv, bn, relu, act, add, mul, maxpool, avgpool, gap, flatten, linear, softmax, radix_softmax, shuffle, upsample, identity, torch
 
 and the rules make ``cln`` (layer norm over channels) and ``gconv`` (a 1x1 convolution of an image
 times its (N, C, 1, 1) gate) from them.
@@ -34,7 +34,7 @@ from ..errors import OperandError, UnsupportedError
 FUSEKIT_PATTERNS = ("conv_bias_relu", "conv_bias_relu6", "conv_bias", "conv_bias_add_relu", "conv_bias_add", "conv_bias_act", "conv_bias_add_act",
                     "linear_bias", "linear_bias_relu", "linear_bias_act", "channel_scale_shift_act", "act", "add_act", "channel_gate",
                     "conv_bias_hardswish", "layernorm", "batched_matmul_bias", "batched_matmul_bias_add")
-POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax", "channel_shuffle", "upsample_nearest2d")
+POOL_PATTERNS = ("max_pool2d", "avg_pool2d", "softmax", "radix_softmax", "channel_shuffle", "upsample_nearest2d")
 
 
 class Ref(str):
@@ -187,7 +187,7 @@ def infer_shape(s: Stage, ins: list[tuple[int, ...]]) -> tuple[int, ...]:
         return (n, kk[0], *conv_out_hw(h, w, kk[2:], s.attrs["padding"], s.attrs["stride"], s.attrs["dilation"], extra_padding(s)))
     if k == "gconv":  # conv1x1(x * gate)
         return (x[0], s.weights["w"].shape[0], x[2], x[3])
-    if k in ("bn", "relu", "act", "identity", "softmax", "cln", "shuffle"):
+    if k in ("bn", "relu", "act", "identity", "softmax", "radix_softmax", "cln", "shuffle"):
         return x
     if k in ("add", "mul"):
         return tuple(np.broadcast_shapes(*[tuple(i) for i in ins]))
@@ -347,6 +347,10 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             return into(torch.softmax(x, int(a["axis"])))
         if k == "shuffle":
             return into(F.channel_shuffle(x, int(a["groups"])))
+        if k == "radix_softmax":
+            from .radix import radix_softmax
+
+            return into(radix_softmax(x, int(a["radix"]), int(a["cardinality"])))
         if k == "upsample":
             return into(F.interpolate(x, scale_factor=tuple(float(f) for f in a["scale"]), mode="nearest"))
         if k == "add":

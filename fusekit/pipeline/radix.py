@@ -4,8 +4,8 @@ Both blocks hold r paths of C channels as one (N, r, C, H, W) tensor, made by ``
 or by viewing an (N, r*C, H, W) image, weigh it by a softmax over the r paths and sum it over them.
 The rule here rewrites each ``sum(dim=1)`` of such a tensor into what it is per path: channel slices
 (views), per-path gates (the channel multiply) and adds, so only image stages remain; a softmax over
-the paths of an (N, r*C, 1, 1) vector becomes one :func:`radix_softmax` stage whose channel slices are
-the paths' gates.
+the paths of an (N, r*C, 1, 1) vector becomes one ``radix_softmax`` stage (fusekit's kernel, ``pool.radix_softmax``) whose
+channel slices are the paths' gates.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ def radix_softmax(z: Any, radix: int, cardinality: int = 1) -> Any:
     cardinality 1, SKNet's softmax over its paths)."""
     n = z.shape[0]
     return z.reshape(n, cardinality, radix, -1).transpose(1, 2).softmax(1).reshape(n, -1, 1, 1)
+
+
+def radix_softmax_stage(name: str, z: str, output: str, radix: int, cardinality: int) -> Stage:
+    """One ``radix_softmax`` stage (fusekit's kernel) of vector ``z``."""
+    return Stage("radix_softmax", [z], output, attrs={"radix": int(radix), "cardinality": int(cardinality)}, name=name)
 
 
 def _dim(s: Stage) -> Any:
@@ -92,7 +97,7 @@ def _materialize(c: Any, s: Stage, part: tuple, name: str, made: list[Stage]) ->
         _, z, r, first, size = part
         soft = f"{z}_radix_softmax"
         if soft not in c.shapes:
-            st = torch_fallback(soft, [z], soft, radix_softmax, [Ref(z), int(r)], reason="softmax over the paths of a split-attention gate")
+            st = radix_softmax_stage(soft, z, soft, int(r), 1)
             st.out_shape = c.shapes[soft] = c.shapes[z]
             made.append(st)
         return _slice(c, soft, first, size, made)
@@ -147,7 +152,7 @@ def radix_softmax_chain(c: Any, s: Stage) -> tuple | None:
 def rewrite_radix_softmax(c: Any, s: Stage, found: tuple) -> None:
     """The chain becomes one :func:`radix_softmax` stage named as ``s``'s output."""
     z, r, card, chain = found
-    st = torch_fallback(s.output, [z], s.output, radix_softmax, [Ref(z), r, card], reason="softmax over the paths of a split-attention gate")
+    st = radix_softmax_stage(s.output, z, s.output, r, card)
     st.out_shape, st.name = tuple(s.out_shape), "+".join([t.name for t in reversed(chain)] + [s.name])
     c.stages[c.stages.index(s)] = st
     c.drop_unread()

@@ -27,6 +27,8 @@ def evaluate_stage(s: Stage, env: dict[str, np.ndarray]) -> np.ndarray:
         return oracle.avg_pool2d_reference(xs[0], s.attrs["kernel_size"], s.attrs["stride"], s.attrs["padding"], **pool_options(s))
     if p == "softmax":
         return oracle.softmax_reference(xs[0], s.attrs["axis"])
+    if p == "radix_softmax":
+        return oracle.radix_softmax_reference(xs[0], s.attrs["radix"], s.attrs["cardinality"])
     if p == "upsample_nearest2d":
         return oracle.upsample_nearest2d_reference(xs[0], s.attrs["scale"])
     if p == "channel_shuffle":

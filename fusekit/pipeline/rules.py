@@ -436,7 +436,7 @@ def pattern_for(s: Stage) -> tuple[str, str]:
     if k == "mul":
         return ("channel_gate", "") if _gate_order(s) else ("torch", "multiply other than an (N, C, 1, 1) gate over an image")
     simple = {"maxpool": "max_pool2d", "avgpool": "avg_pool2d", "gap": "avg_pool2d", "softmax": "softmax", "flatten": "reshape",
-              "shuffle": "channel_shuffle", "upsample": "upsample_nearest2d"}
+              "shuffle": "channel_shuffle", "upsample": "upsample_nearest2d", "radix_softmax": "radix_softmax"}
     if k in simple:
         return simple[k], ""
     if k == "torch" and concat_parts(s) is not None:

@@ -315,6 +315,10 @@ class Pipeline:
             g = int(a["groups"])
             self.engines[i] = "cupy kernel"
             return lambda: pool.channel_shuffle(x, g, out=y)
+        if s.pattern == "radix_softmax":
+            r, card = int(a["radix"]), int(a["cardinality"])
+            self.engines[i] = "cupy kernel"
+            return lambda: pool.radix_softmax(x, r, card, out=y)
         if s.pattern == "upsample_nearest2d":
             f = tuple(a["scale"])
             self.engines[i] = "cupy kernel"

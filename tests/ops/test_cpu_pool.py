@@ -583,7 +583,7 @@ def host_kernels(tmp_path_factory):
     libs["signatures"] = {dtype: kernel_signatures(cxx, dtype) for dtype in pool.FLOAT_DTYPES}
     assert set(libs["signatures"]["float32"]) == {
         "max_pool_fwd", "max_pool_fwd_nhwc_vec", "max_pool_bwd_i32", "max_pool_bwd_i64", "cast_f32", "avg_pool_fwd", "avg_pool_bwd", "softmax_rows", "softmax_rows_warp",
-        "layer_norm_channels", "channel_shuffle", "upsample_nearest", "depthwise_conv", "depthwise_conv_nhwc_vec", "depthwise_conv_nhwc_tile", "channel_sums", "scaled_store",
+        "layer_norm_channels", "channel_shuffle", "upsample_nearest", "radix_softmax", "depthwise_conv", "depthwise_conv_nhwc_vec", "depthwise_conv_nhwc_tile", "channel_sums", "scaled_store",
         "channel_pointwise", "channel_pointwise_nhwc_vec", "channel_gate_mul", "channel_gate_nhwc_vec",
     }
     return libs
@@ -878,6 +878,31 @@ def test_upsample_nearest_refuses_a_bad_scale_and_a_wrong_out(scale, words, rng)
     out, _ = host_array(np.zeros((1, 4, 2, 2)), "float32", "NHWC")
     with pytest.raises(OperandError, match="out"):
         pool.upsample_nearest2d(x, 2, out=out)
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize("radix, card, c", [(2, 1, 3), (4, 2, 5), (1, 3, 2)])
+def test_host_compiled_radix_softmax(radix, card, c, dtype, rng):
+    """Against float64 (the softmax accumulated in float32, stored in the dtype); ``out`` is written."""
+    shape = (2, radix * card * c, 1, 1)
+    z, zv = host_array(rng.standard_normal(shape) * 3, dtype, "NCHW")
+    want = oracle.radix_softmax_reference(zv, radix, card)
+    tol = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6}[dtype]
+    assert rel(pool.radix_softmax(z, radix, card).values(), want) < tol
+    out, _ = host_array(np.zeros(shape), dtype, "NHWC")
+    assert pool.radix_softmax(z, radix, card, out=out) is out
+    assert rel(out.values(), want) < tol
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("shape, radix, card, words", [((1, 12, 1, 1), 0, 1, "radix.*positive int"), ((1, 12, 1, 1), 2, True, "cardinality"),
+                                                        ((1, 12, 1, 1), 5, 1, "multiple of cardinality \\* radix = 5"),
+                                                        ((1, 12, 2, 1), 2, 1, "K, 1, 1")])
+def test_radix_softmax_refuses_what_it_cannot_split(shape, radix, card, words, rng):
+    z, _ = host_array(rng.standard_normal(shape), "float32", "NCHW")
+    with pytest.raises(OperandError, match=words):
+        pool.radix_softmax(z, radix, card)
 
 
 DEPTHWISE = [  # (shape, R x S, stride, padding, dilation)

@@ -376,6 +376,24 @@ def test_channel_shuffle_is_torchs_exactly(lib, layout, shape, groups):
     assert np.array_equal(host64(y), oracle.channel_shuffle_reference(host64(x), groups))
 
 
+@pytest.mark.parametrize("radix, card, c", [(2, 1, 64), (4, 2, 32), (2, 1, 1024)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lib", LIBS)
+def test_radix_softmax_against_float64_and_torch(lib, dtype, radix, card, c):
+    """ResNeSt's rSoftMax / SKNet's path softmax: against float64 and within rounding of PyTorch's
+    view-transpose-softmax."""
+    if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
+        pytest.skip("this CuPy has no bfloat16")
+    from fusekit.pipeline.radix import radix_softmax as torch_radix_softmax
+
+    z = make(lib, (8, radix * card * c, 1, 1), dtype, "NCHW", scale=3.0)
+    y = pool.radix_softmax(z, radix, card)
+    want = oracle.radix_softmax_reference(host64(z), radix, card)
+    check_result(y, lib, dtype, want.shape, "NCHW")
+    assert rel(host64(y), want) < TOL[dtype], rel(host64(y), want)
+    assert rel(as_torch(y), torch_radix_softmax(as_torch(z).float(), radix, card)) < TOL[dtype]
+
+
 @pytest.mark.parametrize("shape, scale", [((2, 18, 7, 5), 2), ((1, 32, 14, 14), (4, 4)), ((4, 8, 3, 1), (2, 8))])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -631,13 +631,14 @@ class SelectiveKernel(nn.Module):
                          ids=["resnest-r2", "resnest-r4-card2", "sknet"])
 def test_split_attention_and_selective_kernels_lower_to_images_only(make, importer):
     """No 5-D value is left: the sums over paths become channel slices, per-path gates and adds, and
-    the softmax over the paths one radix_softmax stage, the only one PyTorch runs; float64 matches eager."""
+    the softmax over the paths one radix_softmax stage (fusekit's kernel); nothing runs on PyTorch;
+    float64 matches eager."""
     torch.manual_seed(0)
     block = make()
     x = np.random.default_rng(2).standard_normal((2, 16, 6, 6))
     prog = fp.lower_model(block.eval(), x.shape, importer=importer)
     assert all(len(s.out_shape) <= 4 for s in prog.stages), str(prog)
-    assert [s.attrs.get("op") for s in prog.stages if s.pattern == "torch"] == ["radix_softmax"], str(prog)
+    assert not any(s.fallback for s in prog.stages) and [s.pattern for s in prog.stages].count("radix_softmax") == 1, str(prog)
     assert sum(s.pattern == "channel_slice" for s in prog.stages) >= 2 and any(s.pattern == "channel_gate" for s in prog.stages)
     want = block.double()(torch.from_numpy(x)).detach().numpy()
     block.float()

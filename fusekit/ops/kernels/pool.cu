@@ -289,6 +289,27 @@ extern "C" __global__ void layer_norm_channels(
     }
 }
 
+// ResNeSt's rSoftMax / SKNet's softmax over paths: x, an (N, card*radix*C, 1, 1) vector laid out as
+// (card, radix, C), softmax over the radix, y laid out as (radix, card, C). One thread per (n, k, j).
+extern "C" __global__ void radix_softmax(
+    const T* x, T* y, long long total, int card, int radix, int C,
+    long long xn, long long xc, long long yn, long long yc) {
+    GRID_LOOP(i, total) {
+        const int j = (int)(i % C);
+        const long long t = i / C;
+        const int k = (int)(t % card);
+        const long long n = t / card;
+        const T* px = x + (n * xn + ((long long)k * radix * C + j) * xc);
+        const long long step = (long long)C * xc;
+        float m = neg_inf();
+        for (int r = 0; r < radix; ++r) m = fmaxf(m, ld(px, r * step));
+        float s = 0.f;
+        for (int r = 0; r < radix; ++r) s += expf(ld(px, r * step) - m);
+        T* py = y + (n * yn + ((long long)k * C + j) * yc);
+        for (int r = 0; r < radix; ++r) st(py, (long long)r * card * C * yc, expf(ld(px, r * step) - m) / s);
+    }
+}
+
 // Nearest upsampling by integer factors (sh, sw): output (h, w) is input (h / sh, w / sw), PyTorch's
 // "nearest" for those factors. One thread per output element in its memory order; values copied as stored.
 extern "C" __global__ void upsample_nearest(
