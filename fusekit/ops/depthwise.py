@@ -92,23 +92,25 @@ def depthwise_taps(w: Any) -> Any:
 
 @recorded_whole
 def depthwise_conv2d(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-                     activation: str = "identity", alpha: float = 0.0, out: Any = None) -> Any:
+                     activation: str = "identity", alpha: float = 0.0, extra_padding: Any = 0, out: Any = None) -> Any:
     """``act(conv2d(x, w, b, groups=C))`` of an (N, C, H, W) image with one R x S filter per channel,
     as PyTorch's depthwise Conv2d then the activation (``activation``: one of fusekit.patterns.ACTIVATIONS,
     ``alpha`` its parameter), accumulated in float32 in one pass. ``w``: float32 (C, 1, R, S) at any
     strides (:func:`depthwise_taps` gives the fastest); ``b``: float32 (C,) or None. y has x's dtype and
     layout (channels-last for a strided x), or is ``out``. x and ``out`` may be strided views such as
-    channel slices of larger images (a concatenation's parts, ``chunk``): the strided kernel runs them."""
+    channel slices of larger images (a concatenation's parts, ``chunk``): the strided kernel runs them.
+    ``extra_padding``: zero rows / columns after x (bottom, right) beyond ``padding``, as conv_bias_act's."""
     P = "depthwise_conv2d"
     xo = _image(P, "x", x)
     wo = _taps_operand(P, w, xo)
     bo = None if b is None else channel_vector(P, "b", b, xo)
-    (sh, sw), (ph, pw), (dh, dw) = (checked_pair(P, name, v, low, "argument") for name, v, low in
-                                    (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)))
+    (sh, sw), (ph, pw), (dh, dw), (eh, ew) = (checked_pair(P, name, v, low, "argument") for name, v, low in
+                                              (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1),
+                                               ("extra_padding", extra_padding, 0)))
     code = check_activation(P, activation, alpha)
     n, c, h, wd = xo.shape
     r, s = wo.shape[2:]
-    ho, wout = conv_out_size(h, r, ph, sh, dh), conv_out_size(wd, s, pw, sw, dw)
+    ho, wout = conv_out_size(h, r, ph, sh, dh, eh), conv_out_size(wd, s, pw, sw, dw, ew)  # (the kernels read zeros past x)
     if ho < 1 or wout < 1:
         raise OperandError(P, "w", f"a {r}x{s} filter (dilation {dh}, {dw}) does not fit x's {h}x{wd} with padding {ph}, {pw}")
     shape = (n, c, ho, wout)

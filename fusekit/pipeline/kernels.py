@@ -29,13 +29,13 @@ def depthwise_kernel(s: Stage, x: Any, y: Any, device: Any) -> Callable[[], None
     from ..ops import depthwise
 
     w64, c = s.weights["w"], int(x.shape[1])
-    if any(extra_padding(s)) or int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
+    if int(s.attrs.get("groups", 1)) != c or tuple(w64.shape[:2]) != (c, 1) or int(y.shape[1]) != c:
         return None
     taps = depthwise.depthwise_taps(torch.as_tensor(w64, dtype=torch.float32, device=device))
     b = None if s.weights.get("b") is None else torch.as_tensor(s.weights["b"], dtype=torch.float32, device=device)
     act, alpha = s.attrs.get("act") or ("identity", 0.0)
     conv = {k: tuple(int(e) for e in s.attrs[k]) for k in ("padding", "stride", "dilation")}
-    return lambda: depthwise.depthwise_conv2d(x, taps, b, activation=act, alpha=float(alpha), out=y, **conv)
+    return lambda: depthwise.depthwise_conv2d(x, taps, b, activation=act, alpha=float(alpha), extra_padding=extra_padding(s), out=y, **conv)
 
 
 def channelwise_kernel(s: Stage, operands: tuple, attrs: dict[str, Any], y: Any) -> Callable[[], None] | None:

@@ -949,6 +949,26 @@ def test_host_compiled_depthwise_conv(case, act, layout, dtype, rng):
 
 @pytest.mark.usefixtures("host_launch")
 @pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
+@pytest.mark.parametrize(("layout", "stride", "kernel"), [("NCHW", 2, "depthwise_conv"), ("NHWC", 2, "depthwise_conv_nhwc_vec"),
+                                                          ("NHWC", 1, "depthwise_conv_nhwc_tile")])
+def test_host_compiled_depthwise_conv_with_extra_padding_after(layout, stride, kernel, dtype, rng):
+    """TensorFlow's asymmetric "same" padding (``extra_padding`` rows / columns after x): every kernel
+    reads zeros past x, against float64 of the explicitly padded input."""
+    from fusekit.ops import depthwise
+
+    x, xv = host_array(3 * rng.standard_normal((2, 16, 8, 7)), dtype, layout)
+    w = HostArray((rng.standard_normal((16, 1, 3, 3)) / 3).astype(np.float32), "float32")
+    padded = np.pad(xv, ((0, 0), (0, 0), (0, 1), (0, 2)))
+    want = oracle.depthwise_conv2d_reference(padded, w.values(), None, (0, 0), (stride, stride), (1, 1), "silu", 0.0)
+    launched = pool.Launch.launched
+    launched.clear()
+    y = depthwise.depthwise_conv2d(x, HostArray(depthwise.depthwise_taps(w.a), "float32"), stride=stride, activation="silu",
+                                   extra_padding=(1, 2))
+    assert launched == [kernel] and y.values().shape == want.shape and rel(y.values(), want) < HOST_TOL[dtype]
+
+
+@pytest.mark.usefixtures("host_launch")
+@pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("stride", [1, 2])
 def test_host_compiled_depthwise_conv_on_channel_slices(stride, layout, dtype, rng):
