@@ -347,10 +347,9 @@ def run_torch_stage(s: Stage, env: dict[str, Any], fn: Any, weights: dict[str, A
             return into(torch.softmax(x, int(a["axis"])))
         if k == "shuffle":
             return into(F.channel_shuffle(x, int(a["groups"])))
-        if k == "radix_softmax":
-            from .radix import radix_softmax
-
-            return into(radix_softmax(x, int(a["radix"]), int(a["cardinality"])))
+        if k == "radix_softmax":  # (card, radix, C) -> softmax over radix -> (radix, card, C)
+            n, r, card = x.shape[0], int(a["radix"]), int(a["cardinality"])
+            return into(x.reshape(n, card, r, -1).transpose(1, 2).softmax(1).reshape(x.shape))
         if k == "upsample":
             return into(F.interpolate(x, scale_factor=tuple(float(f) for f in a["scale"]), mode="nearest"))
         if k == "add":

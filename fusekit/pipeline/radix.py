@@ -18,14 +18,6 @@ SUMS = ("sum", "Tensor.sum")
 VIEWS = ("Tensor.reshape", "Tensor.view", "reshape", "view")
 
 
-def radix_softmax(z: Any, radix: int, cardinality: int = 1) -> Any:
-    """Softmax over ``radix`` paths of an (N, cardinality*radix*C, 1, 1) vector laid out as
-    (cardinality, radix, C), returned laid out as (radix, cardinality, C): ResNeSt's rSoftMax (with
-    cardinality 1, SKNet's softmax over its paths)."""
-    n = z.shape[0]
-    return z.reshape(n, cardinality, radix, -1).transpose(1, 2).softmax(1).reshape(n, -1, 1, 1)
-
-
 def radix_softmax_stage(name: str, z: str, output: str, radix: int, cardinality: int) -> Stage:
     """One ``radix_softmax`` stage (fusekit's kernel) of vector ``z``."""
     return Stage("radix_softmax", [z], output, attrs={"radix": int(radix), "cardinality": int(cardinality)}, name=name)
@@ -150,7 +142,7 @@ def radix_softmax_chain(c: Any, s: Stage) -> tuple | None:
 
 
 def rewrite_radix_softmax(c: Any, s: Stage, found: tuple) -> None:
-    """The chain becomes one :func:`radix_softmax` stage named as ``s``'s output."""
+    """The chain becomes one ``radix_softmax`` stage named as ``s``'s output."""
     z, r, card, chain = found
     st = radix_softmax_stage(s.output, z, s.output, r, card)
     st.out_shape, st.name = tuple(s.out_shape), "+".join([t.name for t in reversed(chain)] + [s.name])
