@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import session
 from ..dispatch import recorded_whole
-from ..engine.pooling import PoolGeometry, checked_axis, checked_pair, pool2d_geometry
+from ..engine.pooling import PoolGeometry, checked_axis, pool2d_geometry
 from ..errors import NoGPUError, OperandError
 from ..tensors import ITEMSIZE, matches, nchw_strides, nhwc_strides, row_strides
 from ..adapters import adapter_for, as_device_array
@@ -38,7 +38,7 @@ __all__ = [
     "PoolGeometry", "pool2d_geometry",
     "max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward",
     "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "channel_layer_norm", "channel_shuffle",
-    "upsample_nearest2d", "radix_softmax",
+    "radix_softmax",
 ]
 
 
@@ -559,27 +559,6 @@ def channel_shuffle(x: Any, groups: int, *, out: Any = None) -> Any:
             L.view(xo), yv, *i64(total), *i32(c, h, w, int(groups)), *i64(*xo.strides), *i64(*ystr), *i32(ylayout == "NHWC")])
     return y
 
-
-
-# ----------------------------------------------------------------------------------------------
-# Nearest upsampling
-# ----------------------------------------------------------------------------------------------
-@recorded_whole
-def upsample_nearest2d(x: Any, scale: int | tuple[int, int], *, out: Any = None) -> Any:
-    """Nearest-neighbour upsampling of an (N, C, H, W) image by integer factors ``scale`` (an int or
-    (sh, sw)): output (h, w) is input (h // sh, w // sw), as ``F.interpolate(x, scale_factor=scale,
-    mode="nearest")``. One pass; y has x's dtype and layout, or is ``out`` (dense, (N, C, H*sh, W*sw))."""
-    P = "upsample_nearest2d"
-    xo = operand(P, "x", x, (4,), FLOAT_DTYPES)
-    sh, sw = checked_pair(P, "scale", scale, 1, what="attribute")
-    n, c, h, w = xo.shape
-    shape = (n, c, h * sh, w * sw)
-    total = n * c * h * sh * w * sw
-    with Launch(P, xo) as L:
-        y, yv, ystr, ylayout = result_of(P, L, xo, out, shape)
-        L.run(xo.dtype, "upsample_nearest", total, [
-            L.view(xo), yv, *i64(total), *i32(c, h * sh, w * sw, sh, sw), *i64(*xo.strides), *i64(*ystr), *i32(ylayout == "NHWC")])
-    return y
 
 
 # ----------------------------------------------------------------------------------------------

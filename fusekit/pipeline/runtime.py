@@ -277,7 +277,7 @@ class Pipeline:
         return run
 
     def _runner(self, i: int, s: Stage) -> Callable[[], None]:
-        from ..ops import pool
+        from ..ops import pool, resample
 
         w = self._stage_weights[i]
         y = self.views[s.output]
@@ -322,7 +322,7 @@ class Pipeline:
         if s.pattern == "upsample_nearest2d":
             f = tuple(a["scale"])
             self.engines[i] = "cupy kernel"
-            return lambda: pool.upsample_nearest2d(x, f, out=y)
+            return lambda: resample.upsample_nearest2d(x, f, out=y)
         if s.pattern == "softmax":
             ax = a["axis"]
             self.engines[i] = "cupy kernel"

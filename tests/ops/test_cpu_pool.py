@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fusekit import adapters, pool, tensors
+from fusekit.ops import resample
 from fusekit.errors import OperandError
 from helpers import rel
 from fusekit.engine import oracle
@@ -861,11 +862,11 @@ def test_host_compiled_upsample_nearest(shape, scale, layout, dtype, rng):
     """Exact (each stored value repeated), into a new array of x's layout or ``out`` of the other."""
     x, xv = host_array(rng.standard_normal(shape), dtype, layout)
     want = oracle.upsample_nearest2d_reference(xv, scale)
-    y = pool.upsample_nearest2d(x, scale)
+    y = resample.upsample_nearest2d(x, scale)
     np.testing.assert_array_equal(y.values(), want)
     assert dense_in(y, layout)
     out, _ = host_array(np.zeros(want.shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
-    assert pool.upsample_nearest2d(x, scale, out=out) is out
+    assert resample.upsample_nearest2d(x, scale, out=out) is out
     np.testing.assert_array_equal(out.values(), want)
 
 
@@ -874,10 +875,10 @@ def test_host_compiled_upsample_nearest(shape, scale, layout, dtype, rng):
 def test_upsample_nearest_refuses_a_bad_scale_and_a_wrong_out(scale, words, rng):
     x, _ = host_array(rng.standard_normal((1, 4, 2, 2)), "float32", "NHWC")
     with pytest.raises(OperandError, match=words):
-        pool.upsample_nearest2d(x, scale)
+        resample.upsample_nearest2d(x, scale)
     out, _ = host_array(np.zeros((1, 4, 2, 2)), "float32", "NHWC")
     with pytest.raises(OperandError, match="out"):
-        pool.upsample_nearest2d(x, 2, out=out)
+        resample.upsample_nearest2d(x, 2, out=out)
 
 
 @pytest.mark.usefixtures("host_launch")

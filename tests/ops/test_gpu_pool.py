@@ -14,6 +14,7 @@ F = torch.nn.functional
 
 import fusekit  # noqa: E402
 from fusekit import adapters, pool  # noqa: E402
+from fusekit.ops import resample  # noqa: E402
 from fusekit.errors import OperandError  # noqa: E402
 from helpers import float64_nchw, host64, rel  # noqa: E402
 from fusekit.engine import oracle  # noqa: E402
@@ -401,7 +402,7 @@ def test_upsample_nearest_is_torchs_exactly(lib, layout, dtype, shape, scale):
     if lib == "cupy" and dtype == "bfloat16" and not cupy_has_bf16():
         pytest.skip("this CuPy has no bfloat16")
     x = make(lib, shape, dtype, layout)
-    y = pool.upsample_nearest2d(x, scale)
+    y = resample.upsample_nearest2d(x, scale)
     want = oracle.upsample_nearest2d_reference(host64(x), scale)
     check_result(y, lib, dtype, want.shape, layout)
     sf = (scale, scale) if isinstance(scale, int) else scale
