@@ -5,7 +5,7 @@ adapter of an array (the hot path keeps per-type views of it)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import CaptureError, NoGPUError, OperandError
 from .tensors import alignment, TensorSpec
@@ -89,6 +89,10 @@ class Adapter:
     def bytes(self, nbytes: int, device: int) -> tuple[Any, int]:
         """(owner, pointer) of a device buffer of ``nbytes``, on the current stream's pool."""
         raise NotImplementedError
+
+    def kept(self, make: Callable[[], Any], device: int) -> Any:
+        """``make()``: an array fusekit keeps across calls (a workspace, cached constants)."""
+        return make()
 
     def use_device(self, device: int) -> Any:
         """Context manager making ``device`` current."""
@@ -284,6 +288,7 @@ class TorchAdapter(Adapter):
         self._dtypes = {v: k for k, v in self._names.items()}
         self._devices: dict = {}  # device index -> torch.device (empty() runs at every call)
         self._fences: dict = {}  # device -> one-element tensor the fence kernel writes
+        self._side: dict = {}  # device -> the stream kept() allocates on
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:  # the same answer without building a torch.cuda.Stream
             self.stream = raw  # type: ignore[method-assign]
@@ -332,10 +337,27 @@ class TorchAdapter(Adapter):
             fn()
         return g.replay
 
+    def kept(self, make, device):
+        """Outside a capture, made with a side stream current: a CUDA-graph memory pool that takes the
+        current stream's allocations (torch.compile's CUDA-graph trees warm up in one) must own only
+        what its graph's outputs hold, so what fusekit keeps is not taken from it. Freed later, it
+        waits for the work queued on the caller's stream."""
+        t = self.torch
+        if self.capturing(device):
+            return make()
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = t.cuda.Stream(device=device)
+        cur = t.cuda.current_stream(device)
+        with t.cuda.stream(side):
+            a = make()
+        a.record_stream(cur)
+        return a
+
     def fence(self, device):
         t = self._fences.get(device)
         if t is None:
-            t = self._fences[device] = self.torch.zeros(1, dtype=self.torch.int32, device=self._device(device))
+            t = self._fences[device] = self.kept(lambda: self.torch.zeros(1, dtype=self.torch.int32, device=self._device(device)), device)
         t.fill_(1)
 
     def describe(self, a):
@@ -364,7 +386,7 @@ class TorchAdapter(Adapter):
             return bool(self.torch.cuda.is_current_stream_capturing())
 
     def bytes(self, nbytes, device):
-        buf = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device=f"cuda:{device}")
+        buf = self.kept(lambda: self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device=f"cuda:{device}"), device)
         return buf, buf.data_ptr()
 
     def use_device(self, device):

@@ -35,7 +35,7 @@ def channel_vectors(x: Any, values: tuple[float | None, ...], c: int | None = No
     v = table.get(key)
     if v is None:
         spec = TensorSpec.build((1, c, 1, 1), "float32", int(dev), "NCHW", view=(c,))
-        v = tuple(ad.empty(spec) for _ in values)
+        v = tuple(ad.kept(lambda: ad.empty(spec), int(dev)) for _ in values)
         for t, fill in zip(v, values):
             if fill is not None:
                 t[...] = fill

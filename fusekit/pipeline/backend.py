@@ -155,6 +155,8 @@ class FusekitGraph:
     def run_segment(self, xs: list[Any], v: int, k: int) -> list[Any]:
         """Segment ``k`` of variant ``v`` on the GPU: its inputs copied into the pipeline's buffers,
         its stages replayed, its outputs copied out (fresh tensors)."""
+        import torch
+
         var = self.variants[v]
         seg = var.segments[k]
         pipe = self.pipeline(v, xs[0].device)
@@ -163,9 +165,9 @@ class FusekitGraph:
             if t.data_ptr() != view.data_ptr() or t.stride() != view.stride():
                 view.copy_(t)
         g = var.graphs[k]
-        if g is not None:
+        if g is not None and not torch.cuda.is_current_stream_capturing():
             g.replay()
-        else:
+        else:  # (inside a capture, such as Inductor's CUDA graphs under mode="reduce-overhead": its launches are captured)
             pipe.run_stages(seg.lo, seg.hi)
         return [partition.dense(pipe.views[o]) for o in seg.outputs]
 
@@ -175,6 +177,8 @@ class FusekitGraph:
         v = self.variant(x)
         var = self.variants[v]
         if var.call is None and len(var.segments) > 1:
+            if x.is_cuda:  # built and captured now, not inside the CUDA-graph pool of Inductor's warm-up
+                self.pipeline(v, x.device)
             mod = partition.partitioned_module(var.program, var.segments, self.key, v, x.device, getattr(torch, var.dtype), x.dtype)
             try:
                 compiled = inductor(mod, [x], None, self.mode)
