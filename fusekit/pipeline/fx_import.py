@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
                        _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc)
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, rename, torch_fallback, upsample_stage
 
 
 class _Importer:
@@ -37,6 +37,7 @@ class _Importer:
         # the same numbers as an (N, C, H, W) image (per-position ops on it become channel ops on that image)
         self.nhwc: dict[str, str] = {}
         self.materialized: set[str] = set()
+        self.opaque: set[str] = set()  # submodules torch.fx could not trace (left whole in the graph)
         self.shuffles: dict[str, tuple[str, int]] = {}  # a channel shuffle's last node -> (its input, groups)
         self.shuffle_inner: set[str] = set()  # the view / transpose / contiguous nodes before it
         self.stages: list[Stage] = []
@@ -128,6 +129,10 @@ class _Importer:
             same = self.same_padding_conv(node, mod)
             if same is not None:
                 return same
+            if node.target in self.opaque:
+                spliced = self.exported_submodule(node, mod)
+                if spliced is not None:
+                    return spliced
             tail = self.module_tail(node, mod)
             st = self.module_stage(node, mod)
             if st is None:
@@ -143,6 +148,32 @@ class _Importer:
                 st = self.fallback(node, self.callable_of(node), f"{getattr(t, '__name__', t)} has no fusekit rule")
             return [st]
         raise UnsupportedError(f"pipeline: unexpected fx node {node.op} {node.target}")
+
+    def exported_submodule(self, node: Any, mod: Any) -> list[Stage] | None:
+        """A submodule torch.fx could not trace (Python control flow on its input's shape, say) of one
+        image, read through torch.export for this input's fixed shape and spliced in: its stages, their
+        values named under the node's; None where export cannot read it (it stays one fallback)."""
+        from .export_import import import_exported
+
+        x = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+        if not self.is_t(x):
+            return None
+        try:
+            sub = import_exported(mod, tuple(int(d) for d in self.values[x.name].shape))
+        except UnsupportedError:
+            return None
+        if sub.output == sub.input:
+            return [Stage("identity", [x.name], node.name, name=node.name)]
+        final = {sub.input: x.name} | {s.output: node.name if s.output == sub.output else f"{node.name}.{s.output}" for s in sub.stages}
+        temp = {old: f"\0{i}" for i, old in enumerate(final)}  # through unique names: no new name is renamed again
+        for step in (temp, {temp[old]: new for old, new in final.items()}):
+            for old, new in step.items():
+                rename(sub.stages, old, new)
+            for s in sub.stages:
+                s.output = step.get(s.output, s.output)
+        for s in sub.stages:
+            s.name = f"{node.name}.{s.name}"
+        return sub.stages
 
     def same_padding_conv(self, node: Any, mod: Any) -> list[Stage] | None:
         """timm's Conv2dSame (TensorFlow's "same" padding, computed in its forward) for this fixed
@@ -535,6 +566,7 @@ def import_module(model: Any, example_input: Any) -> Program:
 
     shape = tuple(int(d) for d in (example_input.shape if hasattr(example_input, "shape") else example_input))
     m = copy.deepcopy(model).cpu().double().eval()  # float64: constants the forward computes come out exact
+    opaque: set[str] = set()
 
     class Tracer(torch.fx.Tracer):
         """fusekit.torch modules (a converted model) stay whole, as torch.nn's do; a submodule that
@@ -551,6 +583,7 @@ def import_module(model: Any, example_input: Any) -> Program:
             except Exception:  # noqa: BLE001 - what it recorded before failing has no users: removed below
                 if not path:
                     raise
+                opaque.add(path)
                 return self.create_proxy("call_module", path, args, kwargs)
 
     try:
@@ -566,6 +599,7 @@ def import_module(model: Any, example_input: Any) -> Program:
     except Exception as e:  # noqa: BLE001
         raise UnsupportedError(f"pipeline: {type(model).__name__} fails on an input of shape {shape}: {type(e).__name__}: {e}") from None
     imp = _Importer(gm, values)
+    imp.opaque = opaque
     input_name, output = imp.run()
     prog = Program(imp.stages, input_name, shape, output, "torch.fx")
     fill_shapes(prog.stages, prog.input, prog.input_shape)
