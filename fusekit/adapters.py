@@ -340,8 +340,8 @@ class TorchAdapter(Adapter):
     def kept(self, make, device):
         """Outside a capture, made with a side stream current: a CUDA-graph memory pool that takes the
         current stream's allocations (torch.compile's CUDA-graph trees warm up in one) must own only
-        what its graph's outputs hold, so what fusekit keeps is not taken from it. Freed later, it
-        waits for the work queued on the caller's stream."""
+        what its graph's outputs hold, so what fusekit keeps is not taken from it. The caller's stream
+        waits for what ``make`` queued (a fill); freed later, it waits for the caller's stream."""
         t = self.torch
         if self.capturing(device):
             return make()
@@ -351,6 +351,7 @@ class TorchAdapter(Adapter):
         cur = t.cuda.current_stream(device)
         with t.cuda.stream(side):
             a = make()
+        cur.wait_stream(side)
         a.record_stream(cur)
         return a
 

@@ -21,8 +21,8 @@ import numpy as np
 from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
-                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc)
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, rename, torch_fallback, upsample_stage
+                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, spliced)
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
 
 
 class _Importer:
@@ -162,18 +162,7 @@ class _Importer:
             sub = import_exported(mod, tuple(int(d) for d in self.values[x.name].shape))
         except UnsupportedError:
             return None
-        if sub.output == sub.input:
-            return [Stage("identity", [x.name], node.name, name=node.name)]
-        final = {sub.input: x.name} | {s.output: node.name if s.output == sub.output else f"{node.name}.{s.output}" for s in sub.stages}
-        temp = {old: f"\0{i}" for i, old in enumerate(final)}  # through unique names: no new name is renamed again
-        for step in (temp, {temp[old]: new for old, new in final.items()}):
-            for old, new in step.items():
-                rename(sub.stages, old, new)
-            for s in sub.stages:
-                s.output = step.get(s.output, s.output)
-        for s in sub.stages:
-            s.name = f"{node.name}.{s.name}"
-        return sub.stages
+        return spliced(sub, x.name, node.name)
 
     def same_padding_conv(self, node: Any, mod: Any) -> list[Stage] | None:
         """timm's Conv2dSame (TensorFlow's "same" padding, computed in its forward) for this fixed

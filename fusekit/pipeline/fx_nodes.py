@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .ir import Ref, Stage, _pair, torch_fallback
+from .ir import Program, Ref, Stage, _pair, rename, torch_fallback
 
 
 
@@ -151,3 +151,20 @@ def materialize_nhwc(made: list[Stage], nhwc: dict[str, str], materialized: set[
                 pre.append(torch_fallback(f"{n}.permute", [nhwc[n]], n, torch.permute, [Ref(nhwc[n]), (0, 2, 3, 1)],
                                           reason="an (N, H, W, C) view read by an op without a channel rule"))
     return pre + made
+
+
+def spliced(sub: Program, x: str, output: str) -> list[Stage]:
+    """The stages of ``sub`` (a submodule's program) reading value ``x`` for its input and giving
+    ``output``; its other values and its stages named under ``output``."""
+    if sub.output == sub.input:
+        return [Stage("identity", [x], output, name=output)]
+    final = {sub.input: x} | {s.output: output if s.output == sub.output else f"{output}.{s.output}" for s in sub.stages}
+    temp = {old: f"\0{i}" for i, old in enumerate(final)}  # through unique names: no new name is renamed again
+    for step in (temp, {temp[old]: new for old, new in final.items()}):
+        for old, new in step.items():
+            rename(sub.stages, old, new)
+        for s in sub.stages:
+            s.output = step.get(s.output, s.output)
+    for s in sub.stages:
+        s.name = f"{output}.{s.name}"
+    return sub.stages

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..adapters import adapter_for
 from ..errors import LayoutWarning, OperandError, TorchFallbackWarning, warn_once
 from ..ops.common import ACTIVATIONS
 # the backend, looked up as common.<name> at each call
@@ -84,7 +85,8 @@ def _zero_bias(n: int, like: torch.Tensor) -> torch.Tensor:
     table = session.current().table("zero_bias")
     z = table.get(key)
     if z is None:
-        z = table[key] = torch.zeros(n, device=like.device, dtype=like.dtype)
+        make = lambda: torch.zeros(n, device=like.device, dtype=like.dtype)  # noqa: E731
+        z = table[key] = adapter_for(like).kept(make, like.device.index) if like.is_cuda else make()
     return z
 
 
