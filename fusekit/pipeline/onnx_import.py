@@ -291,9 +291,13 @@ class _OnnxImporter:
         if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
             raise UnsupportedError(f"pipeline: ONNX Conv {n.name}: auto_pad={a['auto_pad']!r} not supported (export with explicit pads)")
         weights = {"w": self.consts[ins[1]]} | ({"b": self.consts[ins[2]]} if len(ins) > 2 and ins[2] else {})
+        t, l_, b, r = (int(p) for p in a.get("pads") or (0, 0, 0, 0))
+        if b < t or r < l_:
+            raise UnsupportedError(f"pipeline: ONNX Conv {n.name} pads {[t, l_, b, r]}: more padding before the input than after")
+        extra = {"extra_padding": (b - t, r - l_)} if (b, r) != (t, l_) else {}  # TensorFlow's "same" with an odd total
         return Stage("conv", [self.v(ins[0])], n.out, weights=weights, name=n.name, attrs=dict(
-            padding=_sym_pads(a.get("pads"), n.name), stride=tuple(a.get("strides", (1, 1))),
-            dilation=tuple(a.get("dilations", (1, 1))), groups=int(a.get("group", 1))))
+            padding=(t, l_), stride=tuple(a.get("strides", (1, 1))), dilation=tuple(a.get("dilations", (1, 1))),
+            groups=int(a.get("group", 1)), **extra))
 
     def batch_norm(self, n: _Node) -> Stage:
         if len(n.node.output) > 1 and any(n.node.output[1:]):
@@ -355,6 +359,22 @@ class _OnnxImporter:
             at["dilation"] = tuple(int(d) for d in a.get("dilations", (1, 1)))
         return Stage("maxpool" if n.op == "MaxPool" else "avgpool", [self.v(n.ins[0])], n.out, attrs=at, name=n.name)
 
+    def resize(self, n: _Node) -> Stage:
+        """Nearest Resize of an image by constant power-of-two scales over H and W (PyTorch's exporter's
+        Upsample / interpolate): an ``upsample`` stage, where ONNX's source index is dst // scale."""
+        a, ins = n.a, n.ins
+        scales = self.consts.get(ins[2]) if len(ins) > 2 and ins[2] else None
+        text = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in a.items()}
+        mode, ctm, near = text.get("mode", "nearest"), text.get("coordinate_transformation_mode", "half_pixel"), \
+            text.get("nearest_mode", "round_prefer_floor")
+        index_ok = (ctm, near) == ("asymmetric", "floor") or (ctm in ("half_pixel", "pytorch_half_pixel") and near.startswith("round"))
+        f = [float(s) for s in np.asarray(scales).reshape(-1)] if scales is not None else []
+        if mode != "nearest" or not index_ok or len(f) != 4 or f[:2] != [1.0, 1.0] or any(s < 1 or s != int(s) or int(s) & (int(s) - 1)
+                                                                                         for s in f[2:]):
+            raise UnsupportedError(f"pipeline: ONNX Resize {n.name}: only mode=nearest by constant power-of-two scales of H and W is "
+                                   f"supported (mode={mode}, coordinate_transformation_mode={ctm}, nearest_mode={near}, scales={f or None})")
+        return Stage("upsample", [self.v(ins[0])], n.out, attrs={"scale": (int(f[2]), int(f[3]))}, name=n.name)
+
     def global_pool(self, n: _Node) -> Stage:
         return Stage("gap", [self.v(n.ins[0])], n.out, name=n.name)
 
@@ -410,7 +430,7 @@ class _OnnxImporter:
     RULES: dict[str, Callable[["_OnnxImporter", _Node], Any]] = {
         "Conv": conv, "BatchNormalization": batch_norm, "Relu": relu, "Clip": relu, "Mul": mul, "ReduceMean": reduce_mean,
         "Squeeze": squeeze, "Add": add, "MaxPool": pool, "AveragePool": pool, "GlobalAveragePool": global_pool, "Flatten": flatten,
-        "Reshape": flatten, "Gemm": gemm, "MatMul": matmul, "Softmax": softmax, "Split": split,
+        "Reshape": flatten, "Gemm": gemm, "MatMul": matmul, "Softmax": softmax, "Split": split, "Resize": resize,
     }
 
     # -- PyTorch fallbacks -------------------------------------------------------------------

@@ -266,6 +266,43 @@ def test_onnx_node_without_a_pattern_is_a_fallback_and_activations_fuse(rng):
 
 
 @needs_onnx
+@pytest.mark.parametrize(("ctm", "nearest"), [("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil")])
+def test_onnx_asymmetric_pads_and_nearest_resize_match_the_onnx_reference_evaluator(rng, ctm, nearest):
+    """A Conv with more padding after than before (TensorFlow's "same") lowers with extra_padding; a
+    nearest Resize by power-of-two scales to an upsample stage; float64 equals ONNX's own evaluator.
+    A Resize that is not nearest, or pads heavier before, is refused by name."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    def model(pads, mode="nearest", scales=(1.0, 1.0, 4.0, 2.0)):
+        w = numpy_helper.from_array(rng.standard_normal((6, 3, 3, 3)), "w")
+        sc = numpy_helper.from_array(np.asarray(scales, np.float32), "scales")
+        graph = helper.make_graph([
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=pads, strides=[2, 2], kernel_shape=[3, 3], name="conv"),
+            helper.make_node("Relu", ["c"], ["r"], name="relu"),
+            helper.make_node("Resize", ["r", "", "scales"], ["y"], mode=mode, coordinate_transformation_mode=ctm, nearest_mode=nearest,
+                             name="up")], "g",
+            [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3, 10, 9])], [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)],
+            [w, sc])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    m = model([0, 1, 1, 2])
+    prog = fp.lower_model(m, (2, 3, 10, 9))
+    assert [s.pattern for s in prog.stages] == ["conv_bias_act", "upsample_nearest2d"], str(prog)
+    assert prog.stages[0].attrs["extra_padding"] == (1, 1) and prog.stages[1].attrs["scale"] == (4, 2)
+    x = rng.standard_normal((2, 3, 10, 9))
+    (want,) = ReferenceEvaluator(m).run(None, {"x": x})
+    got = fp.Pipeline(prog).reference(x)
+    assert got.shape == want.shape and rel_max(got, want) < 1e-13
+    with pytest.raises(UnsupportedError, match="Resize up: only mode=nearest"):
+        fp.lower_model(model([1, 1, 1, 1], mode="linear"), (2, 3, 10, 9))
+    with pytest.raises(UnsupportedError, match="Resize up: only mode=nearest"):
+        fp.lower_model(model([1, 1, 1, 1], scales=(1.0, 1.0, 3.0, 3.0)), (2, 3, 10, 9))
+    with pytest.raises(UnsupportedError, match="Conv conv pads .*more padding before"):
+        fp.lower_model(model([1, 1, 0, 0]), (2, 3, 10, 9))
+
+
+@needs_onnx
 def test_onnx_dilated_max_pool_matches_the_onnx_reference_evaluator(rng):
     """An ONNX MaxPool with dilations and pads lowers to fusekit's max_pool2d stage; its float64 output
     equals ONNX's own reference evaluator. AveragePool dilations and ceil_mode stay refused by name."""
