@@ -117,10 +117,12 @@ def _zero_pad_before(c: _Ctx, s: Stage) -> Any:
     p = c.single_use(s.inputs[0], "torch")
     if p is None or p.attrs.get("op") not in ("pad", "constant_pad_nd") or len(p.inputs) != 1:
         return None
+    names = ("input", "pad", "value") if p.attrs["op"] == "constant_pad_nd" else ("input", "pad", "mode", "value")
     args, kw = list(p.attrs.get("args", ())), dict(p.attrs.get("kwargs") or {})
-    pads, rest = (args[1] if len(args) > 1 else kw.pop("pad", None)), args[2:]
-    mode, value = (rest + [kw.pop("mode", "constant"), kw.pop("value", 0.0)])[:2] if rest else (kw.pop("mode", "constant"), kw.pop("value", 0.0))
-    if len(rest) > 2 or kw or mode != "constant" or value not in (0, None) or not isinstance(pads, (list, tuple)) or len(pads) != 4:
+    a = dict(zip(names, args)) | kw
+    pads = a.get("pad")
+    if len(args) > len(names) or set(a) - set(names) or a.get("mode", "constant") != "constant" or a.get("value", 0.0) not in (0, None) \
+            or not isinstance(pads, (list, tuple)) or len(pads) != 4:
         return None
     left, right, top, bottom = (int(v) for v in pads)
     if min(left, top) < 0 or right < left or bottom < top:

@@ -725,3 +725,20 @@ def test_nearest_upsampling_by_powers_of_two_is_a_fusekit_kernel(scale, mode, fu
     assert len(ups) == (2 if fused else 0) and any(s.fallback for s in prog.stages) != fused, str(prog)
     want = m.double()(torch.from_numpy(x)).detach().numpy()
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
+def test_a_constant_pad_nd_folds_as_f_pad_does():
+    """aten.constant_pad_nd(x, pad, value) (no mode argument) folds into the conv after it as F.pad's
+    constant zero pad does; a non-zero value does not."""
+    from fusekit.pipeline.ir import Ref, Stage, torch_fallback
+
+    def prog(value):
+        pad = torch_fallback("pad", ["x"], "p", torch.constant_pad_nd, [Ref("x"), [0, 1, 0, 1], value])
+        pad.attrs["op"] = "constant_pad_nd"
+        conv = Stage("conv", ["p"], "y", weights={"w": np.ones((2, 3, 3, 3))},
+                     attrs=dict(padding=(0, 0), stride=(2, 2), dilation=(1, 1), groups=1), name="conv")
+        return fp.lower(fp.Program([pad, conv], "x", (1, 3, 6, 6), "y"))
+
+    folded = prog(0.0)
+    assert [s.pattern for s in folded.stages] == ["conv_bias_act"] and folded.stages[0].attrs["extra_padding"] == (1, 1)
+    assert [s.pattern for s in prog(2.0).stages] == ["torch", "conv_bias"]
