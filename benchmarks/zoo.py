@@ -33,7 +33,8 @@ TORCHVISION_CNNS = [
 ]
 TIMM_CNNS = ["timm:resnet50d", "timm:efficientnet_b0", "timm:mobilenetv3_large_100", "timm:regnety_016", "timm:rexnet_100",
              "timm:ecaresnet50t", "timm:cspresnet50", "timm:densenet121", "timm:convnext_nano", "timm:ghostnet_100",
-             "timm:mixnet_s", "timm:dla34", "timm:resnest14d", "timm:skresnet18", "timm:nfnet_l0"]
+             "timm:mixnet_s", "timm:dla34", "timm:resnest14d", "timm:skresnet18", "timm:nfnet_l0", "timm:tf_efficientnet_b0",
+             "timm:hrnet_w18_small", "timm:inception_v3"]
 
 
 def log(msg: str) -> None:
