@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
 from .ir import _pair as ir_pair
 
 #: ATen activations (in-place forms too) -> (fusekit activation, alpha from the node's arguments).
@@ -300,10 +300,8 @@ class ExportReader:
             st = upsample_stage(name, x.name, name, self.shape(x), self.shape(node))
             return None if st is None else [st]
         if op == "adaptive_avg_pool2d" and rank == 4:
-            out = tuple(self.shape(node)[2:])
-            if out == (1, 1):
-                return [Stage("gap", [x.name], name, name=name)]
-            return [Stage("identity", [x.name], name, name=name)] if out == self.shape(x)[2:] else None
+            st = adaptive_avg_stage(name, x.name, name, self.shape(x)[2:], self.shape(node)[2:])
+            return None if st is None else [st]
         if op == "mean" and rank == 4 and sorted(int(d) % 4 for d in a.get("dim") or ()) == [2, 3] and a.get("dtype") is None:
             if a.get("keepdim"):
                 return [Stage("gap", [x.name], name, name=name)]

@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
                        _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, spliced)
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
 
 
 class _Importer:
@@ -362,13 +362,10 @@ class _Importer:
         return None
 
     def adaptive_avg(self, x: Any, name: str) -> Stage | None:
-        """Global average pooling, or nothing to do (output size = input size); other sizes: fallback."""
-        hw_in, hw_out = tuple(self.values[x.name].shape[2:]), tuple(self.values[name].shape[2:])
+        """An image's adaptive average pool as ``ir.adaptive_avg_stage`` lowers it; other sizes: fallback."""
         if self.values[x.name].dim() != 4:
             return None
-        if hw_out == (1, 1):
-            return Stage("gap", [x.name], name, name=name)
-        return Stage("identity", [x.name], name, name=name) if hw_out == hw_in else None
+        return adaptive_avg_stage(name, x.name, name, self.values[x.name].shape[2:], self.values[name].shape[2:])
 
     def function_activation(self, node: Any) -> tuple[str, float] | None:
         import torch

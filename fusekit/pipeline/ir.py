@@ -398,6 +398,24 @@ def upsample_stage(name: str, x: str, output: str, in_shape: Any, out_shape: Any
     return Stage("upsample", [x], output, attrs={"scale": tuple(scale)}, name=name)
 
 
+def adaptive_avg_stage(name: str, x: str, output: str, in_hw: Any, out_hw: Any) -> Stage | None:
+    """An adaptive average pool of an image from ``in_hw`` to ``out_hw`` as what it is for those sizes:
+    a global mean, nothing (the same size), an average pool of whole in/out windows, or (each window
+    one pixel) a nearest upsampling by out/in; None for other sizes."""
+    (h, w), (oh, ow) = (tuple(int(d) for d in in_hw), tuple(int(d) for d in out_hw))
+    if (oh, ow) == (1, 1):
+        return Stage("gap", [x], output, name=name)
+    if (oh, ow) == (h, w):
+        return Stage("identity", [x], output, name=name)
+    if h % oh == 0 and w % ow == 0:
+        k = (h // oh, w // ow)
+        return Stage("avgpool", [x], output, attrs=dict(kernel_size=k, stride=k, padding=(0, 0), count_include_pad=True, ceil_mode=False,
+                                                       divisor_override=None), name=name)
+    if oh % h == 0 and ow % w == 0:
+        return Stage("upsample", [x], output, attrs={"scale": (oh // h, ow // w)}, name=name)
+    return None
+
+
 def channel_shuffle_stage(name: str, x: str, output: str, groups: int) -> Stage:
     """ShuffleNet's channel shuffle as one ``shuffle`` stage (the fx, export and ONNX routes' view /
     reshape, transpose and view back, which would be three copies): one pass of fusekit's kernel."""

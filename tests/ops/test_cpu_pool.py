@@ -857,7 +857,7 @@ def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
 @pytest.mark.usefixtures("host_launch")
 @pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-@pytest.mark.parametrize("shape, scale", [((2, 3, 3, 2), 2), ((1, 4, 2, 3), (4, 2)), ((1, 2, 2, 1), (1, 8))])
+@pytest.mark.parametrize("shape, scale", [((2, 3, 3, 2), 2), ((1, 4, 2, 3), (4, 2)), ((1, 2, 2, 1), (1, 8)), ((1, 3, 2, 2), (3, 1))])
 def test_host_compiled_upsample_nearest(shape, scale, layout, dtype, rng):
     """Exact (each stored value repeated), into a new array of x's layout or ``out`` of the other."""
     x, xv = host_array(rng.standard_normal(shape), dtype, layout)

@@ -742,3 +742,20 @@ def test_a_constant_pad_nd_folds_as_f_pad_does():
     folded = prog(0.0)
     assert [s.pattern for s in folded.stages] == ["conv_bias_act"] and folded.stages[0].attrs["extra_padding"] == (1, 1)
     assert [s.pattern for s in prog(2.0).stages] == ["torch", "conv_bias"]
+
+
+@pytest.mark.parametrize("importer", ["fx", "export"])
+@pytest.mark.parametrize(("hw", "out", "kind"), [((8, 6), (4, 3), "avgpool"), ((2, 3), (4, 9), "upsample"), ((4, 4), (4, 4), None),
+                                                  ((5, 5), (3, 3), "torch"), ((2, 2), (7, 7), "torch")])
+def test_adaptive_average_pools_of_whole_windows_are_pools_or_upsamplings(hw, out, kind, importer):
+    """AdaptiveAvgPool2d where the input size is a multiple of the output's: an average pool of whole
+    windows; where the output's is a multiple of the input's (each window one pixel): a nearest
+    upsampling; the same size: nothing; other sizes stay PyTorch. Float64 as eager."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 1), nn.AdaptiveAvgPool2d(out), nn.ReLU()).eval()
+    x = np.random.default_rng(5).standard_normal((2, 3, *hw))
+    prog = fp.lower_model(m, x.shape, importer=importer)
+    kinds = [s.kind for s in prog.stages]
+    assert (kind in kinds if kind else len(kinds) == 1), str(prog)
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
