@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc
-from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, pool_stage, torch_fallback, upsample_stage
 from .ir import _pair as ir_pair
 
 #: ATen activations (in-place forms too) -> (fusekit activation, alpha from the node's arguments).
@@ -306,15 +306,10 @@ class ExportReader:
             if a.get("keepdim"):
                 return [Stage("gap", [x.name], name, name=name)]
             return [Stage("gap", [x.name], name + "__pooled", name=name), Stage("flatten", [name + "__pooled"], name, name=name)]
-        if op == "max_pool2d" and rank == 4:
-            k = _pair(a["kernel_size"])
-            return [Stage("maxpool", [x.name], name, attrs=dict(kernel_size=k, stride=_pair(a.get("stride"), k), padding=_pair(a.get("padding"), (0, 0)),
-                                                              ceil_mode=bool(a.get("ceil_mode")), dilation=_pair(a.get("dilation"), (1, 1))), name=name)]
-        if op == "avg_pool2d" and rank == 4:
-            k = _pair(a["kernel_size"])
-            return [Stage("avgpool", [x.name], name, attrs=dict(
-                kernel_size=k, stride=_pair(a.get("stride"), k), padding=_pair(a.get("padding"), (0, 0)), ceil_mode=bool(a.get("ceil_mode")),
-                count_include_pad=bool(a.get("count_include_pad", True)), divisor_override=a.get("divisor_override")), name=name)]
+        if op in ("max_pool2d", "avg_pool2d") and rank == 4:
+            return [pool_stage("maxpool" if op == "max_pool2d" else "avgpool", x.name, name, a["kernel_size"], a.get("stride"),
+                               _pair(a.get("padding"), (0, 0)), bool(a.get("ceil_mode")), dilation=_pair(a.get("dilation"), (1, 1)),
+                               count_include_pad=bool(a.get("count_include_pad", True)), divisor_override=a.get("divisor_override"), name=name)]
         if op in ("flatten", "view", "reshape", "_unsafe_view") and rank == 4 and self.shape(node) == (self.shape(x)[0], math.prod(self.shape(x)[1:])):
             return [Stage("flatten", [x.name], name, name=name)]
         if op == "linear" and rank == 2 and self.const(a.get("weight")) is not None:

@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
                        _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, spliced)
-from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, pool_stage, torch_fallback, upsample_stage
 
 
 class _Importer:
@@ -340,12 +340,10 @@ class _Importer:
             return bn_stage(x.name, name, mod.running_mean, mod.running_var, mod.weight if mod.affine else None,
                            mod.bias if mod.affine else None, mod.eps)
         if isinstance(mod, nn.MaxPool2d) and not mod.return_indices:
-            return Stage("maxpool", [x.name], name, attrs=dict(kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size),
-                                                             padding=_p(mod.padding), ceil_mode=bool(mod.ceil_mode), dilation=_p(mod.dilation)), name=name)
+            return pool_stage("maxpool", x.name, name, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode, dilation=mod.dilation)
         if isinstance(mod, nn.AvgPool2d):
-            return Stage("avgpool", [x.name], name, attrs=dict(
-                kernel_size=_p(mod.kernel_size), stride=_p(mod.stride or mod.kernel_size), padding=_p(mod.padding),
-                count_include_pad=bool(mod.count_include_pad), ceil_mode=bool(mod.ceil_mode), divisor_override=mod.divisor_override), name=name)
+            return pool_stage("avgpool", x.name, name, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
+                              count_include_pad=mod.count_include_pad, divisor_override=mod.divisor_override)
         if isinstance(mod, nn.AdaptiveAvgPool2d):
             return self.adaptive_avg(x, name)
         if isinstance(mod, nn.Upsample) and mod.mode == "nearest":
@@ -482,12 +480,9 @@ class _Importer:
         v = {k: self.template(self.arg(node, i + 1, k, dflt.get(k))) for i, k in enumerate(keys)}
         if self.values[node.args[0].name].dim() != 4 or v.get("return_indices") or any(isinstance(e, Ref) for e in v.values()):
             return None
-        common = dict(kernel_size=_p(v["kernel_size"]), stride=_p(v["stride"] or v["kernel_size"]), padding=_p(v["padding"]),
-                      ceil_mode=bool(v["ceil_mode"]))
-        if avg:
-            return Stage("avgpool", [node.args[0].name], node.name, attrs=common | dict(
-                count_include_pad=bool(v["count_include_pad"]), divisor_override=v["divisor_override"]), name=node.name)
-        return Stage("maxpool", [node.args[0].name], node.name, attrs=common | dict(dilation=_p(v["dilation"])), name=node.name)
+        return pool_stage("avgpool" if avg else "maxpool", node.args[0].name, node.name, v["kernel_size"], v["stride"], v["padding"], v["ceil_mode"],
+                          dilation=v.get("dilation", 1), count_include_pad=v.get("count_include_pad", True),
+                          divisor_override=v.get("divisor_override"))
 
     def functional_bn(self, node: Any) -> Stage | None:
         """``F.batch_norm`` in eval (running statistics given, training False) as nn.BatchNorm2d's stage."""

@@ -151,6 +151,19 @@ def pool_out_hw(h: int, w: int, kernel, stride, padding, ceil_mode: bool = False
     return g.ho, g.wo
 
 
+def pool_stage(kind: str, x: str, output: str, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False, *,
+               dilation: Any = 1, count_include_pad: bool = True, divisor_override: int | None = None, name: str = "") -> Stage:
+    """A ``maxpool`` (with ``dilation``) or ``avgpool`` (with ``count_include_pad``, ``divisor_override``)
+    stage as torch.nn's pooling modules define one; no stride (None or empty): the kernel's."""
+    k = _pair(kernel_size)
+    attrs: dict[str, Any] = dict(kernel_size=k, stride=_pair(stride) if stride else k, padding=_pair(padding), ceil_mode=bool(ceil_mode))
+    if kind == "maxpool":
+        attrs["dilation"] = _pair(dilation)
+    else:
+        attrs.update(count_include_pad=bool(count_include_pad), divisor_override=divisor_override)
+    return Stage(kind, [x], output, attrs=attrs, name=name or output)
+
+
 def pool_options(s: Stage) -> dict[str, Any]:
     """A maxpool / avgpool stage's options as fusekit.pool's functions and references take them:
     ceil_mode, and dilation (max) or count_include_pad and divisor_override (average)."""
@@ -408,9 +421,7 @@ def adaptive_avg_stage(name: str, x: str, output: str, in_hw: Any, out_hw: Any) 
     if (oh, ow) == (h, w):
         return Stage("identity", [x], output, name=name)
     if h % oh == 0 and w % ow == 0:
-        k = (h // oh, w // ow)
-        return Stage("avgpool", [x], output, attrs=dict(kernel_size=k, stride=k, padding=(0, 0), count_include_pad=True, ceil_mode=False,
-                                                       divisor_override=None), name=name)
+        return pool_stage("avgpool", x, output, (h // oh, w // ow), name=name)
     if oh % h == 0 and ow % w == 0:
         return Stage("upsample", [x], output, attrs={"scale": (oh // h, ow // w)}, name=name)
     return None

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import OperandError, UnsupportedError
-from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, torch_fallback
+from .ir import Program, Ref, Stage, channel_shuffle_stage, fill_shapes, pool_stage, torch_fallback
 
 
 def load(model: Any) -> Any:
@@ -351,13 +351,11 @@ class _OnnxImporter:
         a = n.a
         if (any(d != 1 for d in a.get("dilations", (1, 1))) and n.op == "AveragePool") or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
             raise UnsupportedError(f"pipeline: ONNX {n.op} {n.name}: auto_pad and AveragePool's dilations are not supported")
-        at = dict(kernel_size=tuple(a["kernel_shape"]), stride=tuple(a.get("strides", (1, 1))), padding=_sym_pads(a.get("pads"), n.name),
-                  ceil_mode=bool(a.get("ceil_mode", 0)))  # PyTorch's output size is checked against ONNX's in finish()
-        if n.op == "AveragePool":
-            at["count_include_pad"] = bool(a.get("count_include_pad", 0))
-        else:
-            at["dilation"] = tuple(int(d) for d in a.get("dilations", (1, 1)))
-        return Stage("maxpool" if n.op == "MaxPool" else "avgpool", [self.v(n.ins[0])], n.out, attrs=at, name=n.name)
+        # (PyTorch's output size is checked against ONNX's in finish())
+        return pool_stage("maxpool" if n.op == "MaxPool" else "avgpool", self.v(n.ins[0]), n.out, tuple(a["kernel_shape"]),
+                          tuple(a.get("strides", (1, 1))), _sym_pads(a.get("pads"), n.name), bool(a.get("ceil_mode", 0)),
+                          dilation=tuple(int(d) for d in a.get("dilations", (1, 1))), count_include_pad=bool(a.get("count_include_pad", 0)),
+                          name=n.name)
 
     def resize(self, n: _Node) -> Stage:
         """Nearest Resize of an image by constant power-of-two scales over H and W (PyTorch's exporter's
