@@ -838,6 +838,17 @@ def test_host_compiled_channel_layer_norm(shape, layout, dtype, rng):
     assert rel(out.values(), oracle.channel_layer_norm_reference(xv)) < tol
 
 
+def _exact_new_and_into_out(run, want, layout, dtype):
+    """``run(out)`` of a kernel that copies stored values: with out None a new array dense in
+    ``layout``, then into ``out`` of the other layout (returned as is); both exactly ``want``."""
+    y = run(None)
+    np.testing.assert_array_equal(y.values(), want)
+    assert dense_in(y, layout)
+    out, _ = host_array(np.zeros(want.shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
+    assert run(out) is out
+    np.testing.assert_array_equal(out.values(), want)
+
+
 @pytest.mark.usefixtures("host_launch")
 @pytest.mark.parametrize("dtype", pool.FLOAT_DTYPES)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -845,13 +856,7 @@ def test_host_compiled_channel_layer_norm(shape, layout, dtype, rng):
 def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
     """Exact (a permutation of the stored values), into a new array of x's layout or ``out`` of the other."""
     x, xv = host_array(rng.standard_normal(shape), dtype, layout)
-    want = oracle.channel_shuffle_reference(xv, groups)
-    y = pool.channel_shuffle(x, groups)
-    np.testing.assert_array_equal(y.values(), want)
-    assert dense_in(y, layout)
-    out, _ = host_array(np.zeros(shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
-    assert pool.channel_shuffle(x, groups, out=out) is out
-    np.testing.assert_array_equal(out.values(), want)
+    _exact_new_and_into_out(lambda out: pool.channel_shuffle(x, groups, out=out), oracle.channel_shuffle_reference(xv, groups), layout, dtype)
 
 
 @pytest.mark.usefixtures("host_launch")
@@ -861,13 +866,8 @@ def test_host_compiled_channel_shuffle(shape, groups, layout, dtype, rng):
 def test_host_compiled_upsample_nearest(shape, scale, layout, dtype, rng):
     """Exact (each stored value repeated), into a new array of x's layout or ``out`` of the other."""
     x, xv = host_array(rng.standard_normal(shape), dtype, layout)
-    want = oracle.upsample_nearest2d_reference(xv, scale)
-    y = resample.upsample_nearest2d(x, scale)
-    np.testing.assert_array_equal(y.values(), want)
-    assert dense_in(y, layout)
-    out, _ = host_array(np.zeros(want.shape), dtype, "NCHW" if layout == "NHWC" else "NHWC")
-    assert resample.upsample_nearest2d(x, scale, out=out) is out
-    np.testing.assert_array_equal(out.values(), want)
+    _exact_new_and_into_out(lambda out: resample.upsample_nearest2d(x, scale, out=out), oracle.upsample_nearest2d_reference(xv, scale),
+                            layout, dtype)
 
 
 @pytest.mark.usefixtures("host_launch")
