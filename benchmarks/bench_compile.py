@@ -128,7 +128,8 @@ def train_ms(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, iter
         return None, None, None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def train_record(name: str, batch: int, iters: int, trials: int, max_autotune: bool) -> dict[str, Any]:
+def train_record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, save: Any) -> dict[str, Any]:
+    """The training record of ``name``, passed to ``save`` after each variant (a timeout keeps what was measured)."""
     rec: dict[str, Any] = {"model": name, "mode": "training", "phase": "training", "batch": batch, "precision": "amp-fp16"}
     m = build_model(name).to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, *image_size(name), device="cuda").contiguous(memory_format=torch.channels_last)
@@ -141,10 +142,12 @@ def train_record(name: str, batch: int, iters: int, trials: int, max_autotune: b
         rec[f"{key}_ms"], rec[f"{key}_compile_s"], rec[f"{key}_grad_rel_err"] = ms, s, err
         if fail:
             rec[f"{key}_error"] = fail
+        save(rec)
     return rec
 
 
-def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, reduce_overhead: bool = False) -> dict[str, Any]:
+def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, reduce_overhead: bool, save: Any) -> dict[str, Any]:
+    """The inference record of ``name`` at ``batch``, passed to ``save`` after each variant."""
     rec: dict[str, Any] = {"model": name, "mode": "inference", "phase": "inference", "batch": batch}
     m = build_model(name)
     half = copy.deepcopy(m).half().to(memory_format=torch.channels_last)
@@ -160,6 +163,7 @@ def record(name: str, batch: int, iters: int, trials: int, max_autotune: bool, r
         rec.update(checked)
         if err:
             rec[f"{key}_error"] = err
+        save(rec)
     return rec
 
 
@@ -252,9 +256,9 @@ def main(argv: list[str] | None = None) -> None:
 
     for name in args.models:
         for b in args.batches if args.inference else []:
-            save(record(name, b, args.iters, args.trials, args.max_autotune, args.reduce_overhead))
+            record(name, b, args.iters, args.trials, args.max_autotune, args.reduce_overhead, save)
         if args.training:
-            save(train_record(name, args.train_batch, args.iters, args.trials, args.max_autotune))
+            train_record(name, args.train_batch, args.iters, args.trials, args.max_autotune, save)
     plot([r for r in recs if r["phase"] == "inference"], stem + ".png")
     print(markdown(recs, meta))
 
