@@ -151,7 +151,7 @@ def compiled_peer(rec: dict, half: torch.nn.Module, x: torch.Tensor, iters: int,
     torch._dynamo.reset()
     t0 = time.perf_counter()
     try:
-        c = torch.compile(half, mode="max-autotune")
+        c = torch.compile(half, mode="max-autotune", dynamic=False)
         with torch.no_grad():
             for _ in range(3):
                 c(x)
