@@ -329,7 +329,7 @@ def main() -> None:
 
         models = args.models.split(",") if args.models else zoo.TORCHVISION_CNNS + zoo.TIMM_CNNS
         zoo.run(args.out, models, [int(b) for b in args.batches.split(",")], args.iters, args.trials,
-                set(filter(None, args.max_autotune.split(","))), args.append)
+                set(filter(None, args.max_autotune.split(","))), args.append, args.autotune)
         return
     cases = CASES[:1] if args.quick else CASES
     if args.cases:
