@@ -230,15 +230,18 @@ pattern, arrays, out, attrs, ref, plan = chosen
 expected = ref(arrays, attrs)
 torch.cuda.synchronize()
 
-# No room on this stream: fill every free block the allocator holds for it, then cap the process at
-# what it has reserved, so the workspace needs memory the cap refuses.
+# No room: fill every free block the allocator holds, on the stream whose pool holds it (fusekit
+# allocates workspaces on a side stream of its own), then cap the process at what it has reserved,
+# so the workspace needs memory the cap refuses.
 torch.cuda.empty_cache()
-cur, fillers = torch.cuda.current_stream().cuda_stream, []
+fillers = []
 for _ in range(256):
-    free = [b["size"] for s in torch.cuda.memory_snapshot() if s["stream"] == cur for b in s["blocks"] if b["state"] == "inactive"]
+    free = [(b["size"], s["stream"]) for s in torch.cuda.memory_snapshot() for b in s["blocks"] if b["state"] == "inactive"]
     if not free:
         break
-    fillers.append(torch.empty(max(free), dtype=torch.uint8, device="cuda"))
+    size, stream = max(free)
+    with torch.cuda.stream(torch.cuda.default_stream() if stream == 0 else torch.cuda.ExternalStream(stream)):
+        fillers.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
 total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction(min(1.0, torch.cuda.memory_reserved() / total), 0)
 try:
