@@ -158,6 +158,49 @@ def test_modules_and_functions_stay_small():
     assert not long_modules and not long_functions, long_modules + long_functions
 
 
+#: Where runtime state may live: the session owner and the adapter registry.
+STATE_OWNERS = {"session.py", "adapters.py"}
+_MUTATORS = {"append", "add", "update", "pop", "popitem", "setdefault", "clear", "extend", "insert", "remove", "discard"}
+
+
+def _module_tables(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to a dict, list or set (literal, comprehension or call)."""
+    kinds = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    calls = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
+    names = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        call = isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None)) in calls
+        if value is not None and (isinstance(value, kinds) or call):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_module_level_tables_are_constants_outside_the_session_owner():
+    """Runtime state lives in fusekit.session (and the adapter registry): a module-level dict, list or
+    set anywhere else is a constant table, never written (no item assignment, del or mutating call
+    on it in its own module)."""
+    written = []
+    for p in FILES:
+        if p.name in STATE_OWNERS and p.parent == ROOT:
+            continue
+        tree = ast.parse(p.read_text())
+        tables = _module_tables(tree) - {"__all__"}
+        for node in ast.walk(tree):
+            target = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                        target = t.value.id
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS \
+                    and isinstance(node.func.value, ast.Name):
+                target = node.func.value.id
+            if target in tables:
+                written.append(f"{p.relative_to(ROOT)}:{node.lineno}: {target}")
+    assert not written, "module-level tables written outside fusekit.session:\n" + "\n".join(written)
+
+
 def test_the_capture_watch_plugin_wraps_names_that_exist():
     """benchmarks/probes/capture_watch.py (the device runs' pytest plugin) wraps fusekit functions by
     name at import: a renamed one would stop the whole GPU suite before it starts."""
