@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UnsupportedError
 from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc
-from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, pool_stage, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, conv_padding, fill_shapes, pool_stage, torch_fallback, upsample_stage
 from .ir import _pair as ir_pair
 
 #: ATen activations (in-place forms too) -> (fusekit activation, alpha from the node's arguments).
@@ -275,15 +275,16 @@ class ExportReader:
             return [Stage("act", [x.name], name, attrs={"activation": act[0], "alpha": act[1]}, name=name)]
         if op in _IDENTITIES or base in _IDENTITIES:
             return [Stage("identity", [x.name], name, name=name)] if not a.get("train", False) else None
-        if op == "conv2d" and self.const(a.get("weight")) is not None and not isinstance(a.get("padding", 0), str):
+        if op == "conv2d" and self.const(a.get("weight")) is not None:
             w = {"w": _np(self.const(a["weight"]))}
             if a.get("bias") is not None:
                 if self.const(a["bias"]) is None:
                     return None
                 w["b"] = _np(self.const(a["bias"]))
+            dilation = _pair(a.get("dilation"), (1, 1))
             return [Stage("conv", [x.name], name, weights=w, attrs=dict(
-                padding=_pair(a.get("padding"), (0, 0)), stride=_pair(a.get("stride"), (1, 1)), dilation=_pair(a.get("dilation"), (1, 1)),
-                groups=int(a.get("groups", 1))), name=name)]
+                conv_padding(a.get("padding", 0), tuple(w["w"].shape[2:]), dilation), stride=_pair(a.get("stride"), (1, 1)),
+                dilation=dilation, groups=int(a.get("groups", 1))), name=name)]
         if op == "batch_norm" and not a.get("training") and rank == 4:
             return self.bn(x, name, a)
         if base in ("add", "mul") and self.value(a.get("other")) and a.get("alpha", 1) == 1:

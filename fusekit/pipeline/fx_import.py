@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
                        _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, spliced)
-from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, fill_shapes, pool_stage, torch_fallback, upsample_stage
+from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, conv_padding, fill_shapes, pool_stage, torch_fallback, upsample_stage
 
 
 class _Importer:
@@ -332,10 +332,10 @@ class _Importer:
         act = module_activation(mod)
         if act is not None:
             return Stage("act", [x.name], name, attrs={"activation": act[0], "alpha": act[1]}, name=name)
-        if isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros" and not isinstance(mod.padding, str):
+        if isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros":
             w = {"w": _np(mod.weight)} | ({"b": _np(mod.bias)} if mod.bias is not None else {})
-            return Stage("conv", [x.name], name, weights=w, attrs=dict(padding=tuple(mod.padding), stride=tuple(mod.stride),
-                                                                         dilation=tuple(mod.dilation), groups=mod.groups), name=name)
+            return Stage("conv", [x.name], name, weights=w, attrs=dict(conv_padding(mod.padding, mod.kernel_size, mod.dilation),
+                                                                         stride=tuple(mod.stride), dilation=tuple(mod.dilation), groups=mod.groups), name=name)
         if isinstance(mod, nn.BatchNorm2d) and mod.track_running_stats and mod.running_mean is not None:
             return bn_stage(x.name, name, mod.running_mean, mod.running_var, mod.weight if mod.affine else None,
                            mod.bias if mod.affine else None, mod.eps)
@@ -442,20 +442,20 @@ class _Importer:
 
     def functional_conv(self, node: Any) -> Stage | None:
         """``F.conv2d`` of an image with constant weights (a weight-standardized conv computes them from
-        its parameters, a constant in eval) as nn.Conv2d's stage; zero or int / pair padding only."""
+        its parameters, a constant in eval) as nn.Conv2d's stage."""
         import torch
 
         a = self.arg
         w, b = self.template(a(node, 1, "weight")), self.template(a(node, 2, "bias"))
         stride, padding, dilation, groups = (self.template(a(node, i, k, d)) for i, k, d in
                                              ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1)))
-        if not isinstance(w, torch.Tensor) or w.dim() != 4 or not (b is None or isinstance(b, torch.Tensor)) or isinstance(padding, str):
+        if not isinstance(w, torch.Tensor) or w.dim() != 4 or not (b is None or isinstance(b, torch.Tensor)):
             return None
         if self.values[node.args[0].name].dim() != 4:
             return None
         weights = {"w": _np(w)} | ({"b": _np(b)} if b is not None else {})
         return Stage("conv", [node.args[0].name], node.name, weights=weights, attrs=dict(
-            padding=_p(padding), stride=_p(stride), dilation=_p(dilation), groups=int(groups)), name=node.name)
+            conv_padding(padding, tuple(w.shape[2:]), dilation), stride=_p(stride), dilation=_p(dilation), groups=int(groups)), name=node.name)
 
     def functional_linear(self, node: Any) -> Stage | None:
         """``F.linear`` of a (N, features) value with constant weights (timm's Linear) as nn.Linear's stage."""

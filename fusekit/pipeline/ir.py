@@ -139,6 +139,22 @@ def conv_out_hw(h: int, w: int, kernel, padding, stride, dilation, extra=(0, 0))
     return conv_out_size(h, r, ph, sh, dh, eh), conv_out_size(w, s, pw, sw, dw, ew)
 
 
+def conv_padding(padding: Any, kernel: Any, dilation: Any = 1) -> dict[str, tuple[int, int]]:
+    """A conv stage's padding attributes for PyTorch's ``padding``: an int or pair, or the strings
+    "valid" (none) and "same" (stride 1: d * (k - 1) rows in all, the odd one after the input, as
+    PyTorch pads), the one-sided part as ``extra_padding``."""
+    if not isinstance(padding, str):
+        return {"padding": _pair(padding)}
+    if padding == "valid":
+        return {"padding": (0, 0)}
+    if padding != "same":
+        raise ValueError(f"conv padding {padding!r}: expected 'same', 'valid', an int or a pair")
+    total = [d * (k - 1) for d, k in zip(_pair(dilation), _pair(kernel))]
+    before = tuple(t // 2 for t in total)
+    after = tuple(t - b - b for t, b in zip(total, before))
+    return {"padding": before} | ({"extra_padding": after} if any(after) else {})
+
+
 def extra_padding(s: Stage) -> tuple[int, int]:
     """A conv stage's zero rows / columns after its input (bottom, right) beyond its padding."""
     return _pair(s.attrs.get("extra_padding", 0))

@@ -497,6 +497,38 @@ def test_timm_same_padding_conv_lowers_for_the_fixed_size(size, importer):
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
 
 
+class _StringPadded(nn.Module):
+    """PyTorch's padding="same" / "valid" on modules and on F.conv2d: odd and even kernels, dilation, depthwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 9, padding="same")
+        self.b = nn.Conv2d(8, 8, 4, padding="same", groups=8)
+        self.c = nn.Conv2d(8, 8, 3, padding="same", dilation=2)
+        self.d = nn.Conv2d(8, 4, 2, padding="valid")
+
+    def forward(self, x):
+        x = F.gelu(self.a(x))
+        x = self.b(x) + x
+        x = F.conv2d(x, self.c.weight, self.c.bias, padding="same", dilation=2)
+        return self.d(x)
+
+
+@pytest.mark.parametrize("importer", ["fx", "export"])
+def test_string_padding_lowers_to_convolutions(importer):
+    """padding="same" (stride 1: d * (k - 1) in all, the odd row and column after the input, as PyTorch
+    pads) and "valid" lower to conv stages, the one-sided part as extra_padding; no fallback, float64 as eager."""
+    torch.manual_seed(3)
+    m = _StringPadded().eval()
+    prog = fp.lower_model(m, (2, 3, 13, 11), importer=importer)
+    assert not prog.fallbacks, str(prog)
+    pads = [(tuple(s.attrs["padding"]), tuple(s.attrs.get("extra_padding", (0, 0)))) for s in prog.stages]
+    assert pads == [((4, 4), (0, 0)), ((1, 1), (1, 1)), ((2, 2), (0, 0)), ((0, 0), (0, 0))], str(prog)
+    x = np.random.default_rng(3).standard_normal((2, 3, 13, 11))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
 class _Padded(nn.Module):
     def __init__(self, pad, **kw):
         super().__init__()
