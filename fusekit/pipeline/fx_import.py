@@ -60,6 +60,8 @@ class _Importer:
             return type(a)(self.template(e) for e in a)
         if isinstance(a, dict):
             return {k: self.template(v) for k, v in a.items()}
+        if isinstance(a, slice):  # x[:, :c // 2] with c a traced size
+            return slice(self.template(a.start), self.template(a.stop), self.template(a.step))
         return a
 
     def refs(self, a: Any) -> list[str]:

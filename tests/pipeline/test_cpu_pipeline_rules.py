@@ -529,6 +529,28 @@ def test_string_padding_lowers_to_convolutions(importer):
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
 
 
+class _HalfSplit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.a(x)
+        c = y.shape[1]  # a traced size: the slices' bounds are fx nodes
+        return torch.relu(self.b(y[:, : c // 2])) + y[:, c // 2 :]
+
+
+def test_channel_slices_with_traced_bounds_are_views():
+    """x[:, : c // 2] with c read from the traced shape: the bounds resolve to their values, and the
+    halves are channel slices (views), not an error from the shape inference."""
+    m = _HalfSplit().eval()
+    prog = fp.lower_model(m, (2, 3, 6, 6))
+    assert [s.pattern for s in prog.stages] == ["conv_bias", "channel_slice", "conv_bias_relu", "channel_slice", "add_act"], str(prog)
+    x = np.random.default_rng(0).standard_normal((2, 3, 6, 6))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
 class _Padded(nn.Module):
     def __init__(self, pad, **kw):
         super().__init__()
