@@ -47,6 +47,10 @@ if rs:
 PY
       grep -A 27 "slowest 25" "$OUT/gpu_tests_xdist.log" | cut -c1-200
       [ -s "$OUT/capture_watch.log" ] && head -40 "$OUT/capture_watch.log" | cut -c1-300 ;;
+    tests-diag)  # TEST_FILES (node ids) in one process with long tracebacks, CUDA-graph trees recording allocation sites; the E lines printed
+      FUSEKIT_TEST_CUDAGRAPH_HISTORY=1 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=long \
+        ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/} > "$OUT/gpu_tests_diag.log" 2>&1
+      grep -E "^E |^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_diag.log" | cut -c1-300 | head -80 ;;
     tests-*)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/*/"test_gpu_${part#tests-}.py" > "$OUT/gpu_${part}.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_${part}.log" | cut -c1-300 | tail -30 ;;

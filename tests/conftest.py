@@ -39,6 +39,15 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("FUSEKIT_CACHE_DIR",
     os.environ["FUSEKIT_CACHE_DIR"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
 
+def pytest_configure(config):
+    # FUSEKIT_TEST_CUDAGRAPH_HISTORY=1 (device_run.sh tests-diag): torch.compile's CUDA-graph trees
+    # record where each tensor in their pools was allocated, so an "untracked tensor" error names it
+    if os.environ.get("FUSEKIT_TEST_CUDAGRAPH_HISTORY") == "1":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.cudagraph_trees_history_recording = True
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_SKIP_REASON is None:  # the heavy tests first (a stable sort: the same order in every xdist worker)
         items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
