@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
-                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, spliced)
+                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, scalar_shift, shift_stage, spliced)
 from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, conv_padding, fill_shapes, pool_stage, torch_fallback, upsample_stage
 
 
@@ -402,19 +402,24 @@ class _Importer:
             fn, args, kwargs = self.multi[x.name]
             item = _item(fn, self.template(node.args[1]))
             return self.fallback(node, item, f"{item.__name__}: one tensor of several", args, kwargs)
+        adds, subs = (operator.add, operator.iadd, torch.add, "add", "add_"), (operator.sub, operator.isub, torch.sub, "sub", "sub_")
         img = x if self.is_t(x) else (node.args[1] if len(node.args) == 2 and self.is_t(node.args[1]) else None)
         if img is not None and self.values[img.name].dim() == 4:  # a layer scale: a BN stage that folds into the conv before
             c = int(self.values[img.name].shape[1])
             scale = self.channel_constant(node, c, last=False)
             if scale is not None:
                 return bn_stage(img.name, name, np.zeros(c), np.ones(c), scale, None, 0.0)
+            op = "add" if t in adds else "sub" if t in subs else ""
+            shift = scalar_shift(op, img is x, self.template(node.args[1] if img is x else x)) if len(node.args) == 2 and not node.kwargs else None
+            if shift is not None:
+                return shift_stage(img.name, name, c, *shift)
         if not self.is_t(x):
             return None
         act = self.function_activation(node)
         if act is not None:
             return Stage("act", [x.name], name, attrs={"activation": act[0], "alpha": act[1]}, name=name)
         two = len(node.args) == 2 and not node.kwargs and self.is_t(node.args[1])
-        if t in (operator.add, operator.iadd, torch.add, "add", "add_") and two:
+        if t in adds and two:
             return Stage("add", [x.name, node.args[1].name], name, name=name)
         if t in (operator.mul, operator.imul, torch.mul, "mul", "mul_") and two:
             return Stage("mul", [x.name, node.args[1].name], name, name=name)

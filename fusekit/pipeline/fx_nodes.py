@@ -129,6 +129,24 @@ def bn_stage(x: str, output: str, mean: Any, var: Any, gamma: Any, beta: Any, ep
         "beta": _np(beta).reshape(k) if beta is not None else np.zeros(k)}, attrs={"epsilon": float(eps)}, name=name or output)
 
 
+def scalar_shift(op: str, image_first: bool, k: Any) -> tuple[float, float] | None:
+    """(factor, offset) of an image plus or minus a Python number ``k`` (``op`` "add" or "sub", the
+    image the first operand or not): y = factor * x + offset; None for anything else."""
+    if op not in ("add", "sub") or not isinstance(k, (int, float)) or isinstance(k, bool) or not np.isfinite(k):
+        return None
+    if op == "add":
+        return 1.0, float(k)
+    return (1.0, -float(k)) if image_first else (-1.0, float(k))
+
+
+def shift_stage(x: str, output: str, c: int, factor: float, offset: float, name: str | None = None) -> Stage:
+    """y = factor * x + offset on every channel: an identity for x + 0 (MobileOne's empty branches),
+    else a per-channel scale-shift (a BN stage; the convolution before folds it)."""
+    if factor == 1.0 and offset == 0.0:
+        return Stage("identity", [x], output, name=name or output)
+    return bn_stage(x, output, np.zeros(c), np.ones(c), np.full(c, factor), np.full(c, offset), 0.0, name=name)
+
+
 def channel_layer_norm_stage(src: str, out: str, name: str, c: int, weight: Any, bias: Any, eps: float) -> Stage:
     """LayerNorm over the channels of each position: a ``cln`` stage (cuDNN's layer norm over the
     image read as rows of C channels, see ir.channel_rows)."""

@@ -551,6 +551,33 @@ def test_channel_slices_with_traced_bounds_are_views():
     assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
 
 
+class _Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = self.a(x)
+        z = 0 + self.bn(y)  # MobileOne: an empty branch's 0 plus the identity branch
+        z = 1.5 - (z + self.b(y))
+        return torch.relu(z - 0.25) + 2
+
+
+@pytest.mark.parametrize("importer", ["fx", "export"])
+def test_image_plus_or_minus_a_number_is_a_channel_shift(importer):
+    """x + k, k + x, x - k and k - x with a Python number k: an identity for k = 0, else a per-channel
+    scale-shift stage; no fallback, float64 as eager."""
+    torch.manual_seed(4)
+    m = _Shifted().eval()
+    _randomize_bn(m)
+    prog = fp.lower_model(m, (2, 3, 6, 6), importer=importer)
+    assert not prog.fallbacks, str(prog)
+    assert [s.pattern for s in prog.stages].count("channel_scale_shift_act") == 4, str(prog)
+    x = np.random.default_rng(4).standard_normal((2, 3, 6, 6))
+    want = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(fp.Pipeline(prog).reference(x) - want).max() / np.abs(want).max() < 1e-12
+
+
 class _Padded(nn.Module):
     def __init__(self, pad, **kw):
         super().__init__()
