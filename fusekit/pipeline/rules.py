@@ -163,6 +163,19 @@ def _bn_scale_shift(c: _Ctx, s: Stage, _: Any) -> None:
     s.weights = {"scale": scale, "shift": shift}
 
 
+def _scale_shift_before(c: _Ctx, s: Stage) -> Any:
+    """The per-channel scale-shift stage a scale-shift stage alone reads (a chain like ``1.5 - x``, then ``- 0.25``)."""
+    p = _plain(c.single_use(s.inputs[0], "bn"))
+    return p if p is not None and "scale" in p.weights and "scale" in s.weights and not s.attrs.get("act") else None
+
+
+def _merge_scale_shifts(c: _Ctx, s: Stage, first: Stage) -> None:
+    a1, b1, a2, b2 = (np.asarray(v, np.float64) for v in (first.weights["scale"], first.weights["shift"], s.weights["scale"], s.weights["shift"]))
+    first.weights = {"scale": a2 * a1, "shift": a2 * b1 + b2}
+    first.name += "+" + s.name
+    c.drop(s, first.output)
+
+
 def _residual_operands(c: _Ctx, a: Stage) -> tuple[Stage, int] | None:
     """(conv, index of the other operand) of a same-shape add with a single-use plain conv operand."""
     if len(a.inputs) != 2 or not a.in_shapes or tuple(a.in_shapes[0]) != tuple(a.in_shapes[1]) or a.attrs.get("act"):
@@ -378,6 +391,7 @@ RULES: tuple[Rule, ...] = (
     Rule("ReLU and ReLU6 as activations", ("relu",), _always, _relu_as_act),
     Rule("fold an eval batch norm into the convolution before it", ("bn",), _bn_conv, _fold_bn),
     Rule("a batch norm with nothing to fold into: a per-channel scale and shift", ("bn",), _bn_unfolded, _bn_scale_shift),
+    Rule("consecutive per-channel scale-shifts as one", ("bn",), _scale_shift_before, _merge_scale_shifts),
     Rule("residual tail: act(conv(x) + b + z)", ("act",), _act_after_residual, _fuse_residual_act),
     Rule("linear residual tail: conv(x) + b + z", ("add",), _residual, _fuse_residual),
     Rule("activation epilogue of a conv, linear, scale-shift or add", ("act",), _act_producer, _fuse_act),

@@ -558,13 +558,16 @@ class _Shifted(nn.Module):
 @pytest.mark.parametrize("importer", ["fx", "export"])
 def test_image_plus_or_minus_a_number_is_a_channel_shift(importer):
     """x + k, k + x, x - k and k - x with a Python number k: an identity for k = 0, else a per-channel
-    scale-shift stage; no fallback, float64 as eager."""
+    scale-shift stage, consecutive ones merged (1.5 - z, then - 0.25, one stage with the ReLU fused);
+    no fallback, float64 as eager."""
     torch.manual_seed(4)
     m = _Shifted().eval()
     _randomize_bn(m)
     prog = _check(m, (2, 3, 6, 6), seed=4, importer=importer)
     assert not prog.fallbacks, str(prog)
-    assert [s.pattern for s in prog.stages].count("channel_scale_shift_act") == 4, str(prog)
+    assert [s.pattern for s in prog.stages] == ["conv_bias", "channel_scale_shift_act", "conv_bias_add", "channel_scale_shift_act",
+                                                "channel_scale_shift_act"], str(prog)
+    assert tuple(prog.stages[3].attrs["act"]) == ("relu", 0.0) and prog.stages[3].name.count("+") == 2, str(prog)  # two shifts and the ReLU
 
 
 class _Padded(nn.Module):
