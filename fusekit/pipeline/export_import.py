@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UnsupportedError
-from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc, scalar_shift, shift_stage
+from .fx_nodes import _item, _np, bn_stage, channel_layer_norm_stage, materialize_nhwc, scalar_affine, affine_stage
 from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, conv_padding, fill_shapes, pool_stage, torch_fallback, upsample_stage
 from .ir import _pair as ir_pair
 
@@ -289,16 +289,12 @@ class ExportReader:
             return self.bn(x, name, a)
         if base in ("add", "mul") and self.value(a.get("other")) and a.get("alpha", 1) == 1:
             return [Stage(base, [x.name, a["other"].name], name, name=name)]
-        if base in ("add", "sub", "rsub") and rank == 4 and a.get("alpha", 1) == 1:  # x + k, x - k, k - x with a number k
-            shift = scalar_shift("sub" if base == "rsub" else base, base != "rsub", a.get("other"))
-            if shift is not None:
-                return [shift_stage(x.name, name, self.shape(x)[1], *shift)]
-        if base in ("mul", "div") and rank == 4:  # a layer scale or a scalar factor: a BN stage the conv before folds
-            c, g, k = self.shape(x)[1], self.const(a.get("other")), a.get("other")
-            if g is None and isinstance(k, (int, float)) and not isinstance(k, bool) and k != 0:
-                g = np.full((c, 1, 1), float(k) if base == "mul" else 1.0 / float(k))
-            elif base == "div":
-                g = None
+        if base in ("add", "sub", "rsub", "mul", "div") and rank == 4 and a.get("alpha", 1) == 1:  # x + k, k - x, x * k, x / k ...
+            affine = scalar_affine("sub" if base == "rsub" else base, base != "rsub", a.get("other"))
+            if affine is not None:  # a number k: the same factor and offset for every channel
+                return [affine_stage(x.name, name, self.shape(x)[1], *affine)]
+        if base == "mul" and rank == 4:  # a layer scale: a BN stage the conv before folds
+            c, g = self.shape(x)[1], self.const(a.get("other"))
             if g is not None and tuple(g.shape) in ((c, 1, 1), (1, c, 1, 1)):
                 return [bn_stage(x.name, name, np.zeros(c), np.ones(c), g, None, 0.0)]
         if op == "upsample_nearest2d" and rank == 4:

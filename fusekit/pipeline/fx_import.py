@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import UnsupportedError
 from ..ops.common import module_activation
 from .fx_nodes import (_dims, _is_fusekit_layer, _item, _method, _np, _own_forward, _p, _permutation,
-                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, scalar_shift, shift_stage, spliced)
+                       _record_values, _slicing, bn_stage, channel_layer_norm_stage, materialize_nhwc, scalar_affine, affine_stage, spliced)
 from .ir import Program, Ref, Stage, adaptive_avg_stage, channel_shuffle_stage, conv_padding, fill_shapes, pool_stage, torch_fallback, upsample_stage
 
 
@@ -410,9 +410,9 @@ class _Importer:
             if scale is not None:
                 return bn_stage(img.name, name, np.zeros(c), np.ones(c), scale, None, 0.0)
             op = "add" if t in adds else "sub" if t in subs else ""
-            shift = scalar_shift(op, img is x, self.template(node.args[1] if img is x else x)) if len(node.args) == 2 and not node.kwargs else None
+            shift = scalar_affine(op, img is x, self.template(node.args[1] if img is x else x)) if op and len(node.args) == 2 and not node.kwargs else None
             if shift is not None:
-                return shift_stage(img.name, name, c, *shift)
+                return affine_stage(img.name, name, c, *shift)
         if not self.is_t(x):
             return None
         act = self.function_activation(node)

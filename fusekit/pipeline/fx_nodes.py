@@ -129,17 +129,23 @@ def bn_stage(x: str, output: str, mean: Any, var: Any, gamma: Any, beta: Any, ep
         "beta": _np(beta).reshape(k) if beta is not None else np.zeros(k)}, attrs={"epsilon": float(eps)}, name=name or output)
 
 
-def scalar_shift(op: str, image_first: bool, k: Any) -> tuple[float, float] | None:
-    """(factor, offset) of an image plus or minus a Python number ``k`` (``op`` "add" or "sub", the
-    image the first operand or not): y = factor * x + offset; None for anything else."""
-    if op not in ("add", "sub") or not isinstance(k, (int, float)) or isinstance(k, bool) or not np.isfinite(k):
+def scalar_affine(op: str, image_first: bool, k: Any) -> tuple[float, float] | None:
+    """(factor, offset) of an image and a Python number ``k`` under ``op`` ("add", "sub", "mul" or
+    "div"; the image the first operand or not): y = factor * x + offset; None where that is no such
+    map (k / x, a product with or a division by 0, k not a finite number)."""
+    if not isinstance(k, (int, float)) or isinstance(k, bool) or not np.isfinite(k):
         return None
+    k = float(k)
     if op == "add":
-        return 1.0, float(k)
-    return (1.0, -float(k)) if image_first else (-1.0, float(k))
+        return 1.0, k
+    if op == "sub":
+        return (1.0, -k) if image_first else (-1.0, k)
+    if op == "mul":  # (x * 0 is not 0 for an infinite or NaN x)
+        return (k, 0.0) if k != 0 else None
+    return (1.0 / k, 0.0) if op == "div" and image_first and k != 0 else None
 
 
-def shift_stage(x: str, output: str, c: int, factor: float, offset: float, name: str | None = None) -> Stage:
+def affine_stage(x: str, output: str, c: int, factor: float, offset: float, name: str | None = None) -> Stage:
     """y = factor * x + offset on every channel: an identity for x + 0 (MobileOne's empty branches),
     else a per-channel scale-shift (a BN stage; the convolution before folds it)."""
     if factor == 1.0 and offset == 0.0:
